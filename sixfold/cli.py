@@ -1,0 +1,135 @@
+"""sixfold train | check | generate | import-hf | export-hf"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .checkpoint import CheckpointError
+from .config import ConfigError, load_config, validate
+from .launch import run_torchrun, under_torchrun
+
+KNOWN_ERRORS = (ConfigError, CheckpointError)
+
+
+def _split(items: list[str]) -> tuple[str | None, list[str]]:
+    """An optional YAML path first, then key=value overrides."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
+
+def _relaunch(args, argv: list[str], world: int) -> int | None:
+    """Outside torchrun, a multi-process layout starts its own ranks on this machine."""
+    if under_torchrun():
+        return None
+    nproc = args.nproc or world
+    if nproc == 1:
+        return None
+    return run_torchrun(nproc, argv).returncode
+
+
+def cmd_train(args, argv) -> int:
+    path, overrides = _split(args.config)
+    cfg = load_config(path, overrides)
+    if args.nproc:
+        validate(cfg, world_size=args.nproc)
+    code = _relaunch(args, [a for a in argv if not a.startswith("--nproc")], cfg.parallel.world_size)
+    if code is not None:
+        return code
+    from .train import train
+    train(cfg)
+    return 0
+
+
+def cmd_check(args, argv) -> int:
+    path, overrides = _split(args.config)
+    cfg = load_config(path, overrides)
+    if args.nproc:
+        validate(cfg, world_size=args.nproc)
+    from .parity import check
+    result = check(cfg, args.steps, args.workdir)
+    print(result.line())
+    return 0 if result.ok else 1
+
+
+def cmd_generate(args, argv) -> int:
+    from .generate import sample_text
+    from .model.hf import load_model
+    from .data import tokenizer_for_checkpoint
+    model, cfg = load_model(args.checkpoint)
+    tok = tokenizer_for_checkpoint(args.checkpoint, cfg)
+    print(sample_text(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+    return 0
+
+
+def cmd_import_hf(args, argv) -> int:
+    from .model.hf import import_hf
+    print(f"wrote {import_hf(args.hf_dir, args.out)}")
+    return 0
+
+
+def cmd_export_hf(args, argv) -> int:
+    from .model.hf import export_hf
+    print(f"wrote {export_hf(args.checkpoint, args.out)}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sixfold", description="Train LLaMA-style models over a 6-D device mesh.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a model: sixfold train CONFIG [key=value ...] [--nproc N]")
+    t.add_argument("config", nargs="*", help="a YAML file, then section.key=value overrides")
+    t.add_argument("--nproc", type=int, default=0, help="start N ranks on this machine with torchrun")
+    t.set_defaults(fn=cmd_train)
+    c = sub.add_parser("check", help="compare a layout with the single-process run: parity OK / FAILED")
+    c.add_argument("config", nargs="*", help="an optional YAML file, then section.key=value overrides")
+    c.add_argument("--nproc", type=int, default=0)
+    c.add_argument("--steps", type=int, default=5)
+    c.add_argument("--workdir", default=None, help="keep both runs here (default: a temporary directory)")
+    c.set_defaults(fn=cmd_check)
+    g = sub.add_parser("generate", help="sample text from a checkpoint or run directory")
+    g.add_argument("checkpoint")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(fn=cmd_generate)
+    i = sub.add_parser("import-hf", help="convert a transformers LlamaForCausalLM directory to a checkpoint")
+    i.add_argument("hf_dir")
+    i.add_argument("out")
+    i.set_defaults(fn=cmd_import_hf)
+    e = sub.add_parser("export-hf", help="write a run or checkpoint as a transformers LlamaForCausalLM directory")
+    e.add_argument("checkpoint")
+    e.add_argument("out")
+    e.set_defaults(fn=cmd_export_hf)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    from .data import DataError
+    from .train import TrainingError
+    try:
+        return args.fn(args, argv)
+    except (*KNOWN_ERRORS, DataError, TrainingError, ValueError) as e:
+        rank = os.environ.get("RANK")
+        print(f"sixfold error{f' (rank {rank})' if rank else ''}: {e}", file=sys.stderr)
+        return 2
+
+
+def entry() -> None:
+    code = main()
+    if under_torchrun():
+        # gloo's worker threads can abort the process during interpreter teardown even after
+        # destroy_process_group (pytorch/pytorch#179291); a rank's work is complete and flushed here.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    entry()

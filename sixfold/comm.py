@@ -1,0 +1,71 @@
+"""Collectives over the named groups, each counted in the communication ledger and traced."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from .mesh import ParallelContext
+from .trace import Tracer, now_us
+
+
+class Ledger:
+    """Payload bytes per (group, op): for the current step and for the whole run."""
+
+    def __init__(self):
+        self.step: dict[tuple[str, str], int] = defaultdict(int)
+        self.total: dict[tuple[str, str], int] = defaultdict(int)
+        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+
+    def record(self, group: str, op: str, nbytes: int) -> None:
+        self.step[group, op] += nbytes
+        self.total[group, op] += nbytes
+        self.calls[group, op] += 1
+
+    def end_step(self) -> dict[str, int]:
+        out = {f"{g}/{op}": b for (g, op), b in sorted(self.step.items())}
+        self.step.clear()
+        return out
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        return {f"{g}/{op}": {"bytes": b, "calls": self.calls[g, op]} for (g, op), b in sorted(self.total.items())}
+
+
+class Pending:
+    """An asynchronous collective; wait() completes it and closes its trace span."""
+
+    def __init__(self, work, tracer: Tracer, name: str, start: float, args: dict):
+        self.work, self.tracer, self.name, self.start, self.args = work, tracer, name, start, args
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.tracer.add(self.name, "comm", self.start, now_us(), **self.args)
+
+
+class Comm:
+    def __init__(self, ctx: ParallelContext, tracer: Tracer, ledger: Ledger | None = None):
+        self.ctx, self.tracer = ctx, tracer
+        self.ledger = ledger or Ledger()
+
+    def all_reduce(self, t: torch.Tensor, group: str, async_op: bool = False, label: str = "") -> Pending | None:
+        """Sum `t` in place over `group`; a no-op on a group of one."""
+        if self.ctx.size(group) == 1:
+            return None
+        nbytes = t.numel() * t.element_size()
+        self.ledger.record(group, "all_reduce", nbytes)
+        name = f"all_reduce {group}{' ' + label if label else ''}"
+        start = now_us()
+        work = dist.all_reduce(t, group=self.ctx.groups[group], async_op=async_op)
+        pending = Pending(work if async_op else None, self.tracer, name, start, {"bytes": nbytes})
+        if not async_op:
+            self.tracer.add(name, "comm", start, now_us(), bytes=nbytes)
+        return pending
+
+    def sum_scalars(self, values: list[float], group: str) -> list[float]:
+        """Sum a few fp64 scalars over `group` in one collective."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.ctx.device)
+        self.all_reduce(t, group, label="scalars")
+        return t.tolist()

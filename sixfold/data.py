@@ -1,0 +1,447 @@
+"""Corpora, tokenizers, cached token streams and deterministic batches.
+
+A corpus is a list of (id, text) documents: the Python standard library, a text file or directory,
+JSON lines, or pre-tokenized .bin files. Documents go to train or val by a hash of their id, are
+tokenized once and cached in data.cache_dir as flat token streams with an end-of-text token after
+each document. BatchLoader draws windows from a stream in an order set by (seed, step) alone, so
+every data-parallel layout sees the same global batches.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sixfold.config import DataConfig
+
+EOT = "<|endoftext|>"
+CACHE_FORMAT = "sixfold-tokens-1"
+STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__"}
+
+
+class DataError(ValueError):
+    """A corpus, tokenizer or batch setting that cannot work; the message names what to change."""
+
+
+def _sha(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def _docs_hash(docs) -> str:
+    h = hashlib.sha256()
+    for doc_id, text in docs:
+        for s in (doc_id, text):
+            b = s.encode()
+            h.update(len(b).to_bytes(8, "little"))
+            h.update(b)
+    return h.hexdigest()
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+@contextmanager
+def _lock(path: Path):
+    """Hold an exclusive lock beside `path` so one process builds it while the others wait."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path.with_name(path.name + ".lock"), "w")
+    except OSError as e:
+        raise DataError(f"cannot write the cache in {path.parent} ({e}); set data.cache_dir") from None
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+# ---- tokenizers ----
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; end-of-text is 256."""
+    name = "byte"
+    vocab_size = 257
+    eot = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
+
+    def decode(self, ids) -> str:
+        out, buf = [], bytearray()
+        for i in map(int, ids):
+            if 0 <= i < 256:
+                buf.append(i)
+                continue
+            out.append(buf.decode("utf-8", errors="replace") + (EOT if i == self.eot else "\ufffd"))
+            buf.clear()
+        return "".join(out) + buf.decode("utf-8", errors="replace")
+
+
+class BPETokenizer:
+    """A byte-level BPE tokenizer from HF `tokenizers`; end-of-text is the special token <|endoftext|>."""
+
+    def __init__(self, tok, where: str = "the trained tokenizer"):
+        eot = tok.token_to_id(EOT)
+        if eot is None:
+            raise DataError(f"{where} has no {EOT} special token; set data.tokenizer to one that has it, or to bpe")
+        self.name = "bpe-" + hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+        tok.encode_special_tokens = True  # text that spells <|endoftext|> stays text
+        self._tok, self.eot, self.vocab_size = tok, eot, tok.get_vocab_size()
+
+    @classmethod
+    def from_file(cls, path) -> BPETokenizer:
+        from tokenizers import Tokenizer
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise DataError(f"data.tokenizer={str(path)!r} does not exist; give a tokenizer.json, 'byte' or 'bpe'")
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:
+            raise DataError(f"data.tokenizer={str(path)!r} is not a tokenizers JSON file: {e}") from None
+        return cls(tok, str(path))
+
+    @classmethod
+    def train(cls, docs, vocab_size: int) -> BPETokenizer:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        if vocab_size < 258:
+            raise DataError(f"data.bpe_vocab_size={vocab_size} must be at least 258 (256 bytes and {EOT})")
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(docs, trainer)
+        return cls(tok)
+
+    def save(self, path) -> None:
+        path = Path(path)
+        tmp = _tmp(path)
+        self._tok.save(str(tmp))
+        os.replace(tmp, path)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, np.int64) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+# ---- documents ----
+
+def _walk(root: Path, skip=()) -> list[tuple[str, Path]]:
+    """(relative path, file) for every regular, non-hidden file under root, sorted."""
+    out = []
+    for d, dirs, names in os.walk(root):
+        dirs[:] = [x for x in dirs if not x.startswith(".") and x not in skip]
+        for n in names:
+            p = Path(d, n)
+            if not n.startswith(".") and p.is_file():
+                out.append((p.relative_to(root).as_posix(), p))
+    return sorted(out)
+
+
+def _format(cfg: DataConfig, path: Path) -> str:
+    if cfg.format != "auto":
+        return cfg.format
+    return {".jsonl": "jsonl", ".bin": "bin"}.get(path.suffix, "text")
+
+
+def _corpus(cfg: DataConfig) -> tuple[str, Path, list[tuple[str, Path]]]:
+    """(kind, root, [(id, file)]) for data.source; kind is "bin" for pre-tokenized files, else "text"."""
+    if cfg.source == "stdlib":
+        if cfg.format not in ("auto", "text"):
+            raise DataError(f"data.source=stdlib is Python source text; set data.format=auto, not {cfg.format}")
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return "text", root, [(i, p) for i, p in _walk(root, STDLIB_SKIP) if i.endswith(".py")]
+    root = Path(cfg.source).expanduser().resolve()
+    if not root.exists():
+        raise DataError(f"data.source={cfg.source!r}: {root} does not exist; give a file, a directory or 'stdlib'")
+    files = [(root.name, root)] if root.is_file() else _walk(root)
+    if cfg.format == "bin" and root.is_dir():
+        files = [f for f in files if f[1].suffix == ".bin"]
+    if not files:
+        raise DataError(f"data.source={cfg.source!r}: {root} holds no {'.bin ' if cfg.format == 'bin' else ''}files")
+    kinds = {_format(cfg, p) == "bin" for _, p in files}
+    if len(kinds) > 1:
+        raise DataError(f"data.source={cfg.source!r}: {root} mixes .bin token files with text files; "
+                        "point data.source at one kind or set data.format")
+    return ("bin" if True in kinds else "text"), root, files
+
+
+def _jsonl(path: Path, doc_id: str, text: str, field: str):
+    bad = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)[field]
+        except (ValueError, KeyError, TypeError):
+            value = None
+        if isinstance(value, str):
+            yield f"{doc_id}:{n}", value
+        else:
+            bad.append(n)
+    if bad:
+        warnings.warn(f"{path}:{bad[0]}: skipped {len(bad)} line(s) that are not JSON objects with a string "
+                      f"field {field!r} (data.jsonl_field); lines {bad[:10]}", stacklevel=2)
+
+
+def _read(cfg: DataConfig, files):
+    """Yield (id, text) for each document of the files, in order; warn about and skip non-UTF-8 files."""
+    for doc_id, path in files:
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            warnings.warn(f"{path} is not UTF-8 text; skipped", stacklevel=2)
+            continue
+        if _format(cfg, path) == "jsonl":
+            yield from _jsonl(path, doc_id, text, cfg.jsonl_field)
+        else:
+            yield doc_id, text
+
+
+def _documents(cfg: DataConfig, root: Path, files) -> list[tuple[str, str]]:
+    docs, taken = [], 0
+    for doc_id, text in _read(cfg, files):
+        if cfg.max_bytes:
+            raw = text.encode()
+            text = raw[:cfg.max_bytes - taken].decode("utf-8", errors="ignore")
+            taken += len(raw)
+        if text:
+            docs.append((doc_id, text))
+        if cfg.max_bytes and taken >= cfg.max_bytes:
+            break
+    if not docs:
+        raise DataError(f"data.source={cfg.source!r}: no non-empty UTF-8 documents in {root} "
+                        f"({len(files)} file(s) looked at); point data.source at text data")
+    return docs
+
+
+def iter_documents(cfg: DataConfig) -> list[tuple[str, str]]:
+    """(document id, text) of the corpus in a deterministic order, at most data.max_bytes of text if set."""
+    kind, root, files = _corpus(cfg)
+    if kind == "bin":
+        raise DataError(f"data.source={cfg.source!r} holds pre-tokenized .bin files, not documents")
+    return _documents(cfg, root, files)
+
+
+def split_documents(docs, val_fraction: float):
+    """(train, val) by a stable hash of each id; both non-empty when there are at least two documents."""
+    keys = [int.from_bytes(hashlib.sha256(d.encode()).digest()[:8], "big") / 2 ** 64 for d, _ in docs]
+    is_val = [k < val_fraction for k in keys]
+    if len(docs) >= 2 and not any(is_val):
+        is_val[min(range(len(keys)), key=keys.__getitem__)] = True
+    if len(docs) >= 2 and all(is_val):
+        is_val[max(range(len(keys)), key=keys.__getitem__)] = False
+    return [d for d, v in zip(docs, is_val) if not v], [d for d, v in zip(docs, is_val) if v]
+
+
+def build_tokenizer(cfg: DataConfig, train_docs):
+    """The tokenizer data.tokenizer names; "bpe" is trained on train_docs once and cached."""
+    if cfg.tokenizer == "byte":
+        return ByteTokenizer()
+    if cfg.tokenizer.endswith(".json"):
+        return BPETokenizer.from_file(cfg.tokenizer)
+    if cfg.tokenizer != "bpe":
+        raise DataError(f"data.tokenizer={cfg.tokenizer!r}: choose byte, bpe or a path to a tokenizer.json")
+    key = _sha("bpe", cfg.bpe_vocab_size, _docs_hash(train_docs))[:16]
+    path = Path(cfg.cache_dir).expanduser() / f"bpe-{key}.json"
+    with _lock(path):
+        if not path.exists():
+            BPETokenizer.train((t for _, t in train_docs), cfg.bpe_vocab_size).save(path)
+    return BPETokenizer.from_file(path)  # every process uses the file on disk
+
+
+# ---- token streams ----
+
+@dataclass
+class TokenData:
+    train: np.ndarray
+    val: np.ndarray
+    tokenizer: ByteTokenizer | BPETokenizer
+
+
+def _val_count(n: int, val_fraction: float) -> int:
+    if n < 2:
+        raise DataError(f"the corpus has {n} token(s); at least 2 are needed for train and val; add data")
+    return min(n - 1, max(1, int(n * val_fraction)))
+
+
+def _chunks(docs, size: int = 1 << 23):
+    """Texts in groups of about `size` characters: encoded in parallel, with bounded memory."""
+    chunk, n = [], 0
+    for _, text in docs:
+        chunk.append(text)
+        n += len(text)
+        if n >= size:
+            yield chunk
+            chunk, n = [], 0
+    if chunk:
+        yield chunk
+
+
+def _write_stream(path: Path, tok, docs, dtype) -> Path:
+    tmp = _tmp(path)
+    with open(tmp, "wb") as f:
+        for texts in _chunks(docs):
+            parts = []
+            for ids in tok.encode_batch(texts):
+                parts += [ids, [tok.eot]]
+            f.write(np.concatenate(parts).astype(dtype).tobytes())
+    return tmp
+
+
+def _write_cache(tok, train_docs, val_docs, train_path: Path, val_path: Path, val_fraction, dtype) -> None:
+    train_tmp = _write_stream(train_path, tok, train_docs, dtype)
+    if val_docs:
+        val_tmp = _write_stream(val_path, tok, val_docs, dtype)
+    else:  # a single document: its last val_fraction of tokens is the val split
+        tokens = np.memmap(train_tmp, dtype, mode="r")
+        cut = len(tokens) - _val_count(len(tokens), val_fraction)
+        val_tmp = _tmp(val_path)
+        tokens[cut:].tofile(val_tmp)
+        del tokens
+        os.truncate(train_tmp, cut * np.dtype(dtype).itemsize)
+    os.replace(val_tmp, val_path)
+    os.replace(train_tmp, train_path)  # last: its presence means both are complete
+
+
+def _load_bin(cfg: DataConfig, root: Path, files) -> TokenData:
+    if cfg.tokenizer == "bpe":
+        raise DataError("data.tokenizer=bpe trains on text, but data.source holds .bin token files; "
+                        "set data.tokenizer to byte or the tokenizer.json the files were made with")
+    tok = build_tokenizer(cfg, [])
+    dtype = np.dtype(cfg.bin_dtype)
+    for _, p in files:
+        size = p.stat().st_size
+        if size == 0:
+            raise DataError(f"{p} is empty; point data.source at token files with data")
+        if size % dtype.itemsize:
+            raise DataError(f"{p}: {size} bytes is not a whole number of {dtype} tokens; check data.bin_dtype")
+        top = int(np.memmap(p, dtype, mode="r").max())
+        if top >= tok.vocab_size:
+            raise DataError(f"{p} holds token {top}, outside the vocabulary of {tok.vocab_size} of "
+                            f"data.tokenizer={cfg.tokenizer!r}; set data.tokenizer (or data.bin_dtype) to match")
+    path = files[0][1]
+    if len(files) > 1:  # concatenated once into the cache
+        stats = [(i, p.stat().st_size, p.stat().st_mtime_ns) for i, p in files]
+        path = Path(cfg.cache_dir).expanduser() / f"tokens-{_sha(CACHE_FORMAT, str(root), str(dtype), stats)[:32]}.bin"
+        with _lock(path):
+            if not path.exists():
+                with open(_tmp(path), "wb") as out:
+                    for _, p in files:
+                        with open(p, "rb") as f:
+                            shutil.copyfileobj(f, out, 1 << 24)
+                os.replace(_tmp(path), path)
+    tokens = np.memmap(path, dtype, mode="r")
+    cut = len(tokens) - _val_count(len(tokens), cfg.val_fraction)
+    return TokenData(tokens[:cut], tokens[cut:], tok)
+
+
+def load_data(cfg: DataConfig) -> TokenData:
+    """Train and val token streams (memory-mapped, cached in data.cache_dir) and their tokenizer."""
+    kind, root, files = _corpus(cfg)
+    if kind == "bin":
+        return _load_bin(cfg, root, files)
+    docs = _documents(cfg, root, files)
+    train_docs, val_docs = split_documents(docs, cfg.val_fraction)
+    tok = build_tokenizer(cfg, train_docs)
+    dtype = np.uint16 if tok.vocab_size < 65536 else np.uint32
+    key = _sha(CACHE_FORMAT, cfg.source == "stdlib", str(root), cfg.format, cfg.jsonl_field, _docs_hash(docs),
+               tok.name, cfg.max_bytes, cfg.val_fraction)[:32]
+    cache = Path(cfg.cache_dir).expanduser()
+    train_path, val_path = cache / f"tokens-{key}.train.bin", cache / f"tokens-{key}.val.bin"
+    with _lock(train_path):
+        if not train_path.exists():
+            _write_cache(tok, train_docs, val_docs, train_path, val_path, cfg.val_fraction, dtype)
+    return TokenData(np.memmap(train_path, dtype, mode="r"), np.memmap(val_path, dtype, mode="r"), tok)
+
+
+# ---- batches ----
+
+def _windows(tokens: np.ndarray, starts, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = np.stack([np.asarray(tokens[s:s + seq_len + 1]) for s in starts]).astype(np.int64)
+    rows = torch.from_numpy(rows)
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def _rank_rows(batch: int, batch_index: int, batch_count: int) -> range:
+    if batch_count < 1 or batch % batch_count or not 0 <= batch_index < batch_count:
+        raise DataError(f"a batch of {batch} rows cannot be split evenly into {batch_count} parts "
+                        f"(part {batch_index}); change train.global_batch or the data-parallel size")
+    b = batch // batch_count
+    return range(batch_index * b, (batch_index + 1) * b)
+
+
+class BatchLoader:
+    """Deterministic batches: the global sample order is a function of (seed, step) only."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int,
+                 batch_index: int = 0, batch_count: int = 1):
+        self.samples = (len(tokens) - 1) // seq_len if seq_len > 0 else 0
+        if self.samples <= 0:
+            raise DataError(f"corpus has fewer than seq_len+1 = {seq_len + 1} tokens ({len(tokens)}); "
+                            "lower train.seq_len or add data")
+        self.rows = _rank_rows(global_batch, batch_index, batch_count)
+        self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
+        self.next_step = 0
+        self._epoch, self._perm = -1, None
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        """The sample permutation of one epoch; the current one is kept."""
+        if epoch != self._epoch:
+            seed = int.from_bytes(hashlib.sha256(f"{self.seed}:{epoch}".encode()).digest()[:8], "big") >> 1
+            self._perm = torch.randperm(self.samples, generator=torch.Generator().manual_seed(seed))
+            self._epoch = epoch
+        return self._perm
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels), int64 [rows of this rank, seq_len]; labels are inputs shifted by one."""
+        starts = []
+        for j in self.rows:
+            g = step * self.global_batch + j
+            starts.append(int(self._order(g // self.samples)[g % self.samples]) * self.seq_len)
+        return _windows(self.tokens, starts, self.seq_len)
+
+    def micro_batches(self, step: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if n < 1 or len(self.rows) % n:
+            raise DataError(f"{len(self.rows)} rows per rank cannot be split into train.micro_batches={n}")
+        x, y = self.batch(step)
+        return list(zip(x.split(len(self.rows) // n), y.split(len(self.rows) // n)))
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch,
+                "next_step": self.next_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("seed", "seq_len", "global_batch"):
+            if state.get(k) != getattr(self, k):
+                raise DataError(f"the saved data order has {k}={state.get(k)} but this run has {getattr(self, k)}; "
+                                f"set train.{k}={state.get(k)} to resume it")
+        self.next_step = int(state["next_step"])
+
+
+def eval_batches(tokens: np.ndarray, seq_len: int, batch: int, count: int,
+                 batch_index: int = 0, batch_count: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`count` fixed batches of the first windows of `tokens` in order (wrapping), this rank's rows of each."""
+    n = (len(tokens) - 1) // seq_len if seq_len > 0 else 0
+    if n <= 0:
+        raise DataError(f"the val split has fewer than seq_len+1 = {seq_len + 1} tokens ({len(tokens)}); "
+                        "raise data.val_fraction or lower train.seq_len")
+    rows = _rank_rows(batch, batch_index, batch_count)
+    return [_windows(tokens, [((i * batch + j) % n) * seq_len for j in rows], seq_len) for i in range(count)]

@@ -1,0 +1,49 @@
+"""Autoregressive generation with a KV cache: greedy or temperature / top-k sampling."""
+from __future__ import annotations
+
+import torch
+
+from .model.llama import KVCache, Llama
+
+
+def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
+    """The next token from fp32 CPU logits [vocab]."""
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+
+
+@torch.no_grad()
+def generate(model: Llama, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, seed: int = 0, eot: int | None = None) -> list[int]:
+    """New tokens after prompt_ids (ending with eot if it was drawn); the total stays within max_seq_len."""
+    limit = model.cfg.max_seq_len
+    if not 0 < len(prompt_ids) <= limit:
+        raise ValueError(f"prompt has {len(prompt_ids)} tokens; it needs 1 to model.max_seq_len={limit}")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be 0 (greedy) or positive")
+    device = model.embed.weight.device
+    gen = torch.Generator().manual_seed(seed)
+    cache = KVCache(model.cfg.n_layers)
+    tokens = torch.tensor([prompt_ids], device=device)
+    out: list[int] = []
+    while len(out) < max_new_tokens and len(prompt_ids) + len(out) < limit:
+        logits = model(tokens, cache)[0, -1].float().cpu()
+        out.append(pick(logits, temperature, top_k, gen))
+        if out[-1] == eot:
+            break
+        tokens = torch.tensor([[out[-1]]], device=device)
+    return out
+
+
+def sample_text(model: Llama, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
+                top_k: int = 40, seed: int = 0) -> str:
+    """The prompt followed by a sampled continuation (without the end-of-text token)."""
+    ids = generate(model, tokenizer.encode(prompt), max_new_tokens, temperature, top_k, seed, tokenizer.eot)
+    if ids and ids[-1] == tokenizer.eot:
+        ids = ids[:-1]
+    return prompt + tokenizer.decode(ids)

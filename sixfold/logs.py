@@ -1,0 +1,67 @@
+"""Run output on rank 0: progress bar, a line per logging step, metrics.jsonl, TensorBoard events."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+def fmt_line(m: dict) -> str:
+    parts = [f"step {m['step']:>5}", f"loss {m['loss']:.4f}", f"grad_norm {m['grad_norm']:.3f}",
+             f"lr {m['lr']:.2e}", f"tok/s {m['tokens_per_s']:,.0f}", f"elapsed {m['elapsed_s']:.1f}s"]
+    if "val_loss" in m:
+        parts.append(f"val_loss {m['val_loss']:.4f}")
+    return " | ".join(parts)
+
+
+class RunLog:
+    """Writes nothing unless `enabled` (only rank 0 logs)."""
+
+    def __init__(self, run_dir: Path, enabled: bool, total: int, start: int, progress: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.bar = None
+        self.tb = None
+        if not enabled:
+            return
+        self.file = open(run_dir / "metrics.jsonl", "a" if start else "w")
+        if progress:
+            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr,
+                            dynamic_ncols=True, leave=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def print(self, text: str) -> None:
+        if self.enabled:
+            (self.bar.write if self.bar else print)(text)
+
+    def step(self, metrics: dict, show: bool) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        if self.tb:
+            for k, v in metrics.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, metrics["step"])
+        if show:
+            self.print(fmt_line(metrics))
+        if self.bar:
+            self.bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar:
+            self.bar.close()
+        if self.tb:
+            self.tb.close()
+        self.file.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,184 @@
+"""The six-dimensional mesh: pure rank arithmetic (ParallelDims) and its process groups (ParallelContext).
+
+Ranks vary fastest along tp, then cp, dp_shard, dp_replicate, pp (DESIGN.md, "The mesh").
+Expert parallel borrows ranks: an ep group is `ep` consecutive members of the flattened
+(dp_shard, cp) index; edp is the rest of (dp_replicate, dp_shard, cp).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError, ParallelConfig, check_world_size
+
+ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")  # innermost first
+
+# group name -> mesh dimensions whose ranks vary inside the group
+GROUP_DIMS = {
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "pp": ("pp",),
+    "fsdp": ("dp_shard", "cp"),
+    "dp_replicate": ("dp_replicate",),
+    "batch": ("dp_replicate", "dp_shard"),
+    "loss": ("dp_replicate", "dp_shard", "cp"),
+    "world": ORDER,
+}
+GROUP_NAMES = tuple(GROUP_DIMS) + ("ep", "edp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        for name in ORDER + ("ep",):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name}={getattr(self, name)} must be at least 1")
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ConfigError(f"parallel.ep={self.ep} must divide parallel.dp_shard*parallel.cp="
+                              f"{self.dp_shard * self.cp} (expert parallel borrows those ranks)")
+
+    @classmethod
+    def from_config(cls, p: ParallelConfig) -> "ParallelDims":
+        return cls(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, p.ep)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    def _strides(self) -> dict[str, int]:
+        strides, s = {}, 1
+        for name in ORDER:
+            strides[name] = s
+            s *= getattr(self, name)
+        return strides
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Rank of `rank` along each dimension (ep and edp included)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of {self.world_size}")
+        st = self._strides()
+        c = {name: (rank // st[name]) % getattr(self, name) for name in ORDER}
+        flat = c["dp_shard"] * self.cp + c["cp"]
+        c["ep"] = flat % self.ep
+        c["edp"] = c["dp_replicate"] * (self.dp_shard * self.cp // self.ep) + flat // self.ep
+        return c
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        st = self._strides()
+        return sum(coords[name] * st[name] for name in ORDER)
+
+    def group_ranks(self, name: str, rank: int) -> tuple[int, ...]:
+        """The ranks of group `name` that contains `rank`, in group-rank order."""
+        c = self.coords(rank)
+        if name in ("ep", "edp"):
+            return tuple(r for r in range(self.world_size) if self._same_expert_group(name, c, self.coords(r)))
+        if name not in GROUP_DIMS:
+            raise KeyError(f"unknown group '{name}'; groups are {', '.join(GROUP_NAMES)}")
+        vary = GROUP_DIMS[name]
+        return tuple(r for r in range(self.world_size)
+                     if all(self.coords(r)[d] == c[d] for d in ORDER if d not in vary))
+
+    def _same_expert_group(self, name: str, a: dict, b: dict) -> bool:
+        if a["tp"] != b["tp"] or a["pp"] != b["pp"]:
+            return False
+        if name == "ep":
+            return a["edp"] == b["edp"]
+        return a["ep"] == b["ep"]
+
+    def all_groups(self, name: str) -> list[tuple[int, ...]]:
+        """Every group of kind `name`: a partition of the world."""
+        seen: dict[tuple[int, ...], None] = {}
+        for r in range(self.world_size):
+            seen.setdefault(self.group_ranks(name, r), None)
+        return list(seen)
+
+
+def pick_device() -> tuple[str, torch.device]:
+    """Backend and device, chosen once: NCCL + CUDA where GPUs exist, gloo + CPU otherwise."""
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return "nccl", torch.device("cuda", local)
+    return "gloo", torch.device("cpu")
+
+
+class ParallelContext:
+    """Ranks, named process groups and the device of one process; built once and passed around."""
+
+    def __init__(self, dims: ParallelDims, rank: int, backend: str, device: torch.device,
+                 groups: dict[str, dist.ProcessGroup | None]):
+        self.dims, self.rank, self.backend, self.device = dims, rank, backend, device
+        self.groups = groups
+        self.coords = dims.coords(rank)
+        self._members = {name: dims.group_ranks(name, rank) for name in GROUP_NAMES}
+
+    @classmethod
+    def single(cls, dims: ParallelDims | None = None) -> "ParallelContext":
+        dims = dims or ParallelDims()
+        backend, device = pick_device()
+        return cls(dims, 0, backend, device, {name: None for name in GROUP_NAMES})
+
+    @classmethod
+    def initialize(cls, parallel: ParallelConfig) -> "ParallelContext":
+        """Join the torchrun job (if any) and build every named group, deduplicated."""
+        dims = ParallelDims.from_config(parallel)
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        check_world_size(parallel, world)
+        if world == 1:
+            return cls.single(dims)
+        backend, device = pick_device()
+        rank = int(os.environ["RANK"])
+        dist.init_process_group(backend, timeout=timedelta(seconds=parallel.timeout_s),
+                                device_id=device if backend == "nccl" else None)
+        made: dict[tuple[int, ...], dist.ProcessGroup | None] = {tuple(range(world)): dist.group.WORLD}
+        for name in GROUP_NAMES:
+            for ranks in dims.all_groups(name):
+                if len(ranks) > 1 and ranks not in made:
+                    made[ranks] = dist.new_group(list(ranks), timeout=timedelta(seconds=parallel.timeout_s))
+        groups = {}
+        for name in GROUP_NAMES:
+            ranks = dims.group_ranks(name, rank)
+            groups[name] = made[ranks] if len(ranks) > 1 else None
+        return cls(dims, rank, backend, device, groups)
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def members(self, name: str) -> tuple[int, ...]:
+        return self._members[name]
+
+    def size(self, name: str) -> int:
+        return len(self._members[name])
+
+    def rank_in(self, name: str) -> int:
+        return self._members[name].index(self.rank)
+
+    @cached_property
+    def batch_index(self) -> int:
+        """Which slice of the global batch this rank reads."""
+        return self.rank_in("batch")
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,93 @@
+"""Per-rank events (compute and communication spans) -> Chrome trace JSON and a timeline picture."""
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch.distributed as dist
+
+ROWS = {"compute": 0, "comm": 1, "optim": 0, "data": 0}
+
+
+def now_us() -> float:
+    return time.time_ns() / 1000.0
+
+
+class Tracer:
+    """Records spans when enabled; costs one attribute check when not."""
+
+    def __init__(self, enabled: bool, rank: int):
+        self.enabled, self.rank = enabled, rank
+        self.events: list[dict] = []
+        self.step = 0
+
+    def add(self, name: str, cat: str, start: float, end: float, **args) -> None:
+        if self.enabled:
+            self.events.append({"name": name, "cat": cat, "ts": start, "dur": max(end - start, 0.0),
+                                "pid": self.rank, "tid": ROWS.get(cat, 0), "args": {"step": self.step, **args}})
+
+    @contextmanager
+    def _span(self, name: str, cat: str, args: dict):
+        start = now_us()
+        try:
+            yield
+        finally:
+            self.add(name, cat, start, now_us(), **args)
+
+    def span(self, name: str, cat: str = "compute", **args):
+        return self._span(name, cat, args) if self.enabled else nullcontext()
+
+    def gather(self) -> list[dict]:
+        """All ranks' events on rank 0 (an empty list elsewhere)."""
+        if not dist.is_initialized():
+            return list(self.events)
+        out = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(self.events, out, dst=0)
+        return [e for part in out for e in part] if self.rank == 0 else []
+
+
+def write_chrome_trace(events: list[dict], path: Path) -> None:
+    """One process track per rank, compute and communication on separate rows (opens in Perfetto)."""
+    t0 = min((e["ts"] for e in events), default=0.0)
+    out = []
+    for rank in sorted({e["pid"] for e in events}):
+        out.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        for row, label in ((0, "compute"), (1, "communication")):
+            out.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": row, "args": {"name": label}})
+    out += [{**e, "ph": "X", "ts": e["ts"] - t0} for e in events]
+    path.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}))
+
+
+COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2", "optim": "#C44E52", "comm": "#DD8452", "data": "#937860"}
+
+
+def _color(e: dict) -> str:
+    if e["cat"] == "comm":
+        return COLORS["comm"]
+    return COLORS.get(e["cat"], COLORS.get(e["name"][:1], "#999999"))
+
+
+def draw_timeline(events: list[dict], path: Path, title: str) -> None:
+    """Ranks x time: compute spans above, communication below, one lane each per rank."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    ranks = sorted({e["pid"] for e in events})
+    t0 = min(e["ts"] for e in events)
+    fig, ax = plt.subplots(figsize=(12, 0.9 * len(ranks) + 1.5))
+    for i, rank in enumerate(ranks):
+        for e in (e for e in events if e["pid"] == rank):
+            y = i + (0.05 if e["tid"] == 0 else -0.4)
+            ax.broken_barh([((e["ts"] - t0) / 1e3, max(e["dur"] / 1e3, 0.05))], (y, 0.35),
+                           facecolors=_color(e), edgecolors="none")
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper right", ncol=6, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,200 @@
+"""The trainer loop: one global batch per step, micro-batches, data-parallel reduction, AdamW."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt
+from .comm import Comm
+from .config import Config, ConfigError
+from .data import BatchLoader, eval_batches, load_data
+from .logs import RunLog
+from .mesh import ParallelContext
+from .model.llama import IGNORE_INDEX, Llama, init_weights, no_decay
+from .optim import AdamW, clip_grad_norm, learning_rate
+from .parallel.sharding import DataParallel, FlatParameters
+from .trace import Tracer, draw_timeline, write_chrome_trace
+
+TRACE_STEPS = 3
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss); the message says what to change."""
+
+
+class Trainer:
+    def __init__(self, cfg: Config, ctx: ParallelContext):
+        self.cfg, self.ctx = cfg, ctx
+        t = cfg.train
+        self.run_dir = Path(cfg.log.run_dir)
+        self.tracer = Tracer(False, ctx.rank)
+        self.comm = Comm(ctx, self.tracer)
+        self.data = self._load_data()
+        torch.manual_seed(t.seed)
+        self.model = Llama(cfg.model).to(ctx.device)
+        init_weights(self.model, t.seed)
+        self.flat = FlatParameters(self.model, int(cfg.parallel.bucket_mb * 2 ** 20))
+        self.dp = DataParallel(self.flat, self.comm)
+        self.optim = AdamW(self.flat, t, no_decay)
+        self.loader = BatchLoader(self.data.train, t.seq_len, t.global_batch, t.seed,
+                                  ctx.batch_index, ctx.size("batch"))
+        self.step = 0
+        if cfg.checkpoint.resume:
+            self.load(cfg.checkpoint.resume)
+
+    def _load_data(self):
+        cfg = self.cfg
+        first = int(os.environ.get("LOCAL_RANK", 0)) == 0
+        data = load_data(cfg.data) if first else None
+        self.ctx.barrier()
+        data = data or load_data(cfg.data)
+        if data.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                              f"{data.tokenizer.vocab_size} tokens; set model.vocab_size>={data.tokenizer.vocab_size}")
+        return data
+
+    # one step ---------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        t = self.cfg.train
+        start = time.perf_counter()
+        with self.tracer.span("data", "data"):
+            micro = self.loader.micro_batches(self.step, t.micro_batches)
+        local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)
+        (global_tokens,) = self.comm.sum_scalars([local_tokens], "loss")
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        for i, (x, y) in enumerate(micro):
+            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            self.dp.sync = i == len(micro) - 1
+            with self.tracer.span(f"F{i}", "compute", mb=i):
+                loss = self.model.loss_sum(x, y) / global_tokens
+            with self.tracer.span(f"B{i}", "compute", mb=i):
+                loss.backward()
+            loss_sum += loss.detach()
+        self.dp.finish()
+        (loss_value,) = self.comm.sum_scalars([float(loss_sum)], "loss")
+        if not math.isfinite(loss_value):
+            raise TrainingError(f"loss is {loss_value} at step {self.step + 1}; weights were not updated. "
+                                f"Lower train.lr or check the data, then resume from the last checkpoint")
+        with self.tracer.span("optimizer", "optim"):
+            grad_norm = clip_grad_norm(self.flat, t.grad_clip)
+            lr = learning_rate(t, self.step)
+            self.optim.step(lr)
+            self.flat.zero_grad()
+        self.step += 1
+        self.loader.load_state_dict({**self.loader.state_dict(), "next_step": self.step})
+        elapsed = time.perf_counter() - start
+        return {"step": self.step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
+                "tokens_per_s": t.global_batch * t.seq_len / elapsed, "step_s": elapsed,
+                "comm_bytes": sum(self.comm.ledger.end_step().values())}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        t = self.cfg.train
+        batches = eval_batches(self.data.val, t.seq_len, t.global_batch, t.eval_batches,
+                               self.ctx.batch_index, self.ctx.size("batch"))
+        total = count = 0.0
+        for x, y in batches:
+            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            total += float(self.model.loss_sum(x, y))
+            count += int((y != IGNORE_INDEX).sum())
+        total, count = self.comm.sum_scalars([total, count], "loss")
+        return total / count
+
+    # checkpoints ------------------------------------------------------------------------------
+    def save(self) -> Path:
+        path = ckpt.step_dir(self.run_dir, self.step)
+        if self.ctx.is_main:
+            params = {n: p for n, p in self.model.named_parameters()}
+            meta = {"step": self.step, "config": self.cfg.to_dict(), "loader": self.loader.state_dict(),
+                    "optimizer_steps": self.optim.step_count}
+            ckpt.write_checkpoint(path, {"model.safetensors": params,
+                                         "optim.safetensors": self.optim.state_tensors()}, meta)
+            ckpt.mark_latest(self.run_dir, path, self.cfg.checkpoint.keep)
+        self.ctx.barrier()
+        return path
+
+    @torch.no_grad()
+    def load(self, where: str) -> None:
+        path = ckpt.find_checkpoint(self.run_dir if where == "auto" else where)
+        meta = ckpt.read_meta(path)
+        params = dict(self.model.named_parameters())
+        tensors = ckpt.read_tensors(path, "model.safetensors")
+        ckpt.check_shapes({n: p.shape for n, p in params.items()}, tensors, str(path / "model.safetensors"))
+        for n, p in params.items():
+            p.copy_(tensors[n])
+        if "optim.safetensors" in meta["files"]:
+            state = ckpt.read_tensors(path, "optim.safetensors")
+            ckpt.check_shapes({n: t.shape for n, t in self.optim.state_tensors().items()}, state,
+                              str(path / "optim.safetensors"))
+            self.optim.load_state_tensors(state, meta["optimizer_steps"])
+            self.loader.load_state_dict(meta["loader"])
+            self.step = meta["step"]
+
+    # the loop ---------------------------------------------------------------------------------
+    def fit(self) -> list[dict]:
+        cfg, t = self.cfg, self.cfg.train
+        log = RunLog(self.run_dir, self.ctx.is_main, t.steps, self.step, cfg.log.progress, cfg.log.tensorboard)
+        history, began = [], time.perf_counter()
+        try:
+            while self.step < t.steps:
+                self.tracer.enabled = cfg.log.trace and self.step >= t.steps - TRACE_STEPS
+                self.tracer.step = self.step + 1
+                m = self.train_step()
+                m["elapsed_s"] = time.perf_counter() - began
+                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                    m["val_loss"] = self.evaluate()
+                history.append(m)
+                log.step(m, show=self.step % cfg.log.every == 0 or self.step == t.steps)
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < t.steps:
+                    self.save()
+            self.tracer.enabled = False
+            if cfg.checkpoint.save_final:
+                log.print(f"checkpoint: {self.save()}")
+            self._write_trace(log)
+            if cfg.log.sample_tokens and self.ctx.is_main:
+                log.print("sample:\n" + self.sample())
+        finally:
+            log.close()
+        return history
+
+    def sample(self) -> str:
+        from .generate import sample_text
+        return sample_text(self.model, self.data.tokenizer, self.cfg.log.sample_prompt, self.cfg.log.sample_tokens,
+                           seed=self.cfg.train.seed)
+
+    def _write_trace(self, log: RunLog) -> None:
+        if not self.cfg.log.trace:
+            return
+        events = self.tracer.gather()
+        if self.ctx.is_main and events:
+            write_chrome_trace(events, self.run_dir / "trace.json")
+            draw_timeline(events, self.run_dir / "timeline.png",
+                          f"sixfold {self.cfg.parallel.describe()}: last {TRACE_STEPS} steps")
+            (self.run_dir / "comm_ledger.json").write_text(json.dumps(self.comm.ledger.summary(), indent=1))
+            log.print(f"trace: {self.run_dir / 'trace.json'} and {self.run_dir / 'timeline.png'}")
+
+
+def prepare_run_dir(cfg: Config, ctx: ParallelContext) -> None:
+    run_dir = Path(cfg.log.run_dir)
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    ctx.barrier()
+
+
+def train(cfg: Config) -> list[dict]:
+    """Run training in this process (one rank of a torchrun job, or alone)."""
+    ctx = ParallelContext.initialize(cfg.parallel)
+    try:
+        prepare_run_dir(cfg, ctx)
+        if ctx.is_main and cfg.log.progress:
+            print(f"sixfold: {cfg.parallel.describe()} on {ctx.world_size} process(es), {ctx.backend}, "
+                  f"{cfg.model.num_params():,} parameters\n--- config ---\n{cfg.to_yaml()}--------------", flush=True)
+        return Trainer(cfg, ctx).fit()
+    finally:
+        ctx.close()

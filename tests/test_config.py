@@ -1,0 +1,63 @@
+import pytest
+
+from sixfold.config import ConfigError, load_config, validate
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  dim: 128\n  n_heads: 8\ntrain:\n  lr: 0.01\n")
+    cfg = load_config(path, ["train.lr=3e-4", "parallel.dp_replicate=2", "model.tie_embeddings=true"])
+    assert cfg.model.dim == 128 and cfg.model.n_heads == 8
+    assert cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.parallel.dp_replicate == 2 and cfg.model.tie_embeddings is True
+
+
+def test_unknown_key_names_nearest():
+    with pytest.raises(ConfigError, match=r"parallel\.dp_shrd.*dp_shard"):
+        load_config(None, ["parallel.dp_shrd=2"])
+    with pytest.raises(ConfigError, match="unknown config key 'trian'.*train"):
+        load_config(None, ["trian.lr=1"])
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  n_layer: 3\n")
+    with pytest.raises(ConfigError, match="model.n_layer.*n_layers"):
+        load_config(path)
+
+
+def test_bad_values():
+    with pytest.raises(ConfigError, match="train.steps must be an integer"):
+        load_config(None, ["train.steps=abc"])
+    with pytest.raises(ConfigError, match="model.tie_embeddings must be true or false"):
+        load_config(None, ["model.tie_embeddings=maybe"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/nonexistent.yaml")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.n_heads=3"], "model.dim=64 is not divisible by model.n_heads=3"),
+    (["model.n_kv_heads=3"], "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
+    (["parallel.dp_replicate=3"], "train.global_batch=8 must be divisible by data-parallel size"),
+    (["train.micro_batches=3"], "train.global_batch=8 must be divisible"),
+    (["parallel.tp=2"], "parallel.tp=2.*issue #4"),
+    (["parallel.pp=2"], "parallel.pp=2.*issue #6"),
+    (["train.seq_len=4096"], "exceeds model.max_seq_len"),
+    (["data.format=parquet"], "data.format"),
+])
+def test_impossible_layouts(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_world_size_mismatch():
+    cfg = load_config(None, ["parallel.dp_replicate=2"])
+    validate(cfg, world_size=2)
+    with pytest.raises(ConfigError, match=r"world size 4 does not equal .* = 2.*--nproc 2"):
+        validate(cfg, world_size=4)
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+    for path in sorted(Path(__file__).parent.parent.glob("configs/*.yaml")):
+        load_config(path)

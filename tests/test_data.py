@@ -1,0 +1,252 @@
+"""Corpora, tokenizers, token caches and batch order, on real files in tmp_path."""
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sixfold.config import DataConfig
+from sixfold.data import (BatchLoader, BPETokenizer, ByteTokenizer, DataError, build_tokenizer, eval_batches,
+                          iter_documents, load_data, split_documents)
+
+TEXT = "def add(a, b):\n    return a + b  # héllo 🙂\n\nclass Point:\n    x: int = 0\n"
+
+
+def cfg(tmp_path, **kw) -> DataConfig:
+    return DataConfig(cache_dir=str(tmp_path / "cache"), **kw)
+
+
+def write_corpus(root: Path, n: int = 12) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (root / f"doc{i:02d}.txt").write_text(f"# document {i}\n" + TEXT * (i + 1))
+    return root
+
+
+def test_stdlib_documents_are_deterministic(tmp_path):
+    c = cfg(tmp_path, max_bytes=300_000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        docs = iter_documents(c)
+        again = iter_documents(c)
+    assert docs == again and len(docs) > 3
+    ids = [d for d, _ in docs]
+    assert ids == sorted(ids) and all(i.endswith(".py") and not i.startswith("/") for i in ids)
+    assert 299_990 < sum(len(t.encode()) for _, t in docs) <= 300_000
+    train, val = split_documents(docs, 0.2)
+    assert (train, val) == split_documents(docs, 0.2)
+    assert train and val and not {d for d, _ in train} & {d for d, _ in val}
+    assert len(train) + len(val) == len(docs)
+
+
+def test_split_is_stable_when_files_are_added():
+    docs = [(f"f{i}.py", "x") for i in range(200)]
+    train, val = split_documents(docs, 0.1)
+    more_train, more_val = split_documents(docs + [(f"g{i}.py", "x") for i in range(50)], 0.1)
+    assert set(val) <= set(more_val) and set(train) <= set(more_train)
+    assert split_documents(docs[:2], 0.01)[1] and split_documents(docs[:2], 0.99)[0]
+
+
+def test_text_directory_skips_undecodable_and_hidden(tmp_path):
+    root = write_corpus(tmp_path / "corpus", 3)
+    (root / "sub").mkdir()
+    (root / "sub" / "b.txt").write_text("nested")
+    (root / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (root / ".hidden").write_text("secret")
+    (root / "empty.txt").write_text("")
+    with pytest.warns(UserWarning, match="latin1.txt"):
+        docs = iter_documents(cfg(tmp_path, source=str(root)))
+    assert [d for d, _ in docs] == ["doc00.txt", "doc01.txt", "doc02.txt", "sub/b.txt"]
+
+
+def test_bad_sources_raise(tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "a.txt").write_bytes(b"\xff\xfe\xfa")
+    with pytest.warns(UserWarning), pytest.raises(DataError, match="no non-empty UTF-8"):
+        iter_documents(cfg(tmp_path, source=str(bad)))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="holds no files"):
+        iter_documents(cfg(tmp_path, source=str(tmp_path / "empty")))
+    with pytest.raises(DataError, match=r"data\.source.*nowhere"):
+        load_data(cfg(tmp_path, source=str(tmp_path / "nowhere")))
+    mixed = write_corpus(tmp_path / "mixed", 1)
+    np.arange(5, dtype=np.uint16).tofile(mixed / "t.bin")
+    with pytest.raises(DataError, match="mixes"):
+        load_data(cfg(tmp_path, source=str(mixed)))
+
+
+def test_jsonl_field_and_bad_lines(tmp_path):
+    path = tmp_path / "data.jsonl"
+    lines = [json.dumps({"body": "first\u2028line"}), "{not json", json.dumps({"other": 1}),
+             "", json.dumps({"body": "second"}), json.dumps(["body"])]
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.warns(UserWarning, match=r"data\.jsonl:2: skipped 3 line"):
+        docs = iter_documents(cfg(tmp_path, source=str(path), jsonl_field="body"))
+    assert docs == [("data.jsonl:1", "first\u2028line"), ("data.jsonl:5", "second")]
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_bin_round_trip(tmp_path, dtype):
+    root = tmp_path / "bins"
+    root.mkdir()
+    tokens = np.random.default_rng(0).integers(0, 257, 1000).astype(dtype)
+    tokens[:600].tofile(root / "a.bin")
+    tokens[600:].tofile(root / "b.bin")
+    (root / "README").write_text("not tokens")
+    data = load_data(cfg(tmp_path, source=str(root), format="bin", bin_dtype=dtype, val_fraction=0.1))
+    assert data.train.dtype == dtype and len(data.val) == 100
+    assert np.array_equal(np.concatenate([data.train, data.val]), tokens)
+    single = load_data(cfg(tmp_path, source=str(root / "a.bin"), bin_dtype=dtype, val_fraction=0.1))
+    assert np.array_equal(np.concatenate([single.train, single.val]), tokens[:600])
+
+
+def test_bin_errors(tmp_path):
+    path = tmp_path / "t.bin"
+    np.array([1, 2, 300], dtype=np.uint16).tofile(path)
+    with pytest.raises(DataError, match="token 300"):
+        load_data(cfg(tmp_path, source=str(path)))
+    path.write_bytes(b"")
+    with pytest.raises(DataError, match="empty"):
+        load_data(cfg(tmp_path, source=str(path)))
+    path.write_bytes(b"abc")
+    with pytest.raises(DataError, match="bin_dtype"):
+        load_data(cfg(tmp_path, source=str(path)))
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    ids = tok.encode(TEXT)
+    assert max(ids) < 256 and tok.decode(ids) == TEXT
+    assert tok.decode(ids + [tok.eot] + ids[:3]) == TEXT + "<|endoftext|>" + TEXT[:3]
+    assert tok.decode([0xE2, 0x82]) == "\ufffd"
+
+
+def test_bpe_train_save_load(tmp_path):
+    docs = [t for _, t in iter_documents(cfg(tmp_path, source=str(write_corpus(tmp_path / "c"))))]
+    tok = BPETokenizer.train(docs, 300)
+    assert tok.vocab_size == 300 and tok.name.startswith("bpe-")
+    tok.save(tmp_path / "tok.json")
+    loaded = BPETokenizer.from_file(tmp_path / "tok.json")
+    assert (loaded.name, loaded.eot, loaded.vocab_size) == (tok.name, tok.eot, tok.vocab_size)
+    text = TEXT + " <|endoftext|> ünïcödé"
+    ids = loaded.encode(text)
+    assert loaded.eot not in ids and loaded.decode(ids) == text and ids == tok.encode(text)
+    assert len(ids) < len(text.encode())
+    with pytest.raises(DataError, match="missing.json"):
+        build_tokenizer(cfg(tmp_path, tokenizer=str(tmp_path / "missing.json")), [])
+
+
+def test_load_data_bpe_and_cache_reuse(tmp_path):
+    c = cfg(tmp_path, source=str(write_corpus(tmp_path / "c")), tokenizer="bpe", bpe_vocab_size=300,
+            val_fraction=0.2)
+    data = load_data(c)
+    assert isinstance(data.tokenizer, BPETokenizer) and data.train.dtype == np.uint16
+    assert len(data.train) and len(data.val) and data.train[-1] == data.tokenizer.eot
+    files = sorted((tmp_path / "cache").glob("*.bin")) + sorted((tmp_path / "cache").glob("*.json"))
+    assert len(files) == 3
+    stamps = [f.stat().st_mtime_ns for f in files]
+    again = load_data(c)
+    assert [f.stat().st_mtime_ns for f in files] == stamps
+    assert np.array_equal(again.train, data.train) and again.tokenizer.name == data.tokenizer.name
+    text = data.tokenizer.decode(np.asarray(data.train))
+    assert "# document" in text and "<|endoftext|>" in text
+
+
+def test_single_file_is_split_by_tokens(tmp_path):
+    path = tmp_path / "one.txt"
+    path.write_text(TEXT * 20)
+    data = load_data(cfg(tmp_path, source=str(path), val_fraction=0.1))
+    total = len(TEXT.encode()) * 20 + 1
+    assert len(data.val) == total // 10 and len(data.train) + len(data.val) == total
+    assert data.val[-1] == 256
+
+
+def test_load_data_stdlib_bytes(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        data = load_data(cfg(tmp_path, max_bytes=200_000))
+    assert isinstance(data.tokenizer, ByteTokenizer) and data.train.dtype == np.uint16
+    assert len(data.train) and len(data.val) and len(data.train) + len(data.val) > 200_000
+    assert (np.asarray(data.train) == 256).any() and data.val[-1] == 256
+
+
+def test_concurrent_load_data(tmp_path):
+    root = write_corpus(tmp_path / "c")
+    code = ("import sys; from sixfold.config import DataConfig; from sixfold.data import load_data; "
+            f"d = load_data(DataConfig(source={str(root)!r}, tokenizer='bpe', bpe_vocab_size=300, "
+            f"cache_dir={str(tmp_path / 'cache')!r})); print(d.tokenizer.name, int(d.train.sum()))")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs) and len(set(outs)) == 1
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 1
+    assert not list((tmp_path / "cache").glob(".*tmp*"))
+
+
+def tokens(n=1000):
+    return np.random.default_rng(1).integers(0, 257, n).astype(np.uint16)
+
+
+def test_batches_shard_across_ranks():
+    t = tokens()
+    whole = BatchLoader(t, 16, 8, seed=3)
+    for step in (0, 1, 7):
+        x, y = whole.batch(step)
+        parts = [BatchLoader(t, 16, 8, seed=3, batch_index=r, batch_count=4).batch(step) for r in range(4)]
+        assert torch.equal(torch.cat([p[0] for p in parts]), x) and torch.equal(torch.cat([p[1] for p in parts]), y)
+        assert x.shape == (8, 16) and x.dtype == torch.int64
+        windows = {tuple(t[s:s + 17]) for s in range(0, 1000 - 16, 16)}
+        assert all(tuple(a) + (b[-1],) in windows for a, b in zip(x.tolist(), y.tolist()))
+        assert torch.equal(x[:, 1:], y[:, :-1])
+    assert not torch.equal(whole.batch(0)[0], whole.batch(1)[0])
+    assert torch.equal(BatchLoader(t, 16, 8, seed=3).batch(5)[0], whole.batch(5)[0])
+    assert not torch.equal(BatchLoader(t, 16, 8, seed=4).batch(5)[0], whole.batch(5)[0])
+
+
+def test_epochs_cover_every_window():
+    t = np.arange(10 * 4 + 1, dtype=np.uint16)  # 10 windows of 4, each starting at a distinct token
+    loader = BatchLoader(t, 4, 4, seed=0)
+    firsts = torch.cat([loader.batch(s)[0][:, 0] for s in range(5)]).tolist()  # 20 samples = 2 epochs
+    assert sorted(firsts[:10]) == sorted(firsts[10:]) == list(range(0, 40, 4))
+    assert firsts[:10] != firsts[10:]
+    small = BatchLoader(np.arange(9, dtype=np.uint16), 4, 8, seed=0)  # 2 windows, batch of 8 wraps
+    assert small.batch(0)[0].shape == (8, 4)
+    with pytest.raises(DataError, match="seq_len"):
+        BatchLoader(np.arange(4, dtype=np.uint16), 4, 8, seed=0)
+
+
+def test_micro_batches_and_state():
+    loader = BatchLoader(tokens(), 16, 8, seed=3, batch_index=1, batch_count=2)
+    x, y = loader.batch(2)
+    micro = loader.micro_batches(2, 2)
+    assert len(micro) == 2 and torch.equal(torch.cat([m[0] for m in micro]), x)
+    assert torch.equal(torch.cat([m[1] for m in micro]), y)
+    with pytest.raises(DataError, match="micro_batches"):
+        loader.micro_batches(2, 3)
+    loader.next_step = 11
+    state = loader.state_dict()
+    assert state == {"seed": 3, "seq_len": 16, "global_batch": 8, "next_step": 11}
+    fresh = BatchLoader(tokens(), 16, 8, seed=3)
+    fresh.load_state_dict(state)
+    assert fresh.next_step == 11
+    for key, value in (("seed", 4), ("seq_len", 32), ("global_batch", 16)):
+        with pytest.raises(DataError, match=f"train.{key}"):
+            fresh.load_state_dict({**state, key: value})
+
+
+def test_eval_batches_are_fixed_and_sharded():
+    t = tokens()
+    whole = eval_batches(t, 16, 4, 3, 0, 1)
+    assert len(whole) == 3 and torch.equal(whole[0][0][0], torch.from_numpy(t[:16].astype(np.int64)))
+    halves = [eval_batches(t, 16, 4, 3, r, 2) for r in range(2)]
+    for i in range(3):
+        assert torch.equal(torch.cat([halves[0][i][0], halves[1][i][0]]), whole[i][0])
+    with pytest.raises(DataError, match="val_fraction"):
+        eval_batches(t[:10], 16, 4, 1, 0, 1)

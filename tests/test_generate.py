@@ -1,0 +1,61 @@
+"""Generation: the KV cache changes nothing, sampling is seeded, eot and max_seq_len stop it."""
+import pytest
+import torch
+
+from sixfold.config import ModelConfig
+from sixfold.data import ByteTokenizer
+from sixfold.generate import generate, sample_text
+from sixfold.model.llama import Llama, init_weights
+
+PROMPT = [5, 17, 200, 3, 64]
+
+
+def tiny(max_seq_len: int = 64) -> Llama:
+    # a wide init gives peaked logits, so argmax is not decided by rounding
+    model = Llama(ModelConfig(vocab_size=320, max_seq_len=max_seq_len, init_std=0.3))
+    init_weights(model, seed=0)
+    return model
+
+
+@torch.no_grad()
+def greedy_without_cache(model: Llama, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_greedy_cache_equals_recompute():
+    model = tiny()
+    out = generate(model, PROMPT, 20)
+    assert len(out) == 20
+    assert out == greedy_without_cache(model, PROMPT, 20)
+
+
+def test_sampling_is_seeded():
+    model = tiny()
+    a = generate(model, PROMPT, 20, temperature=1.0, seed=1)
+    assert a == generate(model, PROMPT, 20, temperature=1.0, seed=1)
+    assert a != generate(model, PROMPT, 20, temperature=1.0, seed=2)
+    assert generate(model, PROMPT, 20, temperature=1.0, top_k=1, seed=2) == generate(model, PROMPT, 20)
+
+
+def test_stops_at_eot():
+    model = tiny()
+    full = generate(model, PROMPT, 20)
+    eot = full[5]
+    assert generate(model, PROMPT, 20, eot=eot) == full[:full.index(eot) + 1]
+
+
+def test_respects_max_seq_len():
+    model = tiny(max_seq_len=12)
+    out = generate(model, PROMPT, 100)
+    assert len(PROMPT) + len(out) == 12
+    assert out == greedy_without_cache(model, PROMPT, 7)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        generate(model, list(range(13)), 1)
+
+
+def test_sample_text_starts_with_prompt():
+    text = sample_text(tiny(), ByteTokenizer(), "def ", 10, seed=4)
+    assert text.startswith("def ") and len(text) > 4

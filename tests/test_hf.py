@@ -1,0 +1,115 @@
+"""Hugging Face interop: imported and exported models give the same logits as transformers."""
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from sixfold.checkpoint import CheckpointError, write_checkpoint
+from sixfold.config import Config, ModelConfig
+from sixfold.model.hf import export_hf, hf_config_from_model, import_hf, load_model, model_config_from_hf
+from sixfold.model.llama import Llama, init_weights
+
+TOL = 1e-5
+
+
+def hf_model(tied: bool, **extra) -> LlamaForCausalLM:
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=320, rope_theta=500000.0, rms_norm_eps=1e-5,
+                      max_position_embeddings=128, tie_word_embeddings=tied, attn_implementation="eager", **extra)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+    return model
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_import_matches_transformers(tmp_path, tied, sharded):
+    hf = hf_model(tied)
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="60KB" if sharded else "1GB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file() == sharded
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    model, cfg = load_model(tmp_path / "ckpt")
+    assert cfg.model.tie_embeddings == tied and cfg.model.rope_theta == 500000.0
+    assert (model.head is None) == tied
+    with torch.no_grad():
+        assert max_diff(model(tokens()), hf(tokens()).logits) <= TOL
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_loads_in_transformers(tmp_path, tied):
+    cfg = Config(model=ModelConfig(tie_embeddings=tied, rope_theta=500000.0, max_seq_len=128))
+    model = Llama(cfg.model)
+    init_weights(model, seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+    write_checkpoint(tmp_path / "ckpt", {"model.safetensors": model.state_dict()}, {"step": 7, "config": cfg.to_dict()})
+    export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    hf, info = LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager",
+                                                output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert hf.config.tie_word_embeddings == tied
+    with torch.no_grad():
+        assert max_diff(model(tokens()), hf.eval()(tokens()).logits) <= TOL
+
+
+def test_config_round_trip():
+    cfg = ModelConfig(vocab_size=300, dim=96, n_layers=3, n_heads=6, n_kv_heads=3, ffn_dim=256, rope_theta=5e5,
+                      norm_eps=1e-6, tie_embeddings=True, max_seq_len=512, init_std=0.01)
+    assert model_config_from_hf(hf_config_from_model(cfg)) == cfg
+
+
+@pytest.mark.parametrize("field,value", [
+    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
+    ("attention_bias", True),
+    ("mlp_bias", True),
+    ("hidden_act", "gelu"),
+    ("head_dim", 32),
+    ("model_type", "mistral"),
+])
+def test_unrepresentable_config_is_refused(field, value):
+    hf = {**hf_config_from_model(ModelConfig()), field: value}
+    with pytest.raises(ValueError, match=field):
+        model_config_from_hf(hf)
+
+
+def test_import_refuses_bias_model(tmp_path):
+    hf_model(False, attention_bias=True).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match="attention_bias"):
+        import_hf(tmp_path / "hf", tmp_path / "ckpt")
+
+
+def test_import_missing_files(tmp_path):
+    (tmp_path / "hf").mkdir()
+    with pytest.raises(CheckpointError, match="config.json"):
+        import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf_config_from_model(ModelConfig())))
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        import_hf(tmp_path / "hf", tmp_path / "ckpt")
+
+
+def test_shape_mismatch_is_refused(tmp_path):
+    hf_model(False).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    with pytest.raises(CheckpointError, match="mlp"):
+        import_hf(tmp_path / "hf", tmp_path / "ckpt")
+
+    wrong = Llama(ModelConfig(vocab_size=256))
+    write_checkpoint(tmp_path / "ckpt", {"model.safetensors": wrong.state_dict()},
+                     {"step": 0, "config": Config().to_dict()})
+    with pytest.raises(CheckpointError, match="embed.weight"):
+        load_model(tmp_path / "ckpt")

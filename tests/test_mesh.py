@@ -1,0 +1,56 @@
+import itertools
+
+import pytest
+
+from sixfold.config import ConfigError
+from sixfold.mesh import GROUP_NAMES, ParallelDims
+
+
+def test_rank_formulas():
+    d = ParallelDims(pp=2, dp_replicate=2, dp_shard=2, cp=1, tp=2)
+    for r in range(d.world_size):
+        c = d.coords(r)
+        assert c["tp"] == r % 2
+        assert c["dp_shard"] == (r // 2) % 2
+        assert c["dp_replicate"] == (r // 4) % 2
+        assert c["pp"] == r // 8
+        assert d.rank_of(c) == r
+
+
+def test_groups_partition_world():
+    for sizes in itertools.product([1, 2], repeat=5):
+        d = ParallelDims(*sizes)
+        for name in GROUP_NAMES:
+            groups = d.all_groups(name)
+            assert sorted(r for g in groups for r in g) == list(range(d.world_size)), name
+
+
+def test_sixteen_ranks_with_ep():
+    d = ParallelDims(pp=2, dp_replicate=1, dp_shard=2, cp=2, tp=2, ep=2)
+    assert d.world_size == 16
+    assert d.group_ranks("tp", 5) == (4, 5)
+    assert d.group_ranks("cp", 0) == (0, 2)
+    assert d.group_ranks("pp", 3) == (3, 11)
+    assert d.group_ranks("fsdp", 1) == (1, 3, 5, 7)
+    assert d.group_ranks("batch", 0) == (0, 4)
+    assert d.group_ranks("loss", 8) == (8, 10, 12, 14)
+    # ep: consecutive members of the flattened (dp_shard, cp) index, same tp and pp
+    assert d.group_ranks("ep", 0) == (0, 2)
+    assert d.group_ranks("ep", 4) == (4, 6)
+    assert d.group_ranks("edp", 0) == (0, 4)
+    assert d.group_ranks("edp", 2) == (2, 6)
+    for r in range(16):
+        ep, edp = set(d.group_ranks("ep", r)), set(d.group_ranks("edp", r))
+        assert ep & edp == {r}
+        assert len(ep) * len(edp) == len(d.group_ranks("fsdp", r)) * d.dp_replicate
+
+
+def test_ep_with_replicas():
+    d = ParallelDims(dp_replicate=2, dp_shard=4, ep=2)
+    assert d.group_ranks("ep", 0) == (0, 1)
+    assert d.group_ranks("edp", 0) == (0, 2, 4, 6)
+
+
+def test_bad_ep():
+    with pytest.raises(ConfigError, match="parallel.ep=3 must divide"):
+        ParallelDims(dp_shard=2, ep=3)

@@ -1,0 +1,86 @@
+import math
+
+import torch
+
+from sixfold.config import ModelConfig, TrainConfig
+from sixfold.model.llama import Llama, init_weights, no_decay
+from sixfold.optim import AdamW, clip_grad_norm, learning_rate
+from sixfold.parallel.sharding import FlatParameters
+
+
+def _models(tie=False):
+    cfg = ModelConfig(tie_embeddings=tie)
+    a, b = Llama(cfg), Llama(cfg)
+    init_weights(a, 7)
+    init_weights(b, 7)
+    return a, b
+
+
+def _plain_optimizer(model, t):
+    decay = [p for n, p in model.named_parameters() if not no_decay(n)]
+    rest = [p for n, p in model.named_parameters() if no_decay(n)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}],
+                             lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+
+
+def _batch(gen):
+    return torch.randint(0, 320, (2, 16), generator=gen), torch.randint(0, 320, (2, 16), generator=gen)
+
+
+def test_flat_adamw_matches_torch_bitwise():
+    """Flat-bucket AdamW with the schedule equals torch.optim.AdamW exactly (decay off for norms)."""
+    for tie in (False, True):
+        ours, plain = _models(tie)
+        t = TrainConfig(steps=6, lr=3e-3, warmup_steps=2, grad_clip=0.0)
+        flat = FlatParameters(ours, bucket_bytes=20_000)
+        assert len(flat.buckets) > 1
+        opt = AdamW(flat, t, no_decay)
+        ref = _plain_optimizer(plain, t)
+        gen = torch.Generator().manual_seed(0)
+        for step in range(t.steps):
+            x, y = _batch(gen)
+            ours.loss_sum(x, y).backward()
+            plain.loss_sum(x, y).backward()
+            lr = learning_rate(t, step)
+            for g in ref.param_groups:
+                g["lr"] = lr
+            opt.step(lr)
+            ref.step()
+            flat.zero_grad()
+            ref.zero_grad()
+        for (name, p), q in zip(ours.named_parameters(), plain.parameters()):
+            assert torch.equal(p, q), name
+
+
+def test_clipping_matches_torch():
+    """Same gradients: the norm (fp64 here, fp32 in torch) and the clipped gradients agree to fp32 round-off."""
+    ours, plain = _models()
+    flat = FlatParameters(ours, bucket_bytes=20_000)
+    x, y = _batch(torch.Generator().manual_seed(1))
+    ours.loss_sum(x, y).backward()
+    plain.loss_sum(x, y).backward()
+    n1 = clip_grad_norm(flat, 0.5)
+    n2 = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+    assert n1 > 0.5
+    assert math.isclose(n1, float(n2), rel_tol=1e-6)
+    for p, q in zip(ours.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+
+
+def test_schedule_shape():
+    t = TrainConfig(steps=10, lr=1.0, min_lr=0.1, warmup_steps=3)
+    lrs = [learning_rate(t, s) for s in range(10)]
+    assert lrs[:3] == [1 / 3, 2 / 3, 1.0]
+    assert math.isclose(lrs[-1], 0.1)
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
+
+
+def test_flat_views_share_storage():
+    model, _ = _models()
+    flat = FlatParameters(model, bucket_bytes=1 << 30)
+    assert len(flat.buckets) == 1
+    b = flat.buckets[0]
+    for p in model.parameters():
+        assert p.data.untyped_storage().data_ptr() == b.data.untyped_storage().data_ptr()
+        assert p.grad.untyped_storage().data_ptr() == b.grad.untyped_storage().data_ptr()
