@@ -35,8 +35,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_checkpoint(path: str | Path, files: dict[str, dict[str, torch.Tensor]], meta: dict) -> Path:
-    """Write tensors and meta to `path` atomically (temporary directory, then rename)."""
+def write_checkpoint(path: str | Path, files: dict[str, dict[str, torch.Tensor]], meta: dict,
+                     blobs: dict[str, bytes] | None = None) -> Path:
+    """Write tensors, other files (`blobs`, e.g. a tokenizer) and meta to `path` atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
@@ -46,6 +47,9 @@ def write_checkpoint(path: str | Path, files: dict[str, dict[str, torch.Tensor]]
     for fname, tensors in files.items():
         save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp / fname))
         sums[fname] = {"sha256": _sha256(tmp / fname), "bytes": (tmp / fname).stat().st_size}
+    for fname, data in (blobs or {}).items():
+        (tmp / fname).write_bytes(data)
+        sums[fname] = {"sha256": _sha256(tmp / fname), "bytes": len(data)}
     (tmp / META).write_text(json.dumps({**meta, "format": FORMAT, "files": sums}, indent=1))
     old = path.parent / f".{path.name}.old-{os.getpid()}"
     if path.exists():
@@ -82,8 +86,8 @@ def read_meta(path: str | Path) -> dict:
     return meta
 
 
-def read_tensors(path: str | Path, fname: str, verify: bool = True) -> dict[str, torch.Tensor]:
-    """Load one file of a checkpoint after checking its size and sha256 against meta.json."""
+def _verified(path: str | Path, fname: str, verify: bool) -> Path:
+    """The path of one file of a checkpoint, after checking its size and sha256 against meta.json."""
     path = find_checkpoint(path)
     meta = read_meta(path)
     entry = meta["files"].get(fname)
@@ -94,10 +98,19 @@ def read_tensors(path: str | Path, fname: str, verify: bool = True) -> dict[str,
         raise CheckpointError(f"{file} is missing")
     if verify and (file.stat().st_size != entry["bytes"] or _sha256(file) != entry["sha256"]):
         raise CheckpointError(f"{file} is corrupt: its checksum does not match {META}")
+    return file
+
+
+def read_tensors(path: str | Path, fname: str, verify: bool = True) -> dict[str, torch.Tensor]:
+    file = _verified(path, fname, verify)
     try:
         return load_file(str(file))
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
+
+
+def read_blob(path: str | Path, fname: str) -> bytes:
+    return _verified(path, fname, True).read_bytes()
 
 
 def check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Tensor], where: str) -> None:

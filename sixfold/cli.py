@@ -54,11 +54,10 @@ def cmd_check(args, argv) -> int:
 
 
 def cmd_generate(args, argv) -> int:
-    from .generate import sample_text
+    from .generate import checkpoint_tokenizer, sample_text
     from .model.hf import load_model
-    from .data import tokenizer_for_checkpoint
     model, cfg = load_model(args.checkpoint)
-    tok = tokenizer_for_checkpoint(args.checkpoint, cfg)
+    tok = checkpoint_tokenizer(args.checkpoint, cfg)
     print(sample_text(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
     return 0
 

@@ -131,6 +131,14 @@ class BPETokenizer:
         self._tok.save(str(tmp))
         os.replace(tmp, path)
 
+    def to_json(self) -> str:
+        return self._tok.to_str()
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> BPETokenizer:
+        from tokenizers import Tokenizer
+        return cls(Tokenizer.from_str(text), where)
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 

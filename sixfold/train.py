@@ -112,8 +112,10 @@ class Trainer:
             params = {n: p for n, p in self.model.named_parameters()}
             meta = {"step": self.step, "config": self.cfg.to_dict(), "loader": self.loader.state_dict(),
                     "optimizer_steps": self.optim.step_count}
+            tok = self.data.tokenizer
+            blobs = {"tokenizer.json": tok.to_json().encode()} if hasattr(tok, "to_json") else {}
             ckpt.write_checkpoint(path, {"model.safetensors": params,
-                                         "optim.safetensors": self.optim.state_tensors()}, meta)
+                                         "optim.safetensors": self.optim.state_tensors()}, meta, blobs)
             ckpt.mark_latest(self.run_dir, path, self.cfg.checkpoint.keep)
         self.ctx.barrier()
         return path

@@ -1,0 +1,227 @@
+"""Data parallel: sixfold's trainer beside torch DistributedDataParallel on the same workload.
+
+    python bench/dp.py --ranks 2 4 --runs 3
+
+Each run is its own torchrun job (OMP_NUM_THREADS=1 per rank); sixfold and DDP runs alternate.
+A run's time is rank 0's mean step time after the warm-up steps; a layout's time is the median over
+its runs. Memory is the peak RSS of a rank above its RSS just before the model is built, max over
+ranks. The table goes into docs/benchmarks.md between the dp markers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- dp:begin -->", "<!-- dp:end -->"
+WARMUP = 2  # steps left out of the timing
+ROWS_PER_RANK = 4
+
+
+def overrides(world: int, steps: int, run_dir: str) -> list[str]:
+    return [f"train.global_batch={ROWS_PER_RANK * world}", f"parallel.dp_replicate={world}",
+            f"train.steps={steps}", f"log.run_dir={run_dir}", "log.progress=false",
+            "log.tensorboard=false", "checkpoint.save_final=false"]
+
+
+# ---- memory ----
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def mark_memory() -> int:
+    """Reset this process's peak RSS to its current RSS and return that RSS (kB)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kb("VmRSS")
+
+
+def peak_mb(base_kb: int) -> float:
+    return (_status_kb("VmHWM") - base_kb) / 1024
+
+
+# ---- workers (one torchrun rank each) ----
+
+def sixfold_worker(cfg) -> dict:
+    import sixfold.train as trainer
+    from sixfold.model.llama import Llama
+
+    base = {}
+
+    def build(model_cfg):  # the trainer's own Llama, with the memory mark taken just before it
+        base["kb"] = mark_memory()
+        return Llama(model_cfg)
+
+    trainer.Llama = build
+    history = trainer.train(cfg)
+    return {"step_s": [m["step_s"] for m in history], "loss": [m["loss"] for m in history],
+            "grad_norm": [m["grad_norm"] for m in history], "peak_mb": peak_mb(base["kb"])}
+
+
+def ddp_worker(cfg) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    from sixfold.data import BatchLoader, load_data
+    from sixfold.model.llama import IGNORE_INDEX, Llama, init_weights, no_decay
+    from sixfold.optim import learning_rate
+
+    t = cfg.train
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = load_data(cfg.data)
+    base = mark_memory()
+    torch.manual_seed(t.seed)
+    model = Llama(cfg.model)
+    init_weights(model, t.seed)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True)
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if not no_decay(n)], "weight_decay": t.weight_decay},
+              {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0}]
+    optim = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    loader = BatchLoader(data.train, t.seq_len, t.global_batch, t.seed, rank, world)
+    out = {"step_s": [], "loss": [], "grad_norm": []}
+    for step in range(t.steps):
+        start = time.perf_counter()
+        x, y = loader.batch(step)
+        counts = torch.tensor([float((y != IGNORE_INDEX).sum())], dtype=torch.float64)
+        dist.all_reduce(counts)
+        logits = ddp(x)
+        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+        loss = loss_sum / float(counts)
+        (loss * world).backward()  # DDP averages over ranks; this makes the result a sum, as in sixfold
+        total = torch.tensor([float(loss.detach())], dtype=torch.float64)
+        dist.all_reduce(total)
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip))
+        for g in optim.param_groups:
+            g["lr"] = learning_rate(t, step)
+        optim.step()
+        optim.zero_grad(set_to_none=False)  # keep the grads as bucket views, zeroed in place like sixfold's
+        out["step_s"].append(time.perf_counter() - start)
+        out["loss"].append(float(total))
+        out["grad_norm"].append(norm)
+    out["peak_mb"] = peak_mb(base)
+    dist.destroy_process_group()
+    return out
+
+
+def worker(args) -> None:
+    from sixfold.config import load_config
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    cfg = load_config(args.config, overrides(world, args.steps, str(Path(args.out) / "run")))
+    result = sixfold_worker(cfg) if args.worker == "sixfold" else ddp_worker(cfg)
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+# ---- driver ----
+
+def launch(side: str, world: int, args) -> dict:
+    """One torchrun job; rank 0's mean step time after warm-up and the max peak memory over ranks."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               __file__, "--worker", side, "--steps", str(args.steps), "--config", args.config, "--out", out]
+        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True, capture_output=True)
+        if proc.returncode:
+            sys.exit(f"{side} on {world} ranks failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world)]
+    first = ranks[0]
+    return {"step_s": statistics.mean(first["step_s"][WARMUP:]), "peak_mb": max(r["peak_mb"] for r in ranks),
+            "loss": first["loss"], "grad_norm": first["grad_norm"]}
+
+
+def machine() -> str:
+    import torch
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return (f"{os.cpu_count()}-core CPU ({cpu}), {platform.system()}, Python {platform.python_version()}, "
+            f"torch {torch.__version__}, gloo")
+
+
+def report(rows: list[dict], args) -> str:
+    lines = [f"Command: `python bench/dp.py {' '.join(sys.argv[1:])}`  ",
+             f"Machine: {machine()}  ",
+             f"Date: {time.strftime('%Y-%m-%d')}; {args.runs} alternating run(s) per layout, "
+             f"steps {WARMUP + 1}-{args.steps} timed.",
+             "",
+             "| layout | sixfold s/step | DDP s/step | time ratio | sixfold peak MB | DDP peak MB | memory ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| dp_replicate={r['world']} ({r['world']} ranks) | {r['sixfold']:.3f} | {r['ddp']:.3f} | "
+                     f"{r['ratio']:.3f} | {r['sixfold_mb']:.0f} | {r['ddp_mb']:.0f} | {r['mem_ratio']:.3f} |")
+    return "\n".join(lines)
+
+
+def write_doc(body: str) -> None:
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    block = f"{BEGIN}\n{body}\n{END}"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n## Data parallel: sixfold vs DDP\n\n" + block + "\n"
+    DOC.parent.mkdir(exist_ok=True)
+    DOC.write_text(text)
+
+
+def drive(args) -> None:
+    from sixfold.config import load_config
+    from sixfold.data import load_data
+
+    load_data(load_config(args.config).data)  # build the token cache before any timed job
+    rows = []
+    for world in args.ranks:
+        runs = {"sixfold": [], "ddp": []}
+        for i in range(args.runs):
+            for side in ("sixfold", "ddp"):
+                r = launch(side, world, args)
+                runs[side].append(r)
+                print(f"{world} ranks, run {i + 1}, {side:7}: {r['step_s']:.3f} s/step, peak {r['peak_mb']:.0f} MB, "
+                      f"loss at step {args.steps} {r['loss'][-1]:.6f}", flush=True)
+        med = {s: statistics.median(r["step_s"] for r in runs[s]) for s in runs}
+        mem = {s: statistics.median(r["peak_mb"] for r in runs[s]) for s in runs}
+        gap = max(abs(a - b) for a, b in zip(runs["sixfold"][0]["loss"], runs["ddp"][0]["loss"]))
+        rows.append({"world": world, "sixfold": med["sixfold"], "ddp": med["ddp"], "ratio": med["sixfold"] / med["ddp"],
+                     "sixfold_mb": mem["sixfold"], "ddp_mb": mem["ddp"], "mem_ratio": mem["sixfold"] / mem["ddp"]})
+        print(f"{world} ranks: time ratio {rows[-1]['ratio']:.3f}, memory ratio {rows[-1]['mem_ratio']:.3f}, "
+              f"largest loss difference sixfold vs DDP {gap:.2e}", flush=True)
+    body = report(rows, args)
+    print(body)
+    write_doc(body)
+    print(f"wrote {DOC.relative_to(ROOT)}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="data-parallel sizes to measure")
+    p.add_argument("--runs", type=int, default=3, help="alternations (sixfold then DDP) per size")
+    p.add_argument("--steps", type=int, default=10, help=f"steps per run; the first {WARMUP} are not timed")
+    p.add_argument("--config", default=str(ROOT / "configs" / "bench.yaml"))
+    p.add_argument("--worker", choices=("sixfold", "ddp"), help="(internal) run one rank of one side")
+    p.add_argument("--out", help="(internal) where a worker writes its result")
+    args = p.parse_args()
+    if args.steps <= WARMUP:
+        p.error(f"--steps must be more than the {WARMUP} warm-up steps")
+    if args.worker:
+        worker(args)
+    else:
+        drive(args)
+
+
+if __name__ == "__main__":
+    main()
