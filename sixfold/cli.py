@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_config, validate
@@ -109,6 +110,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
     from .data import DataError
     from .train import TrainingError
     try:

@@ -210,17 +210,21 @@ def _jsonl(path: Path, doc_id: str, text: str, field: str):
 
 
 def _read(cfg: DataConfig, files):
-    """Yield (id, text) for each document of the files, in order; warn about and skip non-UTF-8 files."""
+    """Yield (id, text) for each document of the files, in order; skip non-UTF-8 files with one warning."""
+    skipped = []
     for doc_id, path in files:
         try:
             text = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError:
-            warnings.warn(f"{path} is not UTF-8 text; skipped", stacklevel=2)
+            skipped.append(str(path))
             continue
         if _format(cfg, path) == "jsonl":
             yield from _jsonl(path, doc_id, text, cfg.jsonl_field)
         else:
             yield doc_id, text
+    if skipped:
+        warnings.warn(f"skipped {len(skipped)} file(s) that are not UTF-8 text: {', '.join(skipped[:5])}"
+                      f"{' ...' if len(skipped) > 5 else ''}", stacklevel=2)
 
 
 def _documents(cfg: DataConfig, root: Path, files) -> list[tuple[str, str]]:

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -52,7 +53,10 @@ class Trainer:
         first = int(os.environ.get("LOCAL_RANK", 0)) == 0
         data = load_data(cfg.data) if first else None
         self.ctx.barrier()
-        data = data or load_data(cfg.data)
+        if data is None:
+            with warnings.catch_warnings():  # the first rank of this machine has shown them
+                warnings.simplefilter("ignore")
+                data = load_data(cfg.data)
         if data.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                               f"{data.tokenizer.vocab_size} tokens; set model.vocab_size>={data.tokenizer.vocab_size}")
