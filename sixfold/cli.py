@@ -7,7 +7,7 @@ import sys
 import warnings
 
 from .checkpoint import CheckpointError
-from .config import ConfigError, load_config, validate
+from .config import ConfigError, check_available, load_config, validate
 from .launch import run_torchrun, under_torchrun
 
 KNOWN_ERRORS = (ConfigError, CheckpointError)
@@ -33,6 +33,7 @@ def _relaunch(args, argv: list[str], world: int) -> int | None:
 def cmd_train(args, argv) -> int:
     path, overrides = _split(args.config)
     cfg = load_config(path, overrides)
+    check_available(cfg)
     if args.nproc:
         validate(cfg, world_size=args.nproc)
     code = _relaunch(args, [a for a in argv if not a.startswith("--nproc")], cfg.parallel.world_size)
@@ -46,6 +47,7 @@ def cmd_train(args, argv) -> int:
 def cmd_check(args, argv) -> int:
     path, overrides = _split(args.config)
     cfg = load_config(path, overrides)
+    check_available(cfg)
     if args.nproc:
         validate(cfg, world_size=args.nproc)
     from .parity import check

@@ -30,6 +30,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     max_seq_len: int = 2048
     init_std: float = 0.02
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_every: int = 1
 
     @property
     def head_dim(self) -> int:
@@ -37,10 +40,12 @@ class ModelConfig:
 
     def num_params(self) -> int:
         d, f, v, hd = self.dim, self.ffn_dim, self.vocab_size, self.head_dim
-        attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
-        block = attn + 3 * d * f + 2 * d
+        attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + 2 * d
+        moe_layers = len(range(0, self.n_layers, self.moe_every)) if self.moe_experts else 0
+        mlp = 3 * d * f
+        ffn = moe_layers * (self.moe_experts * mlp + d * self.moe_experts) + (self.n_layers - moe_layers) * mlp
         head = 0 if self.tie_embeddings else v * d
-        return v * d + self.n_layers * block + d + head
+        return v * d + self.n_layers * attn + ffn + d + head
 
 
 @dataclass
@@ -224,6 +229,17 @@ def check_world_size(p: ParallelConfig, world_size: int) -> None:
             f"change the parallel.* sizes or launch {p.world_size} processes (--nproc {p.world_size})")
 
 
+def check_available(cfg: Config) -> None:
+    """Refuse what the config can describe but this version cannot run yet."""
+    for dim, issue in (("tp", 4), ("cp", 5), ("pp", 6), ("ep", 7)):
+        if getattr(cfg.parallel, dim) > 1:
+            raise ConfigError(f"parallel.{dim}={getattr(cfg.parallel, dim)}: this dimension's layers are not in "
+                              f"this version yet (issue #{issue}); set parallel.{dim}=1")
+    if cfg.model.moe_experts:
+        raise ConfigError(f"model.moe_experts={cfg.model.moe_experts}: mixture-of-experts layers are not in this "
+                          f"version yet (issue #7); set model.moe_experts=0")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Refuse layouts and settings that cannot work, naming the setting to change."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -232,10 +248,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             raise ConfigError(f"parallel.{name}={getattr(p, name)} must be at least 1")
     if world_size is not None:
         check_world_size(p, world_size)
-    for dim, issue in (("tp", 4), ("cp", 5), ("pp", 6), ("ep", 7)):
-        if getattr(p, dim) > 1:
-            raise ConfigError(f"parallel.{dim}={getattr(p, dim)}: this dimension's layers are not in this "
-                              f"version yet (issue #{issue}); set parallel.{dim}=1")
+    if m.moe_experts and not 1 <= m.moe_top_k <= m.moe_experts:
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be between 1 and model.moe_experts={m.moe_experts}")
+    if p.ep > 1 and (not m.moe_experts or m.moe_experts % p.ep):
+        raise ConfigError(f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts}")
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
     if m.head_dim % 2:

@@ -12,7 +12,7 @@ import torch
 
 from . import checkpoint as ckpt
 from .comm import Comm
-from .config import Config, ConfigError
+from .config import Config, ConfigError, check_available
 from .data import BatchLoader, eval_batches, load_data
 from .logs import RunLog
 from .mesh import ParallelContext
@@ -195,6 +195,7 @@ def prepare_run_dir(cfg: Config, ctx: ParallelContext) -> None:
 
 def train(cfg: Config) -> list[dict]:
     """Run training in this process (one rank of a torchrun job, or alone)."""
+    check_available(cfg)
     ctx = ParallelContext.initialize(cfg.parallel)
     try:
         prepare_run_dir(cfg, ctx)

@@ -1,6 +1,6 @@
 import pytest
 
-from sixfold.config import ConfigError, load_config, validate
+from sixfold.config import ConfigError, check_available, load_config, validate
 
 
 def test_yaml_and_overrides(tmp_path):
@@ -40,8 +40,13 @@ def test_bad_values():
     (["model.n_kv_heads=3"], "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
     (["parallel.dp_replicate=3"], "train.global_batch=8 must be divisible by data-parallel size"),
     (["train.micro_batches=3"], "train.global_batch=8 must be divisible"),
-    (["parallel.tp=2"], "parallel.tp=2.*issue #4"),
-    (["parallel.pp=2"], "parallel.pp=2.*issue #6"),
+    (["parallel.cp=2", "train.seq_len=30"], "train.seq_len=30 must be divisible by 2\\*parallel.cp=4"),
+    (["parallel.tp=2", "train.seq_len=31"], "train.seq_len=31 must be divisible by parallel.tp=2"),
+    (["parallel.tp=8", "model.n_heads=4"], "model.n_heads=4 is not divisible by parallel.tp=8"),
+    (["parallel.tp=2", "model.n_heads=6", "model.dim=96", "model.n_kv_heads=3"],
+     "model.n_kv_heads=3 and parallel.tp=2: one must divide the other"),
+    (["parallel.ep=2"], "parallel.ep=2 must divide model.moe_experts=0"),
+    (["model.moe_experts=4", "model.moe_top_k=5"], "model.moe_top_k=5 must be between 1"),
     (["train.seq_len=4096"], "exceeds model.max_seq_len"),
     (["data.format=parquet"], "data.format"),
 ])
@@ -61,3 +66,19 @@ def test_shipped_configs_load():
     from pathlib import Path
     for path in sorted(Path(__file__).parent.parent.glob("configs/*.yaml")):
         load_config(path)
+
+
+def test_dimensions_not_in_this_version_are_refused_at_run_time():
+    for overrides, message in ((["parallel.tp=2"], "issue #4"), (["parallel.pp=2"], "issue #6"),
+                               (["model.moe_experts=8"], "issue #7")):
+        cfg = load_config(None, overrides)
+        with pytest.raises(ConfigError, match=message):
+            check_available(cfg)
+
+
+def test_parameter_counts_of_shipped_shapes():
+    from pathlib import Path
+    root = Path(__file__).parent.parent / "configs"
+    assert load_config(root / "llama3-8b.yaml").model.num_params() == 8_030_261_248
+    assert load_config(root / "bench.yaml").model.num_params() == 6_163_712
+    assert load_config(root / "mixtral-8x7b.yaml").model.num_params() == 46_702_792_704
