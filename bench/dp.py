@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -25,6 +26,7 @@ DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- dp:begin -->", "<!-- dp:end -->"
 WARMUP = 2  # steps left out of the timing
 ROWS_PER_RANK = 4
+QUIET = 0.1  # cores other processes may use when a run starts
 
 
 def overrides(world: int, steps: int, run_dir: str) -> list[str]:
@@ -67,7 +69,7 @@ def sixfold_worker(cfg) -> dict:
     trainer.Llama = build
     history = trainer.train(cfg)
     return {"step_s": [m["step_s"] for m in history], "loss": [m["loss"] for m in history],
-            "grad_norm": [m["grad_norm"] for m in history], "peak_mb": peak_mb(base["kb"])}
+            "peak_mb": peak_mb(base["kb"])}
 
 
 def ddp_worker(cfg) -> dict:
@@ -94,7 +96,7 @@ def ddp_worker(cfg) -> dict:
               {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0}]
     optim = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
     loader = BatchLoader(data.train, t.seq_len, t.global_batch, t.seed, rank, world)
-    out = {"step_s": [], "loss": [], "grad_norm": []}
+    out = {"step_s": [], "loss": []}
     for step in range(t.steps):
         start = time.perf_counter()
         x, y = loader.batch(step)
@@ -107,14 +109,13 @@ def ddp_worker(cfg) -> dict:
         (loss * world).backward()  # DDP averages over ranks; this makes the result a sum, as in sixfold
         total = torch.tensor([float(loss.detach())], dtype=torch.float64)
         dist.all_reduce(total)
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         for g in optim.param_groups:
             g["lr"] = learning_rate(t, step)
         optim.step()
         optim.zero_grad(set_to_none=False)  # keep the grads as bucket views, zeroed in place like sixfold's
         out["step_s"].append(time.perf_counter() - start)
         out["loss"].append(float(total))
-        out["grad_norm"].append(norm)
     out["peak_mb"] = peak_mb(base)
     dist.destroy_process_group()
     return out
@@ -131,18 +132,50 @@ def worker(args) -> None:
 
 # ---- driver ----
 
+def busy_jiffies() -> int:
+    """CPU time (1/100 s) the whole machine has spent busy since boot."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+
+
+def other_load(seconds: float = 1.0) -> float:
+    """Cores kept busy by other processes over a short sample."""
+    before = busy_jiffies()
+    time.sleep(seconds)
+    return (busy_jiffies() - before) / 100 / seconds
+
+
+def wait_quiet(limit_s: float = 600) -> None:
+    """Start a run only when other processes use less than QUIET cores (gives up after limit_s)."""
+    waited = 0
+    while other_load() > QUIET and waited < limit_s:
+        time.sleep(9)
+        waited += 10
+    if waited >= limit_s:
+        print(f"machine still busy after {limit_s:.0f} s; running anyway", flush=True)
+
+
+def job_jiffies() -> int:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return round((r.ru_utime + r.ru_stime) * 100)
+
+
 def launch(side: str, world: int, args) -> dict:
-    """One torchrun job; rank 0's mean step time after warm-up and the max peak memory over ranks."""
+    """One torchrun job: rank 0's mean step time after warm-up, max peak memory over ranks, and the
+    cores other processes kept busy meanwhile (a sign of a shared, noisy machine)."""
+    wait_quiet()
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                __file__, "--worker", side, "--steps", str(args.steps), "--config", args.config, "--out", out]
+        busy, mine, began = busy_jiffies(), job_jiffies(), time.perf_counter()
         proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True, capture_output=True)
+        others = ((busy_jiffies() - busy) - (job_jiffies() - mine)) / 100 / (time.perf_counter() - began)
         if proc.returncode:
             sys.exit(f"{side} on {world} ranks failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
         ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world)]
     first = ranks[0]
     return {"step_s": statistics.mean(first["step_s"][WARMUP:]), "peak_mb": max(r["peak_mb"] for r in ranks),
-            "loss": first["loss"], "grad_norm": first["grad_norm"]}
+            "loss": first["loss"], "others": max(others, 0.0)}
 
 
 def machine() -> str:
@@ -153,17 +186,30 @@ def machine() -> str:
             f"torch {torch.__version__}, gloo")
 
 
+def spread(values: list[float], digits: int) -> str:
+    """Median, with the range over runs."""
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
 def report(rows: list[dict], args) -> str:
+    others = max(r["others"] for row in rows for side in ("sixfold", "ddp") for r in row[side])
     lines = [f"Command: `python bench/dp.py {' '.join(sys.argv[1:])}`  ",
              f"Machine: {machine()}  ",
-             f"Date: {time.strftime('%Y-%m-%d')}; {args.runs} alternating run(s) per layout, "
-             f"steps {WARMUP + 1}-{args.steps} timed.",
+             f"Date: {time.strftime('%Y-%m-%d')}; {args.runs} alternating run(s) per layout, steps {WARMUP + 1}-"
+             f"{args.steps} timed; other processes used at most {others:.2f} cores during a run.",
+             "",
+             "Times are s/step and memory MB: median over runs (range).",
              "",
              "| layout | sixfold s/step | DDP s/step | time ratio | sixfold peak MB | DDP peak MB | memory ratio |",
              "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| dp_replicate={r['world']} ({r['world']} ranks) | {r['sixfold']:.3f} | {r['ddp']:.3f} | "
-                     f"{r['ratio']:.3f} | {r['sixfold_mb']:.0f} | {r['ddp_mb']:.0f} | {r['mem_ratio']:.3f} |")
+    for row in rows:
+        t = {side: [r["step_s"] for r in row[side]] for side in ("sixfold", "ddp")}
+        m = {side: [r["peak_mb"] for r in row[side]] for side in ("sixfold", "ddp")}
+        time_ratio = statistics.median(t["sixfold"]) / statistics.median(t["ddp"])
+        mem_ratio = statistics.median(m["sixfold"]) / statistics.median(m["ddp"])
+        lines.append(f"| dp_replicate={row['world']} ({row['world']} ranks) | {spread(t['sixfold'], 3)} | "
+                     f"{spread(t['ddp'], 3)} | **{time_ratio:.3f}** | {spread(m['sixfold'], 0)} | "
+                     f"{spread(m['ddp'], 0)} | **{mem_ratio:.3f}** |")
     return "\n".join(lines)
 
 
@@ -186,20 +232,16 @@ def drive(args) -> None:
     load_data(load_config(args.config).data)  # build the token cache before any timed job
     rows = []
     for world in args.ranks:
-        runs = {"sixfold": [], "ddp": []}
+        row = {"world": world, "sixfold": [], "ddp": []}
         for i in range(args.runs):
             for side in ("sixfold", "ddp"):
                 r = launch(side, world, args)
-                runs[side].append(r)
+                row[side].append(r)
                 print(f"{world} ranks, run {i + 1}, {side:7}: {r['step_s']:.3f} s/step, peak {r['peak_mb']:.0f} MB, "
-                      f"loss at step {args.steps} {r['loss'][-1]:.6f}", flush=True)
-        med = {s: statistics.median(r["step_s"] for r in runs[s]) for s in runs}
-        mem = {s: statistics.median(r["peak_mb"] for r in runs[s]) for s in runs}
-        gap = max(abs(a - b) for a, b in zip(runs["sixfold"][0]["loss"], runs["ddp"][0]["loss"]))
-        rows.append({"world": world, "sixfold": med["sixfold"], "ddp": med["ddp"], "ratio": med["sixfold"] / med["ddp"],
-                     "sixfold_mb": mem["sixfold"], "ddp_mb": mem["ddp"], "mem_ratio": mem["sixfold"] / mem["ddp"]})
-        print(f"{world} ranks: time ratio {rows[-1]['ratio']:.3f}, memory ratio {rows[-1]['mem_ratio']:.3f}, "
-              f"largest loss difference sixfold vs DDP {gap:.2e}", flush=True)
+                      f"loss at step {args.steps} {r['loss'][-1]:.6f}, other load {r['others']:.2f} cores", flush=True)
+        gap = max(abs(a - b) for a, b in zip(row["sixfold"][0]["loss"], row["ddp"][0]["loss"]))
+        print(f"{world} ranks: largest loss difference sixfold vs DDP {gap:.2e}", flush=True)
+        rows.append(row)
     body = report(rows, args)
     print(body)
     write_doc(body)

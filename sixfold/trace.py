@@ -87,7 +87,8 @@ def draw_timeline(events: list[dict], path: Path, title: str) -> None:
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_xlabel("time (ms)")
     ax.set_title(title)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper right", ncol=6, fontsize=8)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper center",
+              bbox_to_anchor=(0.5, -0.12 - 0.2 / len(ranks)), ncol=6, fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
