@@ -10,43 +10,49 @@ from .parallel.sharding import FlatParameters
 
 
 class AdamW:
-    """torch.optim.AdamW's update, run over whole flat buckets (decay skipped on no-decay parameters)."""
+    """torch.optim.AdamW's fused kernel over the parameters, which are views of the flat buffers.
 
-    def __init__(self, flat: FlatParameters, cfg: TrainConfig, no_decay):
-        self.flat = flat
-        self.beta1, self.beta2, self.eps, self.weight_decay = cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay
-        self.step_count = 0
-        self.exp_avg = [torch.zeros_like(b.data) for b in flat.buckets]
-        self.exp_avg_sq = [torch.zeros_like(b.data) for b in flat.buckets]
-        self.decayed = [[v for n, v in b.views(b.data).items() if not no_decay(n)] for b in flat.buckets]
+    Norm weights (`no_decay`) take no weight decay. State is exposed by global parameter name.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, no_decay):
+        self.named = dict(model.named_parameters())
+        groups = [{"params": [p for n, p in self.named.items() if not no_decay(n)], "weight_decay": cfg.weight_decay},
+                  {"params": [p for n, p in self.named.items() if no_decay(n)], "weight_decay": 0.0}]
+        self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+
+    @property
+    def step_count(self) -> int:
+        state = next(iter(self.opt.state.values()), None)
+        return int(state["step"]) if state else 0
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        self.step_count += 1
-        bc1 = 1 - self.beta1 ** self.step_count
-        bc2_sqrt = math.sqrt(1 - self.beta2 ** self.step_count)
-        for b, m, v, decayed in zip(self.flat.buckets, self.exp_avg, self.exp_avg_sq, self.decayed):
-            if self.weight_decay:
-                for p in decayed:
-                    p.mul_(1 - lr * self.weight_decay)
-            m.lerp_(b.grad, 1 - self.beta1)
-            v.mul_(self.beta2).addcmul_(b.grad, b.grad, value=1 - self.beta2)
-            denom = (v.sqrt() / bc2_sqrt).add_(self.eps)
-            b.data.addcdiv_(m, denom, value=-lr / bc1)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+
+    def _init_state(self) -> None:
+        for p in self.named.values():
+            if p not in self.opt.state:
+                self.opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                                     "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Optimizer state by global parameter name."""
+        self._init_state()
         out = {}
-        for b, m, v in zip(self.flat.buckets, self.exp_avg, self.exp_avg_sq):
-            out.update({f"{n}.exp_avg": t for n, t in b.views(m).items()})
-            out.update({f"{n}.exp_avg_sq": t for n, t in b.views(v).items()})
+        for n, p in self.named.items():
+            out[f"{n}.exp_avg"] = self.opt.state[p]["exp_avg"]
+            out[f"{n}.exp_avg_sq"] = self.opt.state[p]["exp_avg_sq"]
         return out
 
     @torch.no_grad()
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], step_count: int) -> None:
         for name, t in self.state_tensors().items():
             t.copy_(tensors[name])
-        self.step_count = step_count
+        for p in self.named.values():
+            self.opt.state[p]["step"].fill_(step_count)
 
 
 def clip_grad_norm(flat: FlatParameters, max_norm: float) -> float:

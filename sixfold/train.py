@@ -41,7 +41,7 @@ class Trainer:
         init_weights(self.model, t.seed)
         self.flat = FlatParameters(self.model, int(cfg.parallel.bucket_mb * 2 ** 20))
         self.dp = DataParallel(self.flat, self.comm)
-        self.optim = AdamW(self.flat, t, no_decay)
+        self.optim = AdamW(self.model, t, no_decay)
         self.loader = BatchLoader(self.data.train, t.seq_len, t.global_batch, t.seed,
                                   ctx.batch_index, ctx.size("batch"))
         self.step = 0

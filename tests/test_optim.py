@@ -16,41 +16,54 @@ def _models(tie=False):
     return a, b
 
 
-def _plain_optimizer(model, t):
+def _plain_optimizer(model, t, fused):
     decay = [p for n, p in model.named_parameters() if not no_decay(n)]
     rest = [p for n, p in model.named_parameters() if no_decay(n)]
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                               {"params": rest, "weight_decay": 0.0}],
-                             lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+                             lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused)
 
 
 def _batch(gen):
     return torch.randint(0, 320, (2, 16), generator=gen), torch.randint(0, 320, (2, 16), generator=gen)
 
 
-def test_flat_adamw_matches_torch_bitwise():
-    """Flat-bucket AdamW with the schedule equals torch.optim.AdamW exactly (decay off for norms)."""
+def _run_both(tie, fused):
+    ours, plain = _models(tie)
+    t = TrainConfig(steps=6, lr=3e-3, warmup_steps=2, grad_clip=0.0)
+    flat = FlatParameters(ours, bucket_bytes=20_000)
+    assert len(flat.buckets) > 1
+    opt = AdamW(ours, t, no_decay)
+    ref = _plain_optimizer(plain, t, fused)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(t.steps):
+        x, y = _batch(gen)
+        ours.loss_sum(x, y).backward()
+        plain.loss_sum(x, y).backward()
+        lr = learning_rate(t, step)
+        for g in ref.param_groups:
+            g["lr"] = lr
+        opt.step(lr)
+        ref.step()
+        flat.zero_grad()
+        ref.zero_grad()
+    assert opt.step_count == t.steps
+    return ours, plain
+
+
+def test_adamw_on_flat_views_matches_torch_bitwise():
+    """AdamW over the flat buffers' views, with the schedule, equals torch.optim.AdamW(fused=True) exactly."""
     for tie in (False, True):
-        ours, plain = _models(tie)
-        t = TrainConfig(steps=6, lr=3e-3, warmup_steps=2, grad_clip=0.0)
-        flat = FlatParameters(ours, bucket_bytes=20_000)
-        assert len(flat.buckets) > 1
-        opt = AdamW(flat, t, no_decay)
-        ref = _plain_optimizer(plain, t)
-        gen = torch.Generator().manual_seed(0)
-        for step in range(t.steps):
-            x, y = _batch(gen)
-            ours.loss_sum(x, y).backward()
-            plain.loss_sum(x, y).backward()
-            lr = learning_rate(t, step)
-            for g in ref.param_groups:
-                g["lr"] = lr
-            opt.step(lr)
-            ref.step()
-            flat.zero_grad()
-            ref.zero_grad()
+        ours, plain = _run_both(tie, fused=True)
         for (name, p), q in zip(ours.named_parameters(), plain.parameters()):
             assert torch.equal(p, q), name
+
+
+def test_adamw_matches_torch_default_implementation():
+    """Against the default (for-loop) AdamW: a different kernel, so equal to fp32 round-off."""
+    ours, plain = _run_both(False, fused=False)
+    for (name, p), q in zip(ours.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_clipping_matches_torch():

@@ -71,8 +71,9 @@ class FlatParameters:
         for b in self.buckets:
             b.grad.zero_()
 
-    def grad_norm_sq(self) -> torch.Tensor:
-        return sum(b.grad.double().pow(2).sum() for b in self.buckets)
+    def grad_norm_sq(self) -> float:
+        """Squared L2 norm of all gradients: fp32 per bucket, summed in fp64."""
+        return sum(float(b.grad.norm()) ** 2 for b in self.buckets)
 
 
 class DataParallel:
