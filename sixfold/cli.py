@@ -30,12 +30,18 @@ def _relaunch(args, argv: list[str], world: int) -> int | None:
     return run_torchrun(nproc, argv).returncode
 
 
-def cmd_train(args, argv) -> int:
+def _config(args):
+    """The validated config of `train` and `check`, refused early if it cannot run here."""
     path, overrides = _split(args.config)
     cfg = load_config(path, overrides)
     check_available(cfg)
     if args.nproc:
         validate(cfg, world_size=args.nproc)
+    return cfg
+
+
+def cmd_train(args, argv) -> int:
+    cfg = _config(args)
     code = _relaunch(args, [a for a in argv if not a.startswith("--nproc")], cfg.parallel.world_size)
     if code is not None:
         return code
@@ -45,11 +51,7 @@ def cmd_train(args, argv) -> int:
 
 
 def cmd_check(args, argv) -> int:
-    path, overrides = _split(args.config)
-    cfg = load_config(path, overrides)
-    check_available(cfg)
-    if args.nproc:
-        validate(cfg, world_size=args.nproc)
+    cfg = _config(args)
     from .parity import check
     result = check(cfg, args.steps, args.workdir)
     print(result.line())
