@@ -186,15 +186,24 @@ def machine() -> str:
             f"torch {torch.__version__}, gloo")
 
 
+def revision() -> str:
+    """The sixfold commit measured, and whether sixfold/ had uncommitted changes."""
+    def git(*a):
+        return subprocess.run(["git", "-C", str(ROOT), *a], text=True, capture_output=True).stdout.strip()
+    dirty = " with uncommitted changes in sixfold/" if git("status", "--porcelain", "sixfold") else ""
+    return f"commit {git('rev-parse', '--short', 'HEAD') or 'unknown'}{dirty}"
+
+
 def spread(values: list[float], digits: int) -> str:
     """Median, with the range over runs."""
     return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
-def report(rows: list[dict], args) -> str:
+def report(rows: list[dict], args, rev: str) -> str:
     others = max(r["others"] for row in rows for side in ("sixfold", "ddp") for r in row[side])
     lines = [f"Command: `python bench/dp.py {' '.join(sys.argv[1:])}`  ",
              f"Machine: {machine()}  ",
+             f"sixfold: {rev}  ",
              f"Date: {time.strftime('%Y-%m-%d')}; {args.runs} alternating run(s) per layout, steps {WARMUP + 1}-"
              f"{args.steps} timed; other processes used at most {others:.2f} cores during a run.",
              "",
@@ -230,6 +239,7 @@ def drive(args) -> None:
     from sixfold.data import load_data
 
     load_data(load_config(args.config).data)  # build the token cache before any timed job
+    rev = revision()
     rows = []
     for world in args.ranks:
         row = {"world": world, "sixfold": [], "ddp": []}
@@ -242,7 +252,9 @@ def drive(args) -> None:
         gap = max(abs(a - b) for a, b in zip(row["sixfold"][0]["loss"], row["ddp"][0]["loss"]))
         print(f"{world} ranks: largest loss difference sixfold vs DDP {gap:.2e}", flush=True)
         rows.append(row)
-    body = report(rows, args)
+    if revision() != rev:
+        rev += f", then {revision()} before the last run ended"
+    body = report(rows, args, rev)
     print(body)
     write_doc(body)
     print(f"wrote {DOC.relative_to(ROOT)}")

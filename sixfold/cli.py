@@ -125,16 +125,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def entry() -> None:
-    code = main()
-    if under_torchrun():
-        # gloo's worker threads can abort the process during interpreter teardown even after
-        # destroy_process_group (pytorch/pytorch#179291); a rank's work is complete and flushed here.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
-
-
 if __name__ == "__main__":
-    entry()
+    sys.exit(main())

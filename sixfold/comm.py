@@ -9,6 +9,10 @@ import torch.distributed as dist
 from .mesh import ParallelContext
 from .trace import Tracer, now_us
 
+# torch 2.13 renamed these; 2.11 and 2.12 have only the old names
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class Ledger:
     """Payload bytes per (group, op): for the current step and for the whole run."""
@@ -50,19 +54,39 @@ class Comm:
         self.ctx, self.tracer = ctx, tracer
         self.ledger = ledger or Ledger()
 
+    def _run(self, op: str, group: str, nbytes: int, label: str, async_op: bool, call) -> Pending:
+        self.ledger.record(group, op, nbytes)
+        name = f"{op} {group}{' ' + label if label else ''}"
+        start = now_us()
+        work = call(self.ctx.groups[group], async_op)
+        if not async_op:
+            self.tracer.add(name, "comm", start, now_us(), bytes=nbytes)
+        return Pending(work if async_op else None, self.tracer, name, start, {"bytes": nbytes})
+
     def all_reduce(self, t: torch.Tensor, group: str, async_op: bool = False, label: str = "") -> Pending | None:
         """Sum `t` in place over `group`; a no-op on a group of one."""
         if self.ctx.size(group) == 1:
             return None
-        nbytes = t.numel() * t.element_size()
-        self.ledger.record(group, "all_reduce", nbytes)
-        name = f"all_reduce {group}{' ' + label if label else ''}"
-        start = now_us()
-        work = dist.all_reduce(t, group=self.ctx.groups[group], async_op=async_op)
-        pending = Pending(work if async_op else None, self.tracer, name, start, {"bytes": nbytes})
-        if not async_op:
-            self.tracer.add(name, "comm", start, now_us(), bytes=nbytes)
-        return pending
+        return self._run("all_reduce", group, t.numel() * t.element_size(), label, async_op,
+                         lambda g, a: dist.all_reduce(t, group=g, async_op=a))
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: str, async_op: bool = False,
+                       label: str = "") -> Pending | None:
+        """`out` = this rank's slice of the sum of `full` over `group` (bytes counted: the full input)."""
+        if self.ctx.size(group) == 1:
+            out.copy_(full)
+            return None
+        return self._run("reduce_scatter", group, full.numel() * full.element_size(), label, async_op,
+                         lambda g, a: _reduce_scatter(out, full, group=g, async_op=a))
+
+    def all_gather(self, full: torch.Tensor, part: torch.Tensor, group: str, async_op: bool = False,
+                   label: str = "") -> Pending | None:
+        """`full` = the concatenation of every rank's `part` (bytes counted: the full output)."""
+        if self.ctx.size(group) == 1:
+            full.copy_(part)
+            return None
+        return self._run("all_gather", group, full.numel() * full.element_size(), label, async_op,
+                         lambda g, a: _all_gather(full, part, group=g, async_op=a))
 
     def sum_scalars(self, values: list[float], group: str) -> list[float]:
         """Sum a few fp64 scalars over `group` in one collective."""

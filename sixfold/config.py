@@ -56,7 +56,8 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     ep: int = 1
-    bucket_mb: float = 4.0
+    zero: int = 0
+    reshard_after_forward: bool = True
     timeout_s: float = 300.0
 
     @property
@@ -243,6 +244,9 @@ def check_available(cfg: Config) -> None:
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Refuse layouts and settings that cannot work, naming the setting to change."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero={p.zero}: choose 0 (replicate), 1 (optimizer state sharded), "
+                          f"2 (and gradients) or 3 (and parameters)")
     for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name}={getattr(p, name)} must be at least 1")

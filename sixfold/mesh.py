@@ -6,6 +6,7 @@ Expert parallel borrows ranks: an ep group is `ep` consecutive members of the fl
 """
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -180,5 +181,8 @@ class ParallelContext:
             dist.barrier()
 
     def close(self) -> None:
+        """Destroy the process groups and drop our references, so none is left for interpreter teardown."""
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.groups = {name: None for name in self.groups}
+        gc.collect()

@@ -6,20 +6,28 @@ import math
 import torch
 
 from .config import TrainConfig
-from .parallel.sharding import FlatParameters
+from .parallel.sharding import Sharded, Unit
 
 
 class AdamW:
-    """torch.optim.AdamW's fused kernel over the parameters, which are views of the flat buffers.
+    """torch.optim.AdamW's fused kernel over this rank's shard of each unit, one segment per parameter.
 
-    Norm weights (`no_decay`) take no weight decay. State is exposed by global parameter name.
+    Norm weights (`no_decay`) take no weight decay. Unsharded, the segments are the parameters themselves.
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, no_decay):
-        self.named = dict(model.named_parameters())
-        groups = [{"params": [p for n, p in self.named.items() if not no_decay(n)], "weight_decay": cfg.weight_decay},
-                  {"params": [p for n, p in self.named.items() if no_decay(n)], "weight_decay": 0.0}]
-        self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+    def __init__(self, sharded: Sharded, cfg: TrainConfig, no_decay):
+        self.sharded = sharded
+        self.segments: list[tuple[Unit, int, int, torch.Tensor]] = []
+        groups = ([], [])
+        for unit in sharded.units:
+            for name, a, b in unit.segments():
+                view = unit.master[a:b]
+                view.grad = unit.grad_shard[a:b]
+                self.segments.append((unit, a, b, view))
+                groups[no_decay(name)].append(view)
+        self.opt = torch.optim.AdamW([{"params": groups[0], "weight_decay": cfg.weight_decay},
+                                      {"params": groups[1], "weight_decay": 0.0}],
+                                     lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
 
     @property
     def step_count(self) -> int:
@@ -32,40 +40,48 @@ class AdamW:
             group["lr"] = lr
         self.opt.step()
 
-    def _init_state(self) -> None:
-        for p in self.named.values():
-            if p not in self.opt.state:
-                self.opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
-                                     "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    def _state(self, view: torch.Tensor) -> dict:
+        if view not in self.opt.state:
+            self.opt.state[view] = {"step": torch.zeros((), dtype=torch.float32, device=view.device),
+                                    "exp_avg": torch.zeros_like(view), "exp_avg_sq": torch.zeros_like(view)}
+        return self.opt.state[view]
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Optimizer state by global parameter name."""
-        self._init_state()
+        """Optimizer state by global parameter name (a collective under ZeRO)."""
         out = {}
-        for n, p in self.named.items():
-            out[f"{n}.exp_avg"] = self.opt.state[p]["exp_avg"]
-            out[f"{n}.exp_avg_sq"] = self.opt.state[p]["exp_avg_sq"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            for unit in self.sharded.units:
+                shard = torch.zeros_like(unit.master)
+                for u, a, b, view in self.segments:
+                    if u is unit:
+                        shard[a:b] = self._state(view)[key]
+                full = self.sharded.gather(unit, shard)
+                out.update({f"{n}.{key}": t for n, t in unit.views(full).items()})
         return out
 
     @torch.no_grad()
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], step_count: int) -> None:
-        for name, t in self.state_tensors().items():
-            t.copy_(tensors[name])
-        for p in self.named.values():
-            self.opt.state[p]["step"].fill_(step_count)
+        for key in ("exp_avg", "exp_avg_sq"):
+            for unit in self.sharded.units:
+                named = {n: tensors[f"{n}.{key}"] for n in unit.names}
+                shard = self.sharded.shard_of(unit, self.sharded.flatten(unit, named))
+                for u, a, b, view in self.segments:
+                    if u is unit:
+                        self._state(view)[key].copy_(shard[a:b])
+        for _, _, _, view in self.segments:
+            self._state(view)["step"].fill_(step_count)
 
 
-def clip_grad_norm(flat: FlatParameters, max_norm: float) -> float:
+def clip_grad_norm(sharded: Sharded, max_norm: float) -> float:
     """Scale gradients so their global L2 norm is at most max_norm; return the norm before clipping.
 
-    After data-parallel reduction every rank holds the full gradient, so the local norm is global.
+    Shards are disjoint and replicas equal, so the norm sums shards over the fsdp group only.
     """
-    norm = math.sqrt(float(flat.grad_norm_sq()))
+    norm = math.sqrt(sharded.grad_norm_sq())
     if max_norm > 0 and math.isfinite(norm):
         coef = min(max_norm / (norm + 1e-6), 1.0)
         if coef < 1.0:
-            for b in flat.buckets:
-                b.grad.mul_(coef)
+            sharded.scale_grads(coef)
     return norm
 
 

@@ -56,7 +56,7 @@ def _with(cfg: Config, run_dir: Path, steps: int, **sections) -> Config:
 def reference_config(cfg: Config, run_dir: Path, steps: int) -> Config:
     """Same model, data and global batch in one process and one micro-batch."""
     ref = _with(cfg, run_dir, steps, train={"micro_batches": 1})
-    ref.parallel = ParallelConfig(bucket_mb=cfg.parallel.bucket_mb, timeout_s=cfg.parallel.timeout_s)
+    ref.parallel = ParallelConfig(timeout_s=cfg.parallel.timeout_s)
     return ref
 
 

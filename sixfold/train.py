@@ -18,7 +18,7 @@ from .logs import RunLog
 from .mesh import ParallelContext
 from .model.llama import IGNORE_INDEX, Llama, init_weights, no_decay
 from .optim import AdamW, clip_grad_norm, learning_rate
-from .parallel.sharding import DataParallel, FlatParameters
+from .parallel.sharding import Sharded
 from .trace import Tracer, draw_timeline, write_chrome_trace
 
 TRACE_STEPS = 3
@@ -39,9 +39,8 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.model = Llama(cfg.model).to(ctx.device)
         init_weights(self.model, t.seed)
-        self.flat = FlatParameters(self.model, int(cfg.parallel.bucket_mb * 2 ** 20))
-        self.dp = DataParallel(self.flat, self.comm)
-        self.optim = AdamW(self.model, t, no_decay)
+        self.sharded = Sharded(self.model, self.comm, cfg.parallel.zero, cfg.parallel.reshard_after_forward)
+        self.optim = AdamW(self.sharded, t, no_decay)
         self.loader = BatchLoader(self.data.train, t.seq_len, t.global_batch, t.seed,
                                   ctx.batch_index, ctx.size("batch"))
         self.step = 0
@@ -73,22 +72,23 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         for i, (x, y) in enumerate(micro):
             x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-            self.dp.sync = i == len(micro) - 1
+            self.sharded.sync = i == len(micro) - 1
             with self.tracer.span(f"F{i}", "compute", mb=i):
                 loss = self.model.loss_sum(x, y) / global_tokens
             with self.tracer.span(f"B{i}", "compute", mb=i):
                 loss.backward()
             loss_sum += loss.detach()
-        self.dp.finish()
+        self.sharded.finish()
         (loss_value,) = self.comm.sum_scalars([float(loss_sum)], "loss")
         if not math.isfinite(loss_value):
             raise TrainingError(f"loss is {loss_value} at step {self.step + 1}; weights were not updated. "
                                 f"Lower train.lr or check the data, then resume from the last checkpoint")
         with self.tracer.span("optimizer", "optim"):
-            grad_norm = clip_grad_norm(self.flat, t.grad_clip)
+            grad_norm = clip_grad_norm(self.sharded, t.grad_clip)
             lr = learning_rate(t, self.step)
             self.optim.step(lr)
-            self.flat.zero_grad()
+            self.sharded.after_step()
+            self.sharded.zero_grad()
         self.step += 1
         self.loader.load_state_dict({**self.loader.state_dict(), "next_step": self.step})
         elapsed = time.perf_counter() - start
@@ -112,14 +112,13 @@ class Trainer:
     # checkpoints ------------------------------------------------------------------------------
     def save(self) -> Path:
         path = ckpt.step_dir(self.run_dir, self.step)
+        params, state = self.sharded.full_weights(), self.optim.state_tensors()
         if self.ctx.is_main:
-            params = {n: p for n, p in self.model.named_parameters()}
             meta = {"step": self.step, "config": self.cfg.to_dict(), "loader": self.loader.state_dict(),
                     "optimizer_steps": self.optim.step_count}
             tok = self.data.tokenizer
             blobs = {"tokenizer.json": tok.to_json().encode()} if hasattr(tok, "to_json") else {}
-            ckpt.write_checkpoint(path, {"model.safetensors": params,
-                                         "optim.safetensors": self.optim.state_tensors()}, meta, blobs)
+            ckpt.write_checkpoint(path, {"model.safetensors": params, "optim.safetensors": state}, meta, blobs)
             ckpt.mark_latest(self.run_dir, path, self.cfg.checkpoint.keep)
         self.ctx.barrier()
         return path
@@ -128,11 +127,10 @@ class Trainer:
     def load(self, where: str) -> None:
         path = ckpt.find_checkpoint(self.run_dir if where == "auto" else where)
         meta = ckpt.read_meta(path)
-        params = dict(self.model.named_parameters())
+        shapes = {n: p.shape for n, p in self.model.named_parameters()}
         tensors = ckpt.read_tensors(path, "model.safetensors")
-        ckpt.check_shapes({n: p.shape for n, p in params.items()}, tensors, str(path / "model.safetensors"))
-        for n, p in params.items():
-            p.copy_(tensors[n])
+        ckpt.check_shapes(shapes, tensors, str(path / "model.safetensors"))
+        self.sharded.load_weights(tensors)
         if "optim.safetensors" in meta["files"]:
             state = ckpt.read_tensors(path, "optim.safetensors")
             ckpt.check_shapes({n: t.shape for n, t in self.optim.state_tensors().items()}, state,

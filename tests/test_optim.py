@@ -5,7 +5,10 @@ import torch
 from sixfold.config import ModelConfig, TrainConfig
 from sixfold.model.llama import Llama, init_weights, no_decay
 from sixfold.optim import AdamW, clip_grad_norm, learning_rate
-from sixfold.parallel.sharding import FlatParameters
+from sixfold.comm import Comm
+from sixfold.mesh import ParallelContext
+from sixfold.parallel.sharding import Sharded
+from sixfold.trace import Tracer
 
 
 def _models(tie=False):
@@ -14,6 +17,10 @@ def _models(tie=False):
     init_weights(a, 7)
     init_weights(b, 7)
     return a, b
+
+
+def _sharded(model):
+    return Sharded(model, Comm(ParallelContext.single(), Tracer(False, 0)), zero=0)
 
 
 def _plain_optimizer(model, t, fused):
@@ -31,9 +38,9 @@ def _batch(gen):
 def _run_both(tie, fused):
     ours, plain = _models(tie)
     t = TrainConfig(steps=6, lr=3e-3, warmup_steps=2, grad_clip=0.0)
-    flat = FlatParameters(ours, bucket_bytes=20_000)
-    assert len(flat.buckets) > 1
-    opt = AdamW(ours, t, no_decay)
+    flat = _sharded(ours)
+    assert len(flat.units) == ours.cfg.n_layers + 2
+    opt = AdamW(flat, t, no_decay)
     ref = _plain_optimizer(plain, t, fused)
     gen = torch.Generator().manual_seed(0)
     for step in range(t.steps):
@@ -69,7 +76,7 @@ def test_adamw_matches_torch_default_implementation():
 def test_clipping_matches_torch():
     """Same gradients: the norm (fp64 here, fp32 in torch) and the clipped gradients agree to fp32 round-off."""
     ours, plain = _models()
-    flat = FlatParameters(ours, bucket_bytes=20_000)
+    flat = _sharded(ours)
     x, y = _batch(torch.Generator().manual_seed(1))
     ours.loss_sum(x, y).backward()
     plain.loss_sum(x, y).backward()
@@ -89,11 +96,11 @@ def test_schedule_shape():
     assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
 
 
-def test_flat_views_share_storage():
+def test_parameters_are_views_of_unit_buffers():
     model, _ = _models()
-    flat = FlatParameters(model, bucket_bytes=1 << 30)
-    assert len(flat.buckets) == 1
-    b = flat.buckets[0]
-    for p in model.parameters():
-        assert p.data.untyped_storage().data_ptr() == b.data.untyped_storage().data_ptr()
-        assert p.grad.untyped_storage().data_ptr() == b.grad.untyped_storage().data_ptr()
+    sharded = _sharded(model)
+    for unit in sharded.units:
+        assert unit.padded % 16 == 0 and unit.padded >= sum(unit.sizes)
+        for p in unit.params:
+            assert p.data.untyped_storage().data_ptr() == unit.full.untyped_storage().data_ptr()
+            assert p.grad.untyped_storage().data_ptr() == unit.grad.untyped_storage().data_ptr()

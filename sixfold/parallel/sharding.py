@@ -1,121 +1,267 @@
-"""Flat buffers and data-parallel gradient reduction.
+"""Flat buffers per FSDP unit; data-parallel gradient reduction and ZeRO-1/2/3 over the fsdp group.
 
-Parameters and their gradients are views into flat per-bucket buffers, so forward and backward make
-no copies and the optimizer runs over a few large tensors. Buckets follow the reverse order of
-registration (about the order backward finishes them). On the last micro-batch each bucket's
-asynchronous all-reduce starts as soon as its last gradient is accumulated, in bucket order on every
-rank, so communication overlaps the rest of backward.
+A unit (the embedding, each block, the final norm with the head) owns flat buffers, padded so that
+every rank's shard is equal and aligned:
+  full        compute weights; the parameters are views of it
+  grad        full gradients; the parameters' .grad are views of it
+  master      this rank's shard of the weights, which the optimizer updates (`full` itself when unsharded)
+  grad_shard  this rank's shard of the reduced gradients (`grad` itself when unsharded)
+zero 0: each unit's gradients are all-reduced over the loss group as soon as its backward is done on the
+last micro-batch (DDP). zero 1: reduce-scattered over fsdp instead; the shard is updated, then the weights
+all-gathered. zero 2: also the full gradient buffer is freed after its reduce-scatter. zero 3: also the
+full weights are freed outside the unit's forward and backward and gathered just ahead of use (prefetch).
+With dp_replicate > 1 (HSDP) the gradient shards are then all-reduced across replicas.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
 
 import torch
 from torch import nn
 
 from ..comm import Comm, Pending
 
+ALIGN = 16  # elements: shard boundaries stay aligned
 
-@dataclass
-class Bucket:
-    index: int
-    names: list[str]
-    params: list[nn.Parameter]
-    data: torch.Tensor
-    grad: torch.Tensor
-    offsets: list[int] = field(default_factory=list)
-    ready: int = 0
-    pending: Pending | None = None
+
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _alloc(t: torch.Tensor) -> bool:
+    """Give a freed buffer its storage back; True if it had been freed."""
+    storage = t.untyped_storage()
+    if storage.size():
+        return False
+    storage.resize_(t.numel() * t.element_size())
+    return True
+
+
+class Unit:
+    def __init__(self, index: int, modules: list[nn.Module], named: list[tuple[str, nn.Parameter]],
+                 shards: int, rank: int):
+        self.index, self.modules = index, modules
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.sizes = [p.numel() for p in self.params]
+        self.offsets = list(itertools.accumulate([0] + self.sizes[:-1]))
+        quantum = shards * ALIGN
+        self.padded = -(-sum(self.sizes) // quantum) * quantum
+        self.shard_size = self.padded // shards
+        self.lo = rank * self.shard_size
+        ref = self.params[0]
+        self.full = torch.zeros(self.padded, dtype=ref.dtype, device=ref.device)
+        self.grad = torch.zeros_like(self.full)
+        for p, o, n in zip(self.params, self.offsets, self.sizes):
+            self.full[o:o + n].copy_(p.data.flatten())
+            p.data = self.full[o:o + n].view_as(p)
+            p.grad = self.grad[o:o + n].view_as(p)
+        sharded = shards > 1
+        self.master = self.full[self.lo:self.lo + self.shard_size].clone() if sharded else self.full
+        self.grad_shard = torch.zeros_like(self.master) if sharded else self.grad
+        self.ready = 0
+        self.reduce: Pending | None = None
+        self.gather: Pending | None = None
+        self.keep_gathered = False
+        self.done = False
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The per-parameter views of a flat tensor laid out like this bucket."""
-        return {n: flat[o:o + p.numel()].view_as(p) for n, p, o in zip(self.names, self.params, self.offsets)}
+        """Per-parameter views of a full-size flat tensor laid out like this unit."""
+        return {n: flat[o:o + s].view_as(p) for n, p, o, s in zip(self.names, self.params, self.offsets, self.sizes)}
+
+    def segments(self) -> list[tuple[str, int, int]]:
+        """(name, start, end) of each parameter's part inside this rank's shard, in shard coordinates."""
+        out = []
+        hi = self.lo + self.shard_size
+        for n, o, s in zip(self.names, self.offsets, self.sizes):
+            a, b = max(o, self.lo), min(o + s, hi)
+            if a < b:
+                out.append((n, a - self.lo, b - self.lo))
+        return out
 
 
-def _assign(params: list[tuple[str, nn.Parameter]], bucket_bytes: int) -> list[list[tuple[str, nn.Parameter]]]:
-    groups, current, size = [], [], 0
-    for name, p in params:
-        current.append((name, p))
-        size += p.numel() * p.element_size()
-        if size >= bucket_bytes:
-            groups.append(current)
-            current, size = [], 0
-    if current:
-        groups.append(current)
-    return groups
+def build_units(model: nn.Module, shards: int, rank: int) -> list[Unit]:
+    """The embedding, each block, and the final norm with the head (a tied head adds no parameter)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [[model.embed], *[[b] for b in model.layers], [model.norm] + ([model.head] if model.head is not None else [])]
+    units = []
+    for i, modules in enumerate(groups):
+        named = [(names[id(p)], p) for m in modules for p in m.parameters() if id(p) in names]
+        for _, p in named:
+            names.pop(id(p))
+        units.append(Unit(i, modules, named, shards, rank))
+    return units
 
 
-class FlatParameters:
-    """The model's parameters moved into flat buckets (parameter data and gradients are views)."""
+class _GatherForBackward(torch.autograd.Function):
+    """Identity on a unit's output whose backward gathers the unit's weights before its own backward runs."""
 
-    def __init__(self, model: nn.Module, bucket_bytes: int):
-        named = list(model.named_parameters())[::-1]
-        self.buckets: list[Bucket] = []
-        for i, members in enumerate(_assign(named, bucket_bytes)):
-            total = sum(p.numel() for _, p in members)
-            ref = members[0][1]
-            data = torch.empty(total, dtype=ref.dtype, device=ref.device)
-            grad = torch.zeros(total, dtype=ref.dtype, device=ref.device)
-            bucket = Bucket(i, [n for n, _ in members], [p for _, p in members], data, grad)
-            offset = 0
-            for _, p in members:
-                bucket.offsets.append(offset)
-                n = p.numel()
-                data[offset:offset + n].copy_(p.data.flatten())
-                p.data = data[offset:offset + n].view_as(p)
-                p.grad = grad[offset:offset + n].view_as(p)
-                offset += n
-            self.buckets.append(bucket)
+    @staticmethod
+    def forward(ctx, sharded, unit, x):
+        ctx.sharded, ctx.unit = sharded, unit
+        return x.view_as(x)
 
-    def zero_grad(self) -> None:
-        for b in self.buckets:
-            b.grad.zero_()
-
-    def grad_norm_sq(self) -> float:
-        """Squared L2 norm of all gradients: fp32 per bucket, summed in fp64."""
-        return sum(float(b.grad.norm()) ** 2 for b in self.buckets)
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sharded.before_backward(ctx.unit)
+        return None, None, grad
 
 
-class DataParallel:
-    """Sums gradients over the ranks that hold the same parameters and read different data."""
+class Sharded:
+    """The model's parameters in units, reduced and (for zero >= 1) sharded over the fsdp group."""
 
-    def __init__(self, flat: FlatParameters, comm: Comm, group: str = "loss"):
-        self.flat, self.comm, self.group = flat, comm, group
+    def __init__(self, model: nn.Module, comm: Comm, zero: int, reshard_after_forward: bool = True):
+        self.comm = comm
+        ctx = comm.ctx
+        shards = ctx.size("fsdp") if zero else 1
+        self.zero = zero if shards > 1 else 0
+        self.units = build_units(model, shards, ctx.rank_in("fsdp") if self.zero else 0)
+        self.replicas = ctx.size("dp_replicate") if self.zero else 1
+        self.communicates = ctx.size("loss") > 1
         self.sync = False
-        self._next = 0
-        self._owner = {}
-        if comm.ctx.size(group) > 1:
-            for b in flat.buckets:
-                for p in b.params:
-                    self._owner[p] = b
-                    p.register_post_accumulate_grad_hook(self._on_grad)
+        self._next = len(self.units) - 1
+        tied = model.head is None
+        for unit in self.units:
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(lambda p, u=unit: self._on_grad(u))
+            if self.zero >= 2:
+                unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self._grad_buffer(u))
+            if self.zero == 3:
+                unit.keep_gathered = not reshard_after_forward or (tied and unit.index == 0)
+                unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self.before_forward(u))
+                unit.modules[-1].register_forward_hook(lambda m, a, out, u=unit: self._after_forward(u, out))
+                _free(unit.full)
 
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if not self.sync:
+    # ZeRO-3: weights gathered just ahead of use -------------------------------------------------
+    def _start_gather(self, unit: Unit) -> None:
+        if unit.gather is None and _alloc(unit.full):
+            unit.gather = self.comm.all_gather(unit.full, unit.master, "fsdp", async_op=True,
+                                               label=f"unit {unit.index}")
+
+    def _wait_gather(self, unit: Unit) -> None:
+        self._start_gather(unit)
+        if unit.gather is not None:
+            unit.gather.wait()
+            unit.gather = None
+
+    def before_forward(self, unit: Unit) -> None:
+        self._wait_gather(unit)
+        if unit.index + 1 < len(self.units):
+            self._start_gather(self.units[unit.index + 1])
+
+    def _after_forward(self, unit: Unit, out):
+        if not torch.is_grad_enabled():
+            return out
+        if not unit.keep_gathered:
+            _free(unit.full)
+        return _GatherForBackward.apply(self, unit, out)
+
+    def before_backward(self, unit: Unit) -> None:
+        self._wait_gather(unit)
+        if unit.index > 0:
+            self._start_gather(self.units[unit.index - 1])
+
+    # gradients ----------------------------------------------------------------------------------
+    def _grad_buffer(self, unit: Unit) -> None:
+        if torch.is_grad_enabled() and _alloc(unit.grad):
+            unit.grad.zero_()
+
+    def _on_grad(self, unit: Unit) -> None:
+        """A parameter's gradient is accumulated; when the whole unit's are, its backward is done."""
+        unit.ready += 1
+        if unit.ready < len(unit.params):
             return
-        b = self._owner[p]
-        b.ready += 1
-        if b.ready == len(b.params):
-            self._launch_ready()
+        unit.ready = 0
+        if self.zero == 3 and not unit.keep_gathered:
+            _free(unit.full)
+        if self.sync:
+            unit.done = True
+            while self._next >= 0 and self.units[self._next].done:
+                self._launch(self.units[self._next])
+                self._next -= 1
 
-    def _launch_ready(self) -> None:
-        """Start all-reduces in bucket order, never out of it (every rank must issue the same sequence)."""
-        buckets = self.flat.buckets
-        while self._next < len(buckets) and buckets[self._next].ready == len(buckets[self._next].params):
-            self._launch(buckets[self._next])
-            self._next += 1
-
-    def _launch(self, b: Bucket) -> None:
-        b.pending = self.comm.all_reduce(b.grad, self.group, async_op=True, label=f"bucket {b.index}")
+    def _launch(self, unit: Unit) -> None:
+        """Start the unit's reduction; backward's unit order on every rank, so the sequences match."""
+        if not self.communicates:
+            return
+        label = f"unit {unit.index}"
+        if self.zero:
+            unit.reduce = self.comm.reduce_scatter(unit.grad_shard, unit.grad, "fsdp", async_op=True, label=label)
+        else:
+            unit.reduce = self.comm.all_reduce(unit.grad, "loss", async_op=True, label=label)
 
     def finish(self) -> None:
-        """After the last micro-batch's backward: start what has not started, then wait for all."""
-        if self.comm.ctx.size(self.group) == 1:
-            return
-        for b in self.flat.buckets[self._next:]:
-            self._launch(b)
-        for b in self.flat.buckets:
-            b.pending.wait()
-            b.pending, b.ready = None, 0
-        self._next = 0
+        """After the last micro-batch's backward: reduce what has not started, wait, then across replicas."""
+        while self._next >= 0:
+            self._launch(self.units[self._next])
+            self._next -= 1
+        for unit in self.units:
+            if unit.reduce is not None:
+                unit.reduce.wait()
+            unit.reduce, unit.done = None, False
+        if self.replicas > 1:
+            for p in [self.comm.all_reduce(u.grad_shard, "dp_replicate", async_op=True) for u in self.units]:
+                p.wait()
+        for unit in self.units:
+            if self.zero >= 2:
+                _free(unit.grad)
+            if self.zero == 3:
+                _free(unit.full)
+        self._next = len(self.units) - 1
         self.sync = False
+
+    def grad_norm_sq(self) -> float:
+        """Squared L2 norm of the reduced gradients: fp32 per shard, summed in fp64 over the fsdp group."""
+        local = sum(float(u.grad_shard.norm()) ** 2 for u in self.units)
+        if self.zero:
+            (local,) = self.comm.sum_scalars([local], "fsdp")
+        return local
+
+    def scale_grads(self, coef: float) -> None:
+        for u in self.units:
+            u.grad_shard.mul_(coef)
+
+    def after_step(self) -> None:
+        """ZeRO-1/2: every rank updated its shard; gather the full weights back."""
+        if self.zero in (1, 2):
+            for p in [self.comm.all_gather(u.full, u.master, "fsdp", async_op=True) for u in self.units]:
+                p.wait()
+
+    def zero_grad(self) -> None:
+        if self.zero < 2:
+            for u in self.units:
+                u.grad.zero_()
+
+    # whole tensors by global name (checkpoints) -------------------------------------------------
+    def gather(self, unit: Unit, shard: torch.Tensor) -> torch.Tensor:
+        """A unit-shaped flat tensor from every rank's shard of it."""
+        if not self.zero:
+            return shard
+        full = torch.empty(unit.padded, dtype=shard.dtype, device=shard.device)
+        self.comm.all_gather(full, shard.contiguous(), "fsdp", label="checkpoint")
+        return full
+
+    def flatten(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The unit-shaped flat tensor of named tensors (zeros in the padding)."""
+        flat = torch.zeros(unit.padded, dtype=unit.master.dtype, device=unit.master.device)
+        for n, o, s in zip(unit.names, unit.offsets, unit.sizes):
+            flat[o:o + s].copy_(tensors[n].flatten())
+        return flat
+
+    def shard_of(self, unit: Unit, flat: torch.Tensor) -> torch.Tensor:
+        return flat[unit.lo:unit.lo + unit.shard_size] if self.zero else flat
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter by global name (a collective under ZeRO)."""
+        out = {}
+        for u in self.units:
+            out.update(u.views(self.gather(u, u.master)))
+        return out
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        for u in self.units:
+            flat = self.flatten(u, tensors)
+            u.master.copy_(self.shard_of(u, flat))
+            if self.zero in (1, 2):
+                u.full.copy_(flat)

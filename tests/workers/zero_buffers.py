@@ -1,0 +1,33 @@
+"""Under each ZeRO stage: which unit buffers are alive after a step, and collectives against their formulas."""
+import sys
+
+from sixfold.config import load_config
+from sixfold.mesh import ParallelContext
+from sixfold.train import Trainer
+
+zero, micro = int(sys.argv[1]), 2
+cfg = load_config("configs/tiny.yaml", [f"parallel.dp_shard=4", f"parallel.zero={zero}",
+                                        f"train.micro_batches={micro}", "log.run_dir=/tmp/unused"])
+ctx = ParallelContext.initialize(cfg.parallel)
+trainer = Trainer(cfg, ctx)
+trainer.comm.ledger.end_step()
+trainer.train_step()
+calls = {k: v for k, v in trainer.comm.ledger.calls.items()}
+units = trainer.sharded.units
+live = lambda t: t.untyped_storage().size() > 0
+padded = sum(u.padded for u in units)
+for u in units:
+    assert u.master.numel() == u.padded // 4
+    assert live(u.full) == (zero < 3), (zero, u.index)
+    assert live(u.grad) == (zero < 2), (zero, u.index)
+ledger = trainer.comm.ledger.total
+n = len(units)
+assert ledger["fsdp", "reduce_scatter"] == padded * 4 and calls["fsdp", "reduce_scatter"] == n
+if zero in (1, 2):
+    assert calls["fsdp", "all_gather"] == n and ledger["fsdp", "all_gather"] == padded * 4
+if zero == 3:
+    # every unit gathered before forward and again before backward, on each micro-batch
+    assert calls["fsdp", "all_gather"] == 2 * n * micro and ledger["fsdp", "all_gather"] == 2 * micro * padded * 4
+if ctx.rank == 0:
+    print(f"zero {zero} buffers OK")
+ctx.close()
