@@ -13,6 +13,9 @@ from pathlib import Path
 import yaml
 
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
 class ConfigError(ValueError):
     """A setting that cannot work; the message names it and what to change."""
 
@@ -91,6 +94,8 @@ class TrainConfig:
     seed: int = 1234
     eval_every: int = 0
     eval_batches: int = 2
+    precision: str = "fp32"
+    grad_reduce: str = "fp32"
 
 
 @dataclass
@@ -282,6 +287,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError("train.steps and train.seq_len must be at least 1")
     if t.warmup_steps < 0 or t.lr <= 0 or t.min_lr < 0:
         raise ConfigError("train.lr must be positive; train.min_lr and train.warmup_steps non-negative")
+    for key in ("precision", "grad_reduce"):
+        if getattr(t, key) not in DTYPES:
+            raise ConfigError(f"train.{key}={getattr(t, key)!r}: choose fp32 or bf16")
     if cfg.data.format not in ("auto", "text", "jsonl", "bin"):
         raise ConfigError(f"data.format={cfg.data.format!r}: choose auto, text, jsonl or bin")
     if cfg.data.bin_dtype not in ("uint16", "uint32"):

@@ -12,7 +12,7 @@ import torch
 
 from . import checkpoint as ckpt
 from .comm import Comm
-from .config import Config, ConfigError, check_available
+from .config import DTYPES, Config, ConfigError, check_available
 from .data import BatchLoader, eval_batches, load_data
 from .logs import RunLog
 from .mesh import ParallelContext
@@ -39,7 +39,8 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.model = Llama(cfg.model).to(ctx.device)
         init_weights(self.model, t.seed)
-        self.sharded = Sharded(self.model, self.comm, cfg.parallel.zero, cfg.parallel.reshard_after_forward)
+        self.sharded = Sharded(self.model, self.comm, cfg.parallel.zero, cfg.parallel.reshard_after_forward,
+                               getattr(torch, DTYPES[t.precision]), getattr(torch, DTYPES[t.grad_reduce]))
         self.optim = AdamW(self.sharded, t, no_decay)
         self.loader = BatchLoader(self.data.train, t.seq_len, t.global_batch, t.seed,
                                   ctx.batch_index, ctx.size("batch"))

@@ -1,9 +1,11 @@
-"""Data-parallel layouts reproduce the single-process run (losses and final weights, fp32)."""
+"""Data-parallel and ZeRO layouts reproduce the single-process run (losses and final weights, fp32); bf16 learns."""
 import pytest
 
 from sixfold.config import load_config
+from sixfold.logs import read_metrics
 from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL, check
-from helpers import TINY
+from sixfold.train import train
+from helpers import TINY, sixfold, torchrun
 
 LAYOUTS = {
     "dp2": ["parallel.dp_replicate=2"],
@@ -36,9 +38,27 @@ def test_single_process_accumulation_matches_one_pass(tmp_path):
     assert check(cfg, steps=3, workdir=str(tmp_path)).ok
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
-def test_zero_frees_buffers_and_counts_its_bytes(zero):
-    from helpers import torchrun
-    proc = torchrun("zero_buffers.py", 4, str(zero))
+@pytest.mark.parametrize("zero, precision", [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"), (3, "bf16")])
+def test_zero_frees_buffers_and_counts_its_bytes(zero, precision):
+    proc = torchrun("zero_buffers.py", 4, str(zero), precision)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"zero {zero} buffers OK" in proc.stdout
+    assert f"zero {zero} {precision} buffers OK" in proc.stdout
+
+
+def test_bf16_learns_like_fp32(tmp_path):
+    """50 steps in bf16 (ZeRO-3 over 2 ranks, fp32 master and reduction) end within 2% of the fp32 loss."""
+    steps = ["train.steps=50", "train.warmup_steps=5"]
+    layout = load_config(TINY, ["train.precision=bf16", "parallel.dp_shard=2", "parallel.zero=3", *steps,
+                                f"log.run_dir={tmp_path / 'bf16'}"])
+    proc = sixfold("train", str(_write(tmp_path, layout)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train(load_config(TINY, [*steps, f"log.run_dir={tmp_path / 'fp32'}"]))
+    bf16, fp32 = read_metrics(tmp_path / "bf16")[-1]["loss"], read_metrics(tmp_path / "fp32")[-1]["loss"]
+    assert fp32 < read_metrics(tmp_path / "fp32")[0]["loss"] - 1.0
+    assert abs(bf16 - fp32) / fp32 <= 0.02, (bf16, fp32)
+
+
+def _write(tmp_path, cfg):
+    path = tmp_path / "layout.yaml"
+    path.write_text(cfg.to_yaml())
+    return path

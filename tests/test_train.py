@@ -2,6 +2,8 @@
 import json
 import shutil
 
+import pytest
+
 from sixfold.logs import read_metrics
 from helpers import TINY, sixfold
 
@@ -32,10 +34,11 @@ def test_run_outputs(tmp_path):
     assert gen.returncode == 0 and gen.stdout.startswith("import "), gen.stderr[-2000:]
 
 
-def test_resume_is_bit_exact(tmp_path):
-    """dp2: resuming from step 3 gives exactly the losses of the uninterrupted run."""
+@pytest.mark.parametrize("layout", [["parallel.dp_replicate=2"], ["parallel.dp_shard=2", "parallel.zero=3"]])
+def test_resume_is_bit_exact(tmp_path, layout):
+    """Resuming from step 3 in the same layout gives exactly the losses of the uninterrupted run."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = ["train.steps=6", "parallel.dp_replicate=2", "train.micro_batches=2"]
+    common = ["train.steps=6", "train.micro_batches=2", *layout]
     assert _train(full, *common, "checkpoint.every=3", "checkpoint.keep=5").returncode == 0
     step3 = full / "checkpoints" / "step_0000003"
     proc = _train(resumed, *common, f"checkpoint.resume={step3}")
@@ -44,6 +47,17 @@ def test_resume_is_bit_exact(tmp_path):
     assert [m["step"] for m in b] == [4, 5, 6]
     assert [m["loss"] for m in a] == [m["loss"] for m in b]
     assert [m["grad_norm"] for m in a] == [m["grad_norm"] for m in b]
+
+
+def test_checkpoint_moves_across_layouts(tmp_path):
+    """Saved under ZeRO-3 over 4 ranks, resumed in one process: the rest matches the uninterrupted run."""
+    sharded, moved, reference = tmp_path / "sharded", tmp_path / "moved", tmp_path / "reference"
+    common = ["train.steps=6"]
+    assert _train(sharded, *common, "parallel.dp_shard=4", "parallel.zero=3", "checkpoint.every=3").returncode == 0
+    assert _train(moved, *common, f"checkpoint.resume={sharded / 'checkpoints' / 'step_0000003'}").returncode == 0
+    assert _train(reference, *common).returncode == 0
+    for a, b in zip(read_metrics(moved), read_metrics(reference)[3:]):
+        assert a["step"] == b["step"] and abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"]
 
 
 def test_bad_checkpoints(tmp_path):

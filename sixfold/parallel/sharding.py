@@ -39,7 +39,7 @@ def _alloc(t: torch.Tensor) -> bool:
 
 class Unit:
     def __init__(self, index: int, modules: list[nn.Module], named: list[tuple[str, nn.Parameter]],
-                 shards: int, rank: int):
+                 shards: int, rank: int, dtype: torch.dtype):
         self.index, self.modules = index, modules
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -50,20 +50,24 @@ class Unit:
         self.shard_size = self.padded // shards
         self.lo = rank * self.shard_size
         ref = self.params[0]
-        self.full = torch.zeros(self.padded, dtype=ref.dtype, device=ref.device)
+        exact = torch.zeros(self.padded, dtype=torch.float32, device=ref.device)
+        for p, o, n in zip(self.params, self.offsets, self.sizes):
+            exact[o:o + n].copy_(p.data.flatten())
+        self.full = exact if dtype == torch.float32 else exact.to(dtype)
         self.grad = torch.zeros_like(self.full)
         for p, o, n in zip(self.params, self.offsets, self.sizes):
-            self.full[o:o + n].copy_(p.data.flatten())
             p.data = self.full[o:o + n].view_as(p)
             p.grad = self.grad[o:o + n].view_as(p)
-        sharded = shards > 1
-        self.master = self.full[self.lo:self.lo + self.shard_size].clone() if sharded else self.full
-        self.grad_shard = torch.zeros_like(self.master) if sharded else self.grad
+        own = shards > 1 or dtype != torch.float32  # the fp32 master needs storage of its own
+        self.master = exact[self.lo:self.lo + self.shard_size].clone() if own else self.full
+        self.grad_shard = torch.zeros_like(self.master) if own else self.grad
+        self.compute_shard = self.master if dtype == torch.float32 else self.master.to(dtype)
         self.ready = 0
         self.reduce: Pending | None = None
         self.gather: Pending | None = None
         self.keep_gathered = False
         self.done = False
+        self.reduced: torch.Tensor | None = None
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-parameter views of a full-size flat tensor laid out like this unit."""
@@ -80,7 +84,7 @@ class Unit:
         return out
 
 
-def build_units(model: nn.Module, shards: int, rank: int) -> list[Unit]:
+def build_units(model: nn.Module, shards: int, rank: int, dtype: torch.dtype) -> list[Unit]:
     """The embedding, each block, and the final norm with the head (a tied head adds no parameter)."""
     names = {id(p): n for n, p in model.named_parameters()}
     groups = [[model.embed], *[[b] for b in model.layers], [model.norm] + ([model.head] if model.head is not None else [])]
@@ -89,7 +93,7 @@ def build_units(model: nn.Module, shards: int, rank: int) -> list[Unit]:
         named = [(names[id(p)], p) for m in modules for p in m.parameters() if id(p) in names]
         for _, p in named:
             names.pop(id(p))
-        units.append(Unit(i, modules, named, shards, rank))
+        units.append(Unit(i, modules, named, shards, rank, dtype))
     return units
 
 
@@ -110,14 +114,14 @@ class _GatherForBackward(torch.autograd.Function):
 class Sharded:
     """The model's parameters in units, reduced and (for zero >= 1) sharded over the fsdp group."""
 
-    def __init__(self, model: nn.Module, comm: Comm, zero: int, reshard_after_forward: bool = True):
-        self.comm = comm
+    def __init__(self, model: nn.Module, comm: Comm, zero: int, reshard_after_forward: bool = True,
+                 dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32):
+        self.comm, self.reduce_dtype = comm, reduce_dtype
         ctx = comm.ctx
         shards = ctx.size("fsdp") if zero else 1
         self.zero = zero if shards > 1 else 0
-        self.units = build_units(model, shards, ctx.rank_in("fsdp") if self.zero else 0)
+        self.units = build_units(model, shards, ctx.rank_in("fsdp") if self.zero else 0, dtype)
         self.replicas = ctx.size("dp_replicate") if self.zero else 1
-        self.communicates = ctx.size("loss") > 1
         self.sync = False
         self._next = len(self.units) - 1
         tied = model.head is None
@@ -135,7 +139,7 @@ class Sharded:
     # ZeRO-3: weights gathered just ahead of use -------------------------------------------------
     def _start_gather(self, unit: Unit) -> None:
         if unit.gather is None and _alloc(unit.full):
-            unit.gather = self.comm.all_gather(unit.full, unit.master, "fsdp", async_op=True,
+            unit.gather = self.comm.all_gather(unit.full, unit.compute_shard, "fsdp", async_op=True,
                                                label=f"unit {unit.index}")
 
     def _wait_gather(self, unit: Unit) -> None:
@@ -181,14 +185,19 @@ class Sharded:
                 self._next -= 1
 
     def _launch(self, unit: Unit) -> None:
-        """Start the unit's reduction; backward's unit order on every rank, so the sequences match."""
-        if not self.communicates:
-            return
-        label = f"unit {unit.index}"
+        """Start the unit's reduction (in reduce_dtype); backward's unit order on every rank."""
         if self.zero:
-            unit.reduce = self.comm.reduce_scatter(unit.grad_shard, unit.grad, "fsdp", async_op=True, label=label)
+            src = unit.grad if unit.grad.dtype == self.reduce_dtype else unit.grad.to(self.reduce_dtype)
+            out = unit.grad_shard if self.reduce_dtype == unit.grad_shard.dtype else \
+                torch.empty(unit.shard_size, dtype=self.reduce_dtype, device=src.device)
+            unit.reduce = self.comm.reduce_scatter(out, src, "fsdp", async_op=True, label=f"unit {unit.index}")
         else:
-            unit.reduce = self.comm.all_reduce(unit.grad, "loss", async_op=True, label=label)
+            if unit.grad_shard is not unit.grad and unit.grad_shard.dtype == self.reduce_dtype:
+                out = unit.grad_shard.copy_(unit.grad)  # reduce in place in the fp32 shard, no temporary
+            else:
+                out = unit.grad if unit.grad.dtype == self.reduce_dtype else unit.grad.to(self.reduce_dtype)
+            unit.reduce = self.comm.all_reduce(out, "loss", async_op=True, label=f"unit {unit.index}")
+        unit.reduced = out
 
     def finish(self) -> None:
         """After the last micro-batch's backward: reduce what has not started, wait, then across replicas."""
@@ -198,7 +207,9 @@ class Sharded:
         for unit in self.units:
             if unit.reduce is not None:
                 unit.reduce.wait()
-            unit.reduce, unit.done = None, False
+            if unit.reduced is not unit.grad_shard:
+                unit.grad_shard.copy_(unit.reduced)
+            unit.reduce, unit.reduced, unit.done = None, None, False
         if self.replicas > 1:
             for p in [self.comm.all_reduce(u.grad_shard, "dp_replicate", async_op=True) for u in self.units]:
                 p.wait()
@@ -222,10 +233,16 @@ class Sharded:
             u.grad_shard.mul_(coef)
 
     def after_step(self) -> None:
-        """ZeRO-1/2: every rank updated its shard; gather the full weights back."""
+        """The updated fp32 shards back into compute weights: copied, or gathered under ZeRO-1/2."""
+        for u in self.units:
+            if u.compute_shard is not u.master:
+                u.compute_shard.copy_(u.master)
         if self.zero in (1, 2):
-            for p in [self.comm.all_gather(u.full, u.master, "fsdp", async_op=True) for u in self.units]:
+            for p in [self.comm.all_gather(u.full, u.compute_shard, "fsdp", async_op=True) for u in self.units]:
                 p.wait()
+        elif not self.zero and self.units[0].full is not self.units[0].master:
+            for u in self.units:
+                u.full.copy_(u.compute_shard)
 
     def zero_grad(self) -> None:
         if self.zero < 2:
@@ -263,5 +280,6 @@ class Sharded:
         for u in self.units:
             flat = self.flatten(u, tensors)
             u.master.copy_(self.shard_of(u, flat))
-            if self.zero in (1, 2):
+            u.compute_shard.copy_(u.master)
+            if self.zero < 3:
                 u.full.copy_(flat)
