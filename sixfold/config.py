@@ -241,6 +241,10 @@ def check_available(cfg: Config) -> None:
         if getattr(cfg.parallel, dim) > 1:
             raise ConfigError(f"parallel.{dim}={getattr(cfg.parallel, dim)}: this dimension's layers are not in "
                               f"this version yet (issue #{issue}); set parallel.{dim}=1")
+    if cfg.train.precision == "bf16":
+        import torch
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            raise ConfigError("train.precision=bf16: this GPU has no bf16 support; set train.precision=fp32")
     if cfg.model.moe_experts:
         raise ConfigError(f"model.moe_experts={cfg.model.moe_experts}: mixture-of-experts layers are not in this "
                           f"version yet (issue #7); set model.moe_experts=0")

@@ -49,6 +49,8 @@ def test_bad_values():
     (["model.moe_experts=4", "model.moe_top_k=5"], "model.moe_top_k=5 must be between 1"),
     (["train.seq_len=4096"], "exceeds model.max_seq_len"),
     (["data.format=parquet"], "data.format"),
+    (["parallel.zero=4"], "parallel.zero=4: choose 0"),
+    (["train.precision=fp16"], "train.precision='fp16': choose fp32 or bf16"),
 ])
 def test_impossible_layouts(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,4 +1,5 @@
-"""Under each ZeRO stage: which unit buffers are alive after a step, and collectives against their formulas."""
+"""Under each ZeRO stage, after a step: the bytes held in parameters, gradients and optimizer state equal
+the ZeRO formula for this model and layout (with padding), and the collectives equal theirs."""
 import sys
 
 import torch
@@ -7,32 +8,58 @@ from sixfold.config import load_config
 from sixfold.mesh import ParallelContext
 from sixfold.train import Trainer
 
-zero, micro, precision = int(sys.argv[1]), 2, sys.argv[2]
-cfg = load_config("configs/tiny.yaml", [f"parallel.dp_shard=4", f"parallel.zero={zero}", f"train.precision={precision}",
-                                        f"train.micro_batches={micro}", "log.run_dir=/tmp/unused"])
+zero, precision, micro, shards = int(sys.argv[1]), sys.argv[2], 2, 4
+once = sys.argv[3:] == ["once"]  # ZeRO-3 gathering once per step
+cfg = load_config("configs/tiny.yaml", [f"parallel.dp_shard={shards}", f"parallel.zero={zero}",
+                                        f"parallel.reshard_after_forward={not once}",
+                                        f"train.precision={precision}", f"train.micro_batches={micro}",
+                                        "log.run_dir=/tmp/unused"])
 ctx = ParallelContext.initialize(cfg.parallel)
 trainer = Trainer(cfg, ctx)
-trainer.comm.ledger.end_step()
 trainer.train_step()
-calls = {k: v for k, v in trainer.comm.ledger.calls.items()}
+
+# the formula, from the config alone
+m = cfg.model
+n = shards if zero else 1
+pad = lambda x: -(-x // (16 * n)) * 16 * n
+block = m.dim * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.dim * m.ffn_dim + 2 * m.dim
+unit_sizes = [m.vocab_size * m.dim] + [block] * m.n_layers + [m.dim + m.vocab_size * m.dim]
+padded = sum(pad(x) for x in unit_sizes)
+shard = padded // n
+rank = ctx.rank_in("fsdp") if zero else 0
+owned = sum(max(0, min((rank + 1) * pad(x) // n, x) - rank * pad(x) // n) for x in unit_sizes)
+b = 2 if precision == "bf16" else 4
+own_master = n > 1 or precision == "bf16"
+expected = {
+    "parameters": (b * padded if zero < 3 else 0) + (4 * shard if own_master else 0) + (b * shard if b == 2 else 0),
+    "gradients": (b * padded if zero < 2 else 0) + (4 * shard if own_master else 0),
+    "optimizer": 8 * owned,
+}
+
+# what the buffers hold
+size = lambda t: t.untyped_storage().size()
 units = trainer.sharded.units
-live = lambda t: t.untyped_storage().size() > 0
-padded = sum(u.padded for u in units)
-compute_bytes = 2 if precision == "bf16" else 4
-for u in units:
-    assert u.master.numel() == u.padded // 4 and u.master.dtype == torch.float32
-    assert u.full.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
-    assert live(u.full) == (zero < 3), (zero, u.index)
-    assert live(u.grad) == (zero < 2), (zero, u.index)
-ledger = trainer.comm.ledger.total
-n = len(units)
-assert ledger["fsdp", "reduce_scatter"] == padded * 4 and calls["fsdp", "reduce_scatter"] == n
+held = {
+    "parameters": sum(size(u.full) + (size(u.master) if u.master is not u.full else 0)
+                      + (size(u.compute_shard) if u.compute_shard is not u.master else 0) for u in units),
+    "gradients": sum(size(u.grad) + (size(u.grad_shard) if u.grad_shard is not u.grad else 0) for u in units),
+    "optimizer": sum(t.numel() * t.element_size() for s in trainer.optim.opt.state.values()
+                     for k, t in s.items() if k != "step"),
+}
+assert held == expected, (zero, precision, held, expected)
+assert cfg.model.num_params() == sum(unit_sizes)
+
+ledger, calls = trainer.comm.ledger.total, trainer.comm.ledger.calls
+k = len(units)
+if zero == 0:
+    assert calls["loss", "all_reduce"] == k + 2 and ledger["loss", "all_reduce"] == 4 * padded + 16
+else:
+    assert calls["fsdp", "reduce_scatter"] == k and ledger["fsdp", "reduce_scatter"] == 4 * padded
 if zero in (1, 2):
-    assert calls["fsdp", "all_gather"] == n and ledger["fsdp", "all_gather"] == padded * compute_bytes
-if zero == 3:
-    # every unit gathered before forward and again before backward, on each micro-batch
-    assert calls["fsdp", "all_gather"] == 2 * n * micro
-    assert ledger["fsdp", "all_gather"] == 2 * micro * padded * compute_bytes  # bf16: half the bytes
+    assert calls["fsdp", "all_gather"] == k and ledger["fsdp", "all_gather"] == b * padded
+if zero == 3:  # gathered before forward and again before backward, each micro-batch; bf16 moves half the bytes
+    gathers = 1 if once else 2 * micro
+    assert calls["fsdp", "all_gather"] == gathers * k and ledger["fsdp", "all_gather"] == gathers * b * padded
 if ctx.rank == 0:
-    print(f"zero {zero} {precision} buffers OK")
+    print(f"zero {zero} {precision} {'once ' if once else ''}buffers OK: {held}")
 ctx.close()
