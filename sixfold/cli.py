@@ -52,6 +52,9 @@ def cmd_train(args, argv) -> int:
 
 def cmd_check(args, argv) -> int:
     cfg = _config(args)
+    if cfg.train.precision != "fp32":
+        raise ConfigError("sixfold check compares fp32 runs to round-off; set train.precision=fp32 "
+                          "(bf16 training is checked against fp32 by its learning test)")
     from .parity import check
     result = check(cfg, args.steps, args.workdir)
     print(result.line())

@@ -161,8 +161,9 @@ class Trainer:
             if cfg.checkpoint.save_final:
                 log.print(f"checkpoint: {self.save()}")
             self._write_trace(log)
-            if cfg.log.sample_tokens and self.ctx.is_main:
-                log.print("sample:\n" + self.sample())
+            if cfg.log.sample_tokens:  # every rank: under ZeRO-3 each forward gathers weights from all
+                text = self.sample()
+                log.print("sample:\n" + text)
         finally:
             log.close()
         return history

@@ -16,14 +16,14 @@ def _train(run_dir, *overrides, nproc=None):
 def test_run_outputs(tmp_path):
     run = tmp_path / "run"
     proc = _train(run, "train.steps=4", "train.eval_every=2", "log.tensorboard=true", "log.progress=true",
-                  "log.trace=true", "log.sample_tokens=20", "parallel.dp_replicate=2")
+                  "log.trace=true", "log.sample_tokens=20", "parallel.dp_shard=2", "parallel.zero=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert all(k in metrics[0] for k in ("loss", "grad_norm", "lr", "tokens_per_s", "elapsed_s"))
     assert "val_loss" in metrics[1] and "val_loss" in metrics[3]
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
-    assert (run / "config.yaml").is_file() and "dp_replicate: 2" in (run / "config.yaml").read_text()
+    assert (run / "config.yaml").is_file() and "dp_shard: 2" in (run / "config.yaml").read_text()
     assert "step     4 | loss" in proc.stderr + proc.stdout
     assert "sample:\ndef " in proc.stdout + proc.stderr
     trace = json.loads((run / "trace.json").read_text())
@@ -90,6 +90,8 @@ def test_layout_errors_before_any_process_starts(tmp_path):
     assert proc.returncode == 2 and "world size 3 does not equal" in proc.stderr
     proc = _train(tmp_path / "run", "parallel.tp=2")
     assert proc.returncode == 2 and "parallel.tp=2" in proc.stderr
+    proc = sixfold("check", TINY, "train.precision=bf16")
+    assert proc.returncode == 2 and "set train.precision=fp32" in proc.stderr
     proc = _train(tmp_path / "run", "parallel.dp_shrd=2")
     assert proc.returncode == 2 and "did you mean 'dp_shard'" in proc.stderr
     empty = tmp_path / "empty"
