@@ -74,7 +74,7 @@ class ParallelConfig:
     def describe(self) -> str:
         parts = [f"{n}{getattr(self, n)}" for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
                  if getattr(self, n) > 1]
-        return " x ".join(parts) or "single process"
+        return (" x ".join(parts) or "single process") + (f", zero{self.zero}" if self.zero else "")
 
 
 @dataclass
