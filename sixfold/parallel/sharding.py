@@ -66,6 +66,7 @@ class Unit:
         self.reduce: Pending | None = None
         self.gather: Pending | None = None
         self.keep_gathered = False
+        self.backward_reads_weights = True
         self.done = False
         self.reduced: torch.Tensor | None = None
 
@@ -131,7 +132,10 @@ class Sharded:
             if self.zero >= 2:
                 unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self._grad_buffer(u))
             if self.zero == 3:
-                unit.keep_gathered = not reshard_after_forward or (tied and unit.index == 0)
+                # the last unit's backward follows its forward at once; a tied embedding serves the head too
+                last, tied_embedding = unit.index == len(self.units) - 1, tied and unit.index == 0
+                unit.keep_gathered = not reshard_after_forward or last or tied_embedding
+                unit.backward_reads_weights = not all(isinstance(m, nn.Embedding) for m in unit.modules)
                 unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self.before_forward(u))
                 unit.modules[-1].register_forward_hook(lambda m, a, out, u=unit: self._after_forward(u, out))
                 _free(unit.full)
@@ -158,11 +162,11 @@ class Sharded:
             return out
         if not unit.keep_gathered:
             _free(unit.full)
-        return _GatherForBackward.apply(self, unit, out)
+        return _GatherForBackward.apply(self, unit, out) if unit.backward_reads_weights else out
 
     def before_backward(self, unit: Unit) -> None:
         self._wait_gather(unit)
-        if unit.index > 0:
+        if unit.index > 0 and self.units[unit.index - 1].backward_reads_weights:
             self._start_gather(self.units[unit.index - 1])
 
     # gradients ----------------------------------------------------------------------------------

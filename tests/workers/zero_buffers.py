@@ -57,9 +57,15 @@ else:
     assert calls["fsdp", "reduce_scatter"] == k and ledger["fsdp", "reduce_scatter"] == 4 * padded
 if zero in (1, 2):
     assert calls["fsdp", "all_gather"] == k and ledger["fsdp", "all_gather"] == b * padded
-if zero == 3:  # gathered before forward and again before backward, each micro-batch; bf16 moves half the bytes
-    gathers = 1 if once else 2 * micro
-    assert calls["fsdp", "all_gather"] == gathers * k and ledger["fsdp", "all_gather"] == gathers * b * padded
+if zero == 3 and once:  # every unit gathered once per step; bf16 moves half the bytes
+    assert calls["fsdp", "all_gather"] == k and ledger["fsdp", "all_gather"] == b * padded
+elif zero == 3:
+    # each forward gathers every unit but the head's (kept from the first forward on); each backward
+    # gathers the blocks (the embedding's backward reads no weights); bf16 moves half the bytes
+    embed, blocks = pad(unit_sizes[0]), sum(pad(x) for x in unit_sizes[1:-1])
+    calls_expected = k + micro * m.n_layers + (micro - 1) * (k - 1)
+    bytes_expected = b * (padded + micro * blocks + (micro - 1) * (embed + blocks))
+    assert calls["fsdp", "all_gather"] == calls_expected and ledger["fsdp", "all_gather"] == bytes_expected
 if ctx.rank == 0:
     print(f"zero {zero} {precision} {'once ' if once else ''}buffers OK: {held}")
 ctx.close()
