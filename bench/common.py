@@ -1,0 +1,303 @@
+"""What the benchmarks share: the workers' step, memory marks, the alternating torchrun driver, the docs table.
+
+A benchmark (bench/dp.py, bench/fsdp.py) describes itself in a `Bench` and calls `main(bench, description)`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+WARMUP = 2  # steps left out of the timing
+ROWS_PER_RANK = 4
+QUIET = 0.1  # cores other processes may use before and during a run
+TRIES = 4  # launches of a run disturbed by other processes before its last result is kept anyway
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str  # also the docs markers: <!-- name:begin --> ... <!-- name:end -->
+    script: str  # the benchmark's file, run by torchrun as each worker
+    title: str  # the docs section's heading, written with the markers if they are missing
+    side: str  # the torch side's name on the command line and in results
+    label: str  # the torch side's name in printed text and in the table
+    layout: Callable[[int], list[str]]  # sixfold's parallel overrides for a world size
+    describe: Callable[[int], str]  # the table's layout column for a world size
+    worker: Callable  # the torch side's worker: cfg -> result dict
+
+
+def overrides(bench: Bench, world: int, steps: int, run_dir: str) -> list[str]:
+    return [f"train.global_batch={ROWS_PER_RANK * world}", *bench.layout(world),
+            f"train.steps={steps}", f"log.run_dir={run_dir}", "log.progress=false",
+            "log.tensorboard=false", "checkpoint.save_final=false"]
+
+
+# ---- memory ----
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def mark_memory() -> int:
+    """Reset this process's peak RSS to its current RSS and return that RSS (kB)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kb("VmRSS")
+
+
+def peak_mb(base_kb: int) -> float:
+    return (_status_kb("VmHWM") - base_kb) / 1024
+
+
+# ---- workers (one torchrun rank each) ----
+
+def sixfold_worker(cfg) -> dict:
+    import sixfold.train as trainer
+    from sixfold.model.llama import Llama
+
+    base = {}
+
+    def build(model_cfg):  # the trainer's own Llama, with the memory mark taken just before it
+        base["kb"] = mark_memory()
+        return Llama(model_cfg)
+
+    trainer.Llama = build
+    history = trainer.train(cfg)
+    return {"step_s": [m["step_s"] for m in history], "loss": [m["loss"] for m in history],
+            "peak_mb": peak_mb(base["kb"])}
+
+
+def torch_worker(cfg, wrap, grads_to_none: bool) -> dict:
+    """sixfold's step written with torch's own parts. wrap(model, world) returns the module to call and the
+    factor on the loss that turns the wrapper's gradient reduction into a sum, as in sixfold."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from sixfold.data import BatchLoader, load_data
+    from sixfold.model.llama import IGNORE_INDEX, Llama, init_weights, no_decay
+    from sixfold.optim import learning_rate
+
+    t = cfg.train
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = load_data(cfg.data)
+    base = mark_memory()
+    torch.manual_seed(t.seed)
+    model = Llama(cfg.model)
+    init_weights(model, t.seed)
+    module, loss_scale = wrap(model, world)
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if not no_decay(n)], "weight_decay": t.weight_decay},
+              {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0}]
+    optim = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True)  # as sixfold
+    loader = BatchLoader(data.train, t.seq_len, t.global_batch, t.seed, rank, world)
+    out = {"step_s": [], "loss": []}
+    for step in range(t.steps):
+        start = time.perf_counter()
+        x, y = loader.batch(step)
+        counts = torch.tensor([float((y != IGNORE_INDEX).sum())], dtype=torch.float64)
+        dist.all_reduce(counts)
+        logits = module(x)
+        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+        loss = loss_sum / float(counts)
+        (loss * loss_scale).backward()
+        total = torch.tensor([float(loss.detach())], dtype=torch.float64)
+        dist.all_reduce(total)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        for g in optim.param_groups:
+            g["lr"] = learning_rate(t, step)
+        optim.step()
+        optim.zero_grad(set_to_none=grads_to_none)
+        out["step_s"].append(time.perf_counter() - start)
+        out["loss"].append(float(total))
+    out["peak_mb"] = peak_mb(base)
+    dist.destroy_process_group()
+    return out
+
+
+def worker(bench: Bench, args) -> None:
+    from sixfold.config import load_config
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    cfg = load_config(args.config, overrides(bench, world, args.steps, str(Path(args.out) / "run")))
+    result = sixfold_worker(cfg) if args.worker == "sixfold" else bench.worker(cfg)
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+# ---- driver ----
+
+def busy_jiffies() -> int:
+    """CPU time (1/100 s) the whole machine has spent busy since boot."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+
+
+def other_load(seconds: float = 1.0) -> float:
+    """Cores kept busy by other processes over a short sample."""
+    before = busy_jiffies()
+    time.sleep(seconds)
+    return (busy_jiffies() - before) / 100 / seconds
+
+
+def wait_quiet(limit_s: float = 600) -> None:
+    """Start a run only when other processes use less than QUIET cores (gives up after limit_s)."""
+    waited = 0
+    while other_load() > QUIET and waited < limit_s:
+        time.sleep(9)
+        waited += 10
+    if waited >= limit_s:
+        print(f"machine still busy after {limit_s:.0f} s; running anyway", flush=True)
+
+
+def job_jiffies() -> int:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return round((r.ru_utime + r.ru_stime) * 100)
+
+
+def launch(bench: Bench, side: str, world: int, args) -> dict:
+    """One torchrun job: rank 0's mean step time after warm-up, max peak memory over ranks, and the
+    cores other processes kept busy meanwhile (a sign of a shared, noisy machine)."""
+    wait_quiet()
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               bench.script, "--worker", side, "--steps", str(args.steps), "--config", args.config, "--out", out]
+        busy, mine, began = busy_jiffies(), job_jiffies(), time.perf_counter()
+        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True, capture_output=True)
+        others = ((busy_jiffies() - busy) - (job_jiffies() - mine)) / 100 / (time.perf_counter() - began)
+        if proc.returncode:
+            sys.exit(f"{side} on {world} ranks failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world)]
+    first = ranks[0]
+    return {"step_s": statistics.mean(first["step_s"][WARMUP:]), "peak_mb": max(r["peak_mb"] for r in ranks),
+            "loss": first["loss"], "others": max(others, 0.0)}
+
+
+def measure(bench: Bench, side: str, world: int, args) -> dict:
+    """A run on a quiet machine: launched again while other processes used more than QUIET cores."""
+    for tries in range(1, TRIES + 1):
+        r = launch(bench, side, world, args)
+        if r["others"] <= QUIET:
+            break
+        print(f"{world} ranks, {side}: {r['step_s']:.3f} s/step discarded, other processes used "
+              f"{r['others']:.2f} cores", flush=True)
+    return {**r, "repeats": tries - 1}
+
+
+def machine() -> str:
+    import torch
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return (f"{os.cpu_count()}-core CPU ({cpu}), {platform.system()}, Python {platform.python_version()}, "
+            f"torch {torch.__version__}, gloo")
+
+
+def revision() -> str:
+    """The sixfold commit measured, and whether sixfold/ had uncommitted changes."""
+    def git(*a):
+        return subprocess.run(["git", "-C", str(ROOT), *a], text=True, capture_output=True).stdout.strip()
+    dirty = " with uncommitted changes in sixfold/" if git("status", "--porcelain", "sixfold") else ""
+    return f"commit {git('rev-parse', '--short', 'HEAD') or 'unknown'}{dirty}"
+
+
+def spread(values: list[float], digits: int) -> str:
+    """Median, with the range over runs."""
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def report(bench: Bench, rows: list[dict], args, rev: str) -> str:
+    sides, label = ("sixfold", bench.side), bench.label
+    kept = [r for row in rows for side in sides for r in row[side]]
+    others, repeats = max(r["others"] for r in kept), sum(r["repeats"] for r in kept)
+    lines = [f"Command: `python bench/{Path(bench.script).name} {' '.join(sys.argv[1:])}`  ",
+             f"Machine: {machine()}  ",
+             f"sixfold: {rev}  ",
+             f"Date: {time.strftime('%Y-%m-%d')}; {args.runs} alternating run(s) per layout, steps {WARMUP + 1}-"
+             f"{args.steps} timed; {repeats} run(s) repeated because other processes were busy; in the runs kept "
+             f"they used at most {others:.2f} cores.",
+             "",
+             "Times are s/step and memory MB: median over runs (range).",
+             "",
+             f"| layout | sixfold s/step | {label} s/step | time ratio | sixfold peak MB | {label} peak MB | "
+             "memory ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        t = {side: [r["step_s"] for r in row[side]] for side in sides}
+        m = {side: [r["peak_mb"] for r in row[side]] for side in sides}
+        time_ratio = statistics.median(t["sixfold"]) / statistics.median(t[bench.side])
+        mem_ratio = statistics.median(m["sixfold"]) / statistics.median(m[bench.side])
+        lines.append(f"| {bench.describe(row['world'])} ({row['world']} ranks) | {spread(t['sixfold'], 3)} | "
+                     f"{spread(t[bench.side], 3)} | **{time_ratio:.3f}** | {spread(m['sixfold'], 0)} | "
+                     f"{spread(m[bench.side], 0)} | **{mem_ratio:.3f}** |")
+    return "\n".join(lines)
+
+
+def write_doc(bench: Bench, body: str) -> None:
+    begin, end = f"<!-- {bench.name}:begin -->", f"<!-- {bench.name}:end -->"
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    block = f"{begin}\n{body}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + f"\n\n## {bench.title}\n\n" + block + "\n"
+    DOC.parent.mkdir(exist_ok=True)
+    DOC.write_text(text)
+
+
+def drive(bench: Bench, args) -> None:
+    from sixfold.config import load_config
+    from sixfold.data import load_data
+
+    load_data(load_config(args.config).data)  # build the token cache before any timed job
+    rev = revision()
+    rows = []
+    for world in args.ranks:
+        row = {"world": world, "sixfold": [], bench.side: []}
+        for i in range(args.runs):
+            for side in ("sixfold", bench.side):
+                r = measure(bench, side, world, args)
+                row[side].append(r)
+                print(f"{world} ranks, run {i + 1}, {side:7}: {r['step_s']:.3f} s/step, peak {r['peak_mb']:.0f} MB, "
+                      f"loss at step {args.steps} {r['loss'][-1]:.6f}, other load {r['others']:.2f} cores", flush=True)
+        gap = max(abs(a - b) for a, b in zip(row["sixfold"][0]["loss"], row[bench.side][0]["loss"]))
+        print(f"{world} ranks: largest loss difference sixfold vs {bench.label} {gap:.2e}", flush=True)
+        rows.append(row)
+    if revision() != rev:
+        rev += f", then {revision()} before the last run ended"
+    body = report(bench, rows, args, rev)
+    print(body)
+    write_doc(bench, body)
+    print(f"wrote {DOC.relative_to(ROOT)}")
+
+
+def main(bench: Bench, description: str) -> None:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="data-parallel sizes to measure")
+    p.add_argument("--runs", type=int, default=3, help=f"alternations (sixfold then {bench.label}) per size")
+    p.add_argument("--steps", type=int, default=10, help=f"steps per run; the first {WARMUP} are not timed")
+    p.add_argument("--config", default=str(ROOT / "configs" / "bench.yaml"))
+    p.add_argument("--worker", choices=("sixfold", bench.side), help="(internal) run one rank of one side")
+    p.add_argument("--out", help="(internal) where a worker writes its result")
+    args = p.parse_args()
+    if args.steps <= WARMUP:
+        p.error(f"--steps must be more than the {WARMUP} warm-up steps")
+    if args.worker:
+        worker(bench, args)
+    else:
+        drive(bench, args)
