@@ -194,7 +194,8 @@ def measure(bench: Bench, side: str, world: int, args) -> dict:
         r = launch(bench, side, world, args)
         if r["others"] <= QUIET:
             break
-        print(f"{world} ranks, {side}: {r['step_s']:.3f} s/step discarded, other processes used "
+        verdict = f"kept (still disturbed after {TRIES} tries)" if tries == TRIES else "discarded"
+        print(f"{world} ranks, {side}: {r['step_s']:.3f} s/step {verdict}, other processes used "
               f"{r['others']:.2f} cores", flush=True)
     return {**r, "repeats": tries - 1}
 

@@ -115,7 +115,7 @@ class DataConfig:
 class CheckpointConfig:
     every: int = 0
     keep: int = 2
-    resume: str = ""
+    resume: str = ""  # a checkpoint or run directory, or "auto": this run directory's latest, if any
     save_final: bool = True
 
 

@@ -45,8 +45,11 @@ class Trainer:
         self.loader = BatchLoader(self.data.train, t.seq_len, t.global_batch, t.seed,
                                   ctx.batch_index, ctx.size("batch"))
         self.step = 0
-        if cfg.checkpoint.resume:
-            self.load(cfg.checkpoint.resume)
+        resume = cfg.checkpoint.resume
+        if resume == "auto":  # the run directory's latest checkpoint, if it has one
+            resume = str(self.run_dir) if (self.run_dir / "checkpoints" / "latest").is_file() else ""
+        if resume:
+            self.load(resume)
 
     def _load_data(self):
         cfg = self.cfg
@@ -126,7 +129,7 @@ class Trainer:
 
     @torch.no_grad()
     def load(self, where: str) -> None:
-        path = ckpt.find_checkpoint(self.run_dir if where == "auto" else where)
+        path = ckpt.find_checkpoint(where)
         meta = ckpt.read_meta(path)
         shapes = {n: p.shape for n, p in self.model.named_parameters()}
         tensors = ckpt.read_tensors(path, "model.safetensors")

@@ -40,8 +40,9 @@ def test_resume_is_bit_exact(tmp_path, layout):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     common = ["train.steps=6", "train.micro_batches=2", *layout]
     assert _train(full, *common, "checkpoint.every=3", "checkpoint.keep=5").returncode == 0
-    step3 = full / "checkpoints" / "step_0000003"
-    proc = _train(resumed, *common, f"checkpoint.resume={step3}")
+    shutil.copytree(full / "checkpoints" / "step_0000003", resumed / "checkpoints" / "step_0000003")
+    (resumed / "checkpoints" / "latest").write_text("step_0000003")
+    proc = _train(resumed, *common, "checkpoint.resume=auto")
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = read_metrics(full)[3:], read_metrics(resumed)
     assert [m["step"] for m in b] == [4, 5, 6]
@@ -67,6 +68,8 @@ def test_bad_checkpoints(tmp_path):
     mismatch = _train(tmp_path / "b", "train.steps=3", "model.dim=128", "model.ffn_dim=352",
                       f"checkpoint.resume={ckpt}")
     assert mismatch.returncode == 2 and "embed.weight has shape (320, 64), the model expects (320, 128)" in mismatch.stderr
+    fresh = _train(tmp_path / "fresh", "train.steps=1", "checkpoint.resume=auto")
+    assert fresh.returncode == 0 and len(read_metrics(tmp_path / "fresh")) == 1
     missing = _train(tmp_path / "c", f"checkpoint.resume={tmp_path / 'nowhere'}")
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     corrupt = tmp_path / "corrupt"
