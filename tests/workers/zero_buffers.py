@@ -2,8 +2,6 @@
 the ZeRO formula for this model and layout (with padding), and the collectives equal theirs."""
 import sys
 
-import torch
-
 from sixfold.config import load_config
 from sixfold.mesh import ParallelContext
 from sixfold.train import Trainer
