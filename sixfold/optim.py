@@ -6,7 +6,7 @@ import math
 import torch
 
 from .config import TrainConfig
-from .parallel.sharding import Sharded, Unit
+from .parallel.sharding import Sharded
 
 
 class AdamW:
@@ -17,13 +17,14 @@ class AdamW:
 
     def __init__(self, sharded: Sharded, cfg: TrainConfig, no_decay):
         self.sharded = sharded
-        self.segments: list[tuple[Unit, int, int, torch.Tensor]] = []
+        self.segments: list[list[tuple[int, int, torch.Tensor]]] = []  # per unit: (start, end, view of master)
         groups = ([], [])
         for unit in sharded.units:
+            self.segments.append([])
             for name, a, b in unit.segments():
                 view = unit.master[a:b]
                 view.grad = unit.grad_shard[a:b]
-                self.segments.append((unit, a, b, view))
+                self.segments[-1].append((a, b, view))
                 groups[no_decay(name)].append(view)
         self.opt = torch.optim.AdamW([{"params": groups[0], "weight_decay": cfg.weight_decay},
                                       {"params": groups[1], "weight_decay": 0.0}],
@@ -50,11 +51,10 @@ class AdamW:
         """Optimizer state by global parameter name (a collective under ZeRO)."""
         out = {}
         for key in ("exp_avg", "exp_avg_sq"):
-            for unit in self.sharded.units:
+            for unit, segments in zip(self.sharded.units, self.segments):
                 shard = torch.zeros_like(unit.master)
-                for u, a, b, view in self.segments:
-                    if u is unit:
-                        shard[a:b] = self._state(view)[key]
+                for a, b, view in segments:
+                    shard[a:b] = self._state(view)[key]
                 full = self.sharded.gather(unit, shard)
                 out.update({f"{n}.{key}": t for n, t in unit.views(full).items()})
         return out
@@ -62,14 +62,13 @@ class AdamW:
     @torch.no_grad()
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], step_count: int) -> None:
         for key in ("exp_avg", "exp_avg_sq"):
-            for unit in self.sharded.units:
-                named = {n: tensors[f"{n}.{key}"] for n in unit.names}
-                shard = self.sharded.shard_of(unit, self.sharded.flatten(unit, named))
-                for u, a, b, view in self.segments:
-                    if u is unit:
-                        self._state(view)[key].copy_(shard[a:b])
-        for _, _, _, view in self.segments:
-            self._state(view)["step"].fill_(step_count)
+            for unit, segments in zip(self.sharded.units, self.segments):
+                shard = unit.shard_of(unit.flatten({n: tensors[f"{n}.{key}"] for n in unit.names}))
+                for a, b, view in segments:
+                    self._state(view)[key].copy_(shard[a:b])
+        for segments in self.segments:
+            for _, _, view in segments:
+                self._state(view)["step"].fill_(step_count)
 
 
 def clip_grad_norm(sharded: Sharded, max_norm: float) -> float:

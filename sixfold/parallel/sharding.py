@@ -49,10 +49,7 @@ class Unit:
         self.padded = -(-sum(self.sizes) // quantum) * quantum
         self.shard_size = self.padded // shards
         self.lo = rank * self.shard_size
-        ref = self.params[0]
-        exact = torch.zeros(self.padded, dtype=torch.float32, device=ref.device)
-        for p, o, n in zip(self.params, self.offsets, self.sizes):
-            exact[o:o + n].copy_(p.data.flatten())
+        exact = self.flatten({n: p.data for n, p in zip(self.names, self.params)})
         self.full = exact if dtype == torch.float32 else exact.to(dtype)
         self.grad = torch.zeros_like(self.full)
         for p, o, n in zip(self.params, self.offsets, self.sizes):
@@ -61,7 +58,9 @@ class Unit:
         own = shards > 1 or dtype != torch.float32  # the fp32 master needs storage of its own
         self.master = exact[self.lo:self.lo + self.shard_size].clone() if own else self.full
         self.grad_shard = torch.zeros_like(self.master) if own else self.grad
-        self.compute_shard = self.master if dtype == torch.float32 else self.master.to(dtype)
+        # this rank's shard in the compute dtype, the input of gathers; unsharded, the compute weights themselves
+        self.compute_shard = self.master if dtype == torch.float32 else self.full if shards == 1 else \
+            self.master.to(dtype)
         self.ready = 0
         self.reduce: Pending | None = None
         self.gather: Pending | None = None
@@ -73,6 +72,17 @@ class Unit:
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-parameter views of a full-size flat tensor laid out like this unit."""
         return {n: flat[o:o + s].view_as(p) for n, p, o, s in zip(self.names, self.params, self.offsets, self.sizes)}
+
+    def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The fp32 unit-shaped flat tensor of named tensors (zeros in the padding)."""
+        flat = torch.zeros(self.padded, dtype=torch.float32, device=self.params[0].device)
+        for n, o, s in zip(self.names, self.offsets, self.sizes):
+            flat[o:o + s].copy_(tensors[n].flatten())
+        return flat
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a unit-shaped flat tensor (all of it when unsharded)."""
+        return flat[self.lo:self.lo + self.shard_size]
 
     def segments(self) -> list[tuple[str, int, int]]:
         """(name, start, end) of each parameter's part inside this rank's shard, in shard coordinates."""
@@ -237,16 +247,13 @@ class Sharded:
             u.grad_shard.mul_(coef)
 
     def after_step(self) -> None:
-        """The updated fp32 shards back into compute weights: copied, or gathered under ZeRO-1/2."""
+        """The updated fp32 shards back into compute weights: copied, then gathered under ZeRO-1/2."""
         for u in self.units:
             if u.compute_shard is not u.master:
                 u.compute_shard.copy_(u.master)
         if self.zero in (1, 2):
             for p in [self.comm.all_gather(u.full, u.compute_shard, "fsdp", async_op=True) for u in self.units]:
                 p.wait()
-        elif not self.zero and self.units[0].full is not self.units[0].master:
-            for u in self.units:
-                u.full.copy_(u.compute_shard)
 
     def zero_grad(self) -> None:
         if self.zero < 2:
@@ -262,16 +269,6 @@ class Sharded:
         self.comm.all_gather(full, shard.contiguous(), "fsdp", label="checkpoint")
         return full
 
-    def flatten(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The unit-shaped flat tensor of named tensors (zeros in the padding)."""
-        flat = torch.zeros(unit.padded, dtype=unit.master.dtype, device=unit.master.device)
-        for n, o, s in zip(unit.names, unit.offsets, unit.sizes):
-            flat[o:o + s].copy_(tensors[n].flatten())
-        return flat
-
-    def shard_of(self, unit: Unit, flat: torch.Tensor) -> torch.Tensor:
-        return flat[unit.lo:unit.lo + unit.shard_size] if self.zero else flat
-
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter by global name (a collective under ZeRO)."""
         out = {}
@@ -282,8 +279,9 @@ class Sharded:
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         for u in self.units:
-            flat = self.flatten(u, tensors)
-            u.master.copy_(self.shard_of(u, flat))
-            u.compute_shard.copy_(u.master)
+            flat = u.flatten(tensors)
+            u.master.copy_(u.shard_of(flat))
             if self.zero < 3:
                 u.full.copy_(flat)
+            if u.compute_shard is not u.master and u.compute_shard is not u.full:
+                u.compute_shard.copy_(u.master)

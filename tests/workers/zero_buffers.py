@@ -29,7 +29,8 @@ owned = sum(max(0, min((rank + 1) * pad(x) // n, x) - rank * pad(x) // n) for x 
 b = 2 if precision == "bf16" else 4
 own_master = n > 1 or precision == "bf16"
 expected = {
-    "parameters": (b * padded if zero < 3 else 0) + (4 * shard if own_master else 0) + (b * shard if b == 2 else 0),
+    # bf16 sharded: a bf16 copy of the shard to gather from (unsharded, the compute weights serve)
+    "parameters": (b * padded if zero < 3 else 0) + (4 * shard if own_master else 0) + (b * shard if b == 2 and n > 1 else 0),
     "gradients": (b * padded if zero < 2 else 0) + (4 * shard if own_master else 0),
     "optimizer": 8 * owned,
 }
@@ -37,10 +38,10 @@ expected = {
 # what the buffers hold
 size = lambda t: t.untyped_storage().size()
 units = trainer.sharded.units
+extra = lambda t, *counted: 0 if any(t is c for c in counted) else size(t)  # a buffer not counted yet
 held = {
-    "parameters": sum(size(u.full) + (size(u.master) if u.master is not u.full else 0)
-                      + (size(u.compute_shard) if u.compute_shard is not u.master else 0) for u in units),
-    "gradients": sum(size(u.grad) + (size(u.grad_shard) if u.grad_shard is not u.grad else 0) for u in units),
+    "parameters": sum(size(u.full) + extra(u.master, u.full) + extra(u.compute_shard, u.master, u.full) for u in units),
+    "gradients": sum(size(u.grad) + extra(u.grad_shard, u.grad) for u in units),
     "optimizer": sum(t.numel() * t.element_size() for s in trainer.optim.opt.state.values()
                      for k, t in s.items() if k != "step"),
 }
