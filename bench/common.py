@@ -1,6 +1,11 @@
 """What the benchmarks share: the workers' step, memory marks, the alternating torchrun driver, the docs table.
 
 A benchmark (bench/dp.py, bench/fsdp.py) describes itself in a `Bench` and calls `main(bench, description)`.
+
+Each run is its own torchrun job (OMP_NUM_THREADS=1 per rank); sixfold and the torch side alternate.
+A run's time is rank 0's mean step time after the warm-up steps; a layout's time is the median over
+its runs. Memory is the peak RSS of a rank above its RSS just before the model is built, max over
+ranks. The table goes into docs/benchmarks.md between the benchmark's markers.
 """
 from __future__ import annotations
 

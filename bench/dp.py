@@ -2,10 +2,7 @@
 
     python bench/dp.py --ranks 2 4 --runs 3
 
-Each run is its own torchrun job (OMP_NUM_THREADS=1 per rank); sixfold and DDP runs alternate.
-A run's time is rank 0's mean step time after the warm-up steps; a layout's time is the median over
-its runs. Memory is the peak RSS of a rank above its RSS just before the model is built, max over
-ranks. The table goes into docs/benchmarks.md between the dp markers.
+The method (alternating torchrun jobs, timing, memory, the docs table) is bench/common.py's.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from .checkpoint import CheckpointError
 from .config import ConfigError, check_available, load_config, validate
 from .launch import run_torchrun, under_torchrun
 
-KNOWN_ERRORS = (ConfigError, CheckpointError)
+KNOWN_ERRORS = (ValueError, CheckpointError)  # ConfigError and DataError are ValueErrors
 
 
 def _split(items: list[str]) -> tuple[str | None, list[str]]:
@@ -118,11 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
-    from .data import DataError
     from .train import TrainingError
     try:
         return args.fn(args, argv)
-    except (*KNOWN_ERRORS, DataError, TrainingError, ValueError) as e:
+    except (*KNOWN_ERRORS, TrainingError) as e:
         rank = os.environ.get("RANK")
         print(f"sixfold error{f' (rank {rank})' if rank else ''}: {e}", file=sys.stderr)
         return 2
