@@ -63,12 +63,13 @@ class Comm:
             self.tracer.add(name, "comm", start, now_us(), bytes=nbytes)
         return Pending(work if async_op else None, self.tracer, name, start, {"bytes": nbytes})
 
-    def all_reduce(self, t: torch.Tensor, group: str, async_op: bool = False, label: str = "") -> Pending | None:
-        """Sum `t` in place over `group`; a no-op on a group of one."""
+    def all_reduce(self, t: torch.Tensor, group: str, async_op: bool = False, label: str = "",
+                   op=dist.ReduceOp.SUM) -> Pending | None:
+        """Sum (or `op`) `t` in place over `group`; a no-op on a group of one."""
         if self.ctx.size(group) == 1:
             return None
         return self._run("all_reduce", group, t.numel() * t.element_size(), label, async_op,
-                         lambda g, a: dist.all_reduce(t, group=g, async_op=a))
+                         lambda g, a: dist.all_reduce(t, op=op, group=g, async_op=a))
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: str, async_op: bool = False,
                        label: str = "") -> Pending | None:

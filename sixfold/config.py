@@ -59,6 +59,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    sequence_parallel: bool = True
     zero: int = 0
     reshard_after_forward: bool = True
     timeout_s: float = 300.0
@@ -74,7 +75,8 @@ class ParallelConfig:
     def describe(self) -> str:
         parts = [f"{n}{getattr(self, n)}" for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
                  if getattr(self, n) > 1]
-        return (" x ".join(parts) or "single process") + (f", zero{self.zero}" if self.zero else "")
+        sp = ", sequence-TP" if self.tp > 1 and self.sequence_parallel else ""
+        return (" x ".join(parts) or "single process") + sp + (f", zero{self.zero}" if self.zero else "")
 
 
 @dataclass
@@ -237,7 +239,7 @@ def check_world_size(p: ParallelConfig, world_size: int) -> None:
 
 def check_available(cfg: Config) -> None:
     """Refuse what the config can describe but this version cannot run yet."""
-    for dim, issue in (("tp", 4), ("cp", 5), ("pp", 6), ("ep", 7)):
+    for dim, issue in (("cp", 5), ("pp", 6), ("ep", 7)):
         if getattr(cfg.parallel, dim) > 1:
             raise ConfigError(f"parallel.{dim}={getattr(cfg.parallel, dim)}: this dimension's layers are not in "
                               f"this version yet (issue #{issue}); set parallel.{dim}=1")
@@ -277,8 +279,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} and parallel.tp={p.tp}: one must divide the other")
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by 2*parallel.cp={2 * p.cp} (zigzag chunks)")
-    if p.tp > 1 and t.seq_len % p.tp:
-        raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} (sequence-TP)")
+    if p.tp > 1 and m.ffn_dim % p.tp:
+        raise ConfigError(f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={p.tp}")
+    if p.tp > 1 and p.sequence_parallel and t.seq_len % p.tp:
+        raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} under sequence-TP; "
+                          f"change it or set parallel.sequence_parallel=false")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if t.micro_batches < 1:

@@ -48,22 +48,25 @@ class AdamW:
         return self.opt.state[view]
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Optimizer state by global parameter name (a collective under ZeRO)."""
+        """Optimizer state by global parameter name, at full shapes (a collective under ZeRO and TP)."""
         out = {}
         for key in ("exp_avg", "exp_avg_sq"):
+            pieces = {}
             for unit, segments in zip(self.sharded.units, self.segments):
                 shard = torch.zeros_like(unit.master)
                 for a, b, view in segments:
                     shard[a:b] = self._state(view)[key]
                 full = self.sharded.gather(unit, shard)
-                out.update({f"{n}.{key}": t for n, t in unit.views(full).items()})
+                pieces.update({f"{n}.{key}": t for n, t in unit.views(full).items()})
+            out.update(self.sharded.join(pieces, f".{key}"))
         return out
 
     @torch.no_grad()
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], step_count: int) -> None:
         for key in ("exp_avg", "exp_avg_sq"):
+            local = self.sharded.local(tensors, f".{key}")
             for unit, segments in zip(self.sharded.units, self.segments):
-                shard = unit.shard_of(unit.flatten({n: tensors[f"{n}.{key}"] for n in unit.names}))
+                shard = unit.shard_of(unit.flatten(local))
                 for a, b, view in segments:
                     self._state(view)[key].copy_(shard[a:b])
         for segments in self.segments:

@@ -19,6 +19,7 @@ from .mesh import ParallelContext
 from .model.llama import IGNORE_INDEX, Llama, init_weights, no_decay
 from .optim import AdamW, clip_grad_norm, learning_rate
 from .parallel.sharding import Sharded
+from .parallel.tensor import TensorParallel
 from .trace import Tracer, draw_timeline, write_chrome_trace
 
 TRACE_STEPS = 3
@@ -37,7 +38,8 @@ class Trainer:
         self.comm = Comm(ctx, self.tracer)
         self.data = self._load_data()
         torch.manual_seed(t.seed)
-        self.model = Llama(cfg.model).to(ctx.device)
+        tp = TensorParallel(self.comm, cfg.parallel.sequence_parallel)
+        self.model = Llama(cfg.model, tp).to(ctx.device)
         init_weights(self.model, t.seed)
         self.sharded = Sharded(self.model, self.comm, cfg.parallel.zero, cfg.parallel.reshard_after_forward,
                                getattr(torch, DTYPES[t.precision]), getattr(torch, DTYPES[t.grad_reduce]))
@@ -131,7 +133,8 @@ class Trainer:
     def load(self, where: str) -> None:
         path = ckpt.find_checkpoint(where)
         meta = ckpt.read_meta(path)
-        shapes = {n: p.shape for n, p in self.model.named_parameters()}
+        splits = self.model.splits()
+        shapes = {n: splits[n].full_shape(p.shape) for n, p in self.model.named_parameters()}
         tensors = ckpt.read_tensors(path, "model.safetensors")
         ckpt.check_shapes(shapes, tensors, str(path / "model.safetensors"))
         self.sharded.load_weights(tensors)

@@ -43,6 +43,7 @@ def test_bad_values():
     (["parallel.cp=2", "train.seq_len=30"], "train.seq_len=30 must be divisible by 2\\*parallel.cp=4"),
     (["parallel.tp=2", "train.seq_len=31"], "train.seq_len=31 must be divisible by parallel.tp=2"),
     (["parallel.tp=8", "model.n_heads=4"], "model.n_heads=4 is not divisible by parallel.tp=8"),
+    (["parallel.tp=4", "model.ffn_dim=170"], "model.ffn_dim=170 is not divisible by parallel.tp=4"),
     (["parallel.tp=2", "model.n_heads=6", "model.dim=96", "model.n_kv_heads=3"],
      "model.n_kv_heads=3 and parallel.tp=2: one must divide the other"),
     (["parallel.ep=2"], "parallel.ep=2 must divide model.moe_experts=0"),
@@ -71,7 +72,7 @@ def test_shipped_configs_load():
 
 
 def test_dimensions_not_in_this_version_are_refused_at_run_time():
-    for overrides, message in ((["parallel.tp=2"], "issue #4"), (["parallel.pp=2"], "issue #6"),
+    for overrides, message in ((["parallel.cp=2"], "issue #5"), (["parallel.pp=2"], "issue #6"),
                                (["model.moe_experts=8"], "issue #7")):
         cfg = load_config(None, overrides)
         with pytest.raises(ConfigError, match=message):

@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-
-IGNORE_INDEX = -100
+from ..parallel.tensor import (IGNORE_INDEX, Linear, Split, TensorParallel, VocabEmbedding, cross_entropy,
+                               gather_vocab, linear)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, split: Split = Split()):
         super().__init__()
-        self.eps = eps
+        self.eps, self.split = eps, split
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,20 +59,26 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        self.layer = layer
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+    """Query heads split over tp; kv heads too, or, when fewer than tp, each replicated on the ranks needing it."""
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel):
+        super().__init__()
+        self.layer, self.tp, self.head_dim = layer, tp, cfg.head_dim
+        kv_parts = min(cfg.n_kv_heads, tp.size)
+        self.n_heads, self.n_kv_heads = cfg.n_heads // tp.size, cfg.n_kv_heads // kv_parts
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        kv_split = tp.split(0, kv, kv_parts, partial_grad=kv_parts < tp.size)
+        self.wq = Linear(tp, cfg.dim, q, "column")
+        self.wk = Linear(tp, cfg.dim, kv, "column", kv_split)
+        self.wv = Linear(tp, cfg.dim, kv, "column", kv_split)
+        self.wo = Linear(tp, q, cfg.dim, "row")
+
+    def forward(self, x, shape, cos, sin, sp: bool, cache: KVCache | None = None) -> torch.Tensor:
+        b, s = shape
+        q, k, v = linear(self.tp, x, [self.wq.weight, self.wk.weight, self.wv.weight], "column", sp)
+        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         mask, causal = None, True
         if cache is not None:
@@ -83,60 +89,80 @@ class Attention(nn.Module):
                 mask = torch.ones(s, past + s, dtype=torch.bool, device=x.device).tril(past)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and s > 1,
                                              enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        return self.wo(out.transpose(1, 2).reshape(b * s, -1), sp)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w_up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.tp = tp
+        self.w_gate = Linear(tp, cfg.dim, cfg.ffn_dim, "column")
+        self.w_up = Linear(tp, cfg.dim, cfg.ffn_dim, "column")
+        self.w_down = Linear(tp, cfg.ffn_dim, cfg.dim, "row")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+    def forward(self, x: torch.Tensor, sp: bool) -> torch.Tensor:
+        gate, up = linear(self.tp, x, [self.w_gate.weight, self.w_up.weight], "column", sp)
+        return self.w_down(F.silu(gate) * up, sp)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg, layer)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        norm_split = tp.split(0, cfg.dim, parts=1, partial_grad=tp.sequence)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, norm_split)
+        self.attn = Attention(cfg, layer, tp)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, norm_split)
+        self.mlp = MLP(cfg, tp)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x, shape, cos, sin, sp: bool, cache: KVCache | None = None) -> torch.Tensor:
+        """x: [tokens, dim], this rank's 1/tp of the tokens under sequence-TP; shape: (batch, sequence)."""
+        x = x + self.attn(self.attn_norm(x), shape, cos, sin, sp, cache)
+        return x + self.mlp(self.mlp_norm(x), sp)
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The model on one tp rank (the whole model when tp is 1); parameters keep their global names."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tp = tp = tp or TensorParallel()
+        self.embed = VocabEmbedding(tp, cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, i, tp) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, tp.split(0, cfg.dim, parts=1, partial_grad=tp.sequence))
+        self.head = None if cfg.tie_embeddings else Linear(tp, cfg.dim, cfg.vocab_size, "column",
+                                                           tp.split(0, cfg.vocab_size, pad=True))
+
+    def splits(self) -> dict[str, Split]:
+        """Every parameter's global name -> how this rank's tensor is cut from the full one."""
+        return {f"{name}.weight": m.split for name, m in self.named_modules() if hasattr(m, "split")}
+
+    def local_logits(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits [b*s, this rank's vocab piece] for tokens [b, s] (positions continue the cache, if any)."""
+        b, s = tokens.shape
+        start = cache.length if cache is not None else 0
+        positions = torch.arange(start, start + s, device=tokens.device)
+        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        sp = self.tp.uses_sequence(b * s)
+        x = self.embed(tokens.flatten(), sp)
+        for block in self.layers:
+            x = block(x, (b, s), cos, sin, sp, cache)
+        if cache is not None:
+            cache.length += s
+        x = self.norm(x)
+        head = self.embed if self.head is None else self.head
+        (logits,) = linear(self.tp, x, [head.weight], "column", sp)
+        return logits
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Logits [b, s, vocab] for tokens [b, s] (positions continue the cache, if any)."""
-        start = cache.length if cache is not None else 0
-        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        x = self.embed(tokens)
-        for block in self.layers:
-            x = block(x, cos, sin, cache)
-        if cache is not None:
-            cache.length += tokens.shape[1]
-        x = self.norm(x)
-        return F.linear(x, self.embed.weight) if self.head is None else self.head(x)
+        """Full logits [b, s, vocab] (gathered over tp, without gradient there)."""
+        logits = gather_vocab(self.tp, self.local_logits(tokens, cache), self.cfg.vocab_size)
+        return logits.view(*tokens.shape, -1)
 
     def loss_sum(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum of token cross-entropies in fp32 (labels equal to IGNORE_INDEX count for nothing)."""
-        logits = self(tokens)
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+        return cross_entropy(self.tp, self.local_logits(tokens), labels.flatten(), self.embed.first,
+                             self.cfg.vocab_size)
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -156,13 +182,15 @@ def init_weights(model: Llama, seed: int) -> None:
 
     The values therefore do not depend on the layout; a shard is a slice of the same draw.
     """
+    splits = model.splits()
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
             continue
         g = torch.Generator().manual_seed(param_seed(seed, name))
-        full = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, init_std(model.cfg, name), generator=g)
-        p.copy_(full)
+        split = splits[name]
+        full = torch.empty(split.full_shape(p.shape), dtype=torch.float32)
+        p.copy_(split.local(full.normal_(0.0, init_std(model.cfg, name), generator=g)))
 
 
 def no_decay(name: str) -> bool:

@@ -11,6 +11,9 @@ last micro-batch (DDP). zero 1: reduce-scattered over fsdp instead; the shard is
 all-gathered. zero 2: also the full gradient buffer is freed after its reduce-scatter. zero 3: also the
 full weights are freed outside the unit's forward and backward and gathered just ahead of use (prefetch).
 With dp_replicate > 1 (HSDP) the gradient shards are then all-reduced across replicas.
+Under tensor parallelism the units hold this tp rank's pieces, laid out alike on every tp rank; parameters
+whose replicas over tp each hold part of the gradient (norms under sequence-TP, shared kv heads) are summed
+over tp once per step.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm, Pending
+from .tensor import Split, VocabEmbedding
 
 ALIGN = 16  # elements: shard boundaries stay aligned
 
@@ -135,6 +139,9 @@ class Sharded:
         self.replicas = ctx.size("dp_replicate") if self.zero else 1
         self.sync = False
         self._next = len(self.units) - 1
+        self.tp, self.splits = model.tp, model.splits()
+        unit_of = {id(p): u for u in self.units for p in u.params}
+        model.tp.weight_grads.on_grad = lambda p: self._on_grad(unit_of[id(p)])
         tied = model.head is None
         for unit in self.units:
             for p in unit.params:
@@ -145,7 +152,7 @@ class Sharded:
                 # the last unit's backward follows its forward at once; a tied embedding serves the head too
                 last, tied_embedding = unit.index == len(self.units) - 1, tied and unit.index == 0
                 unit.keep_gathered = not reshard_after_forward or last or tied_embedding
-                unit.backward_reads_weights = not all(isinstance(m, nn.Embedding) for m in unit.modules)
+                unit.backward_reads_weights = not all(isinstance(m, VocabEmbedding) for m in unit.modules)
                 unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self.before_forward(u))
                 unit.modules[-1].register_forward_hook(lambda m, a, out, u=unit: self._after_forward(u, out))
                 _free(unit.full)
@@ -227,6 +234,7 @@ class Sharded:
         if self.replicas > 1:
             for p in [self.comm.all_reduce(u.grad_shard, "dp_replicate", async_op=True) for u in self.units]:
                 p.wait()
+        self._sum_partial_grads()
         for unit in self.units:
             if self.zero >= 2:
                 _free(unit.grad)
@@ -235,11 +243,42 @@ class Sharded:
         self._next = len(self.units) - 1
         self.sync = False
 
+    def _partial_segments(self) -> list[tuple[torch.Tensor, Split]]:
+        return [(u.grad_shard[a:b], self.splits[n]) for u in self.units for n, a, b in u.segments()
+                if self.splits[n].partial_grad]
+
+    def _sum_partial_grads(self) -> None:
+        """Sum over tp the gradients that each replica holds a part of: piece k in slot k of one buffer."""
+        segments = self._partial_segments()
+        if not segments:
+            return
+        slots = [(g, s.parts, s.index) for g, s in segments]
+        buf = torch.zeros(sum(g.numel() * parts for g, parts, _ in slots), dtype=segments[0][0].dtype,
+                          device=segments[0][0].device)
+        places, at = [], 0
+        for g, parts, index in slots:
+            places.append(buf[at + index * g.numel():at + (index + 1) * g.numel()])
+            places[-1].copy_(g)
+            at += g.numel() * parts
+        self.comm.all_reduce(buf, "tp", label="partial grads")
+        for (g, _, _), place in zip(slots, places):
+            g.copy_(place)
+
     def grad_norm_sq(self) -> float:
-        """Squared L2 norm of the reduced gradients: fp32 per shard, summed in fp64 over the fsdp group."""
+        """Squared L2 norm of the reduced gradients: fp32 per shard, summed in fp64 over fsdp and tp.
+
+        A piece replicated on several tp ranks counts once: each replica adds its share.
+        """
         local = sum(float(u.grad_shard.norm()) ** 2 for u in self.units)
+        for u in self.units:
+            for n, a, b in u.segments():
+                split = self.splits[n]
+                if split.parts < self.tp.size:
+                    local -= (1 - split.parts / self.tp.size) * float(u.grad_shard[a:b].norm()) ** 2
         if self.zero:
             (local,) = self.comm.sum_scalars([local], "fsdp")
+        if self.tp.size > 1:
+            (local,) = self.comm.sum_scalars([local], "tp")
         return local
 
     def scale_grads(self, coef: float) -> None:
@@ -269,15 +308,31 @@ class Sharded:
         self.comm.all_gather(full, shard.contiguous(), "fsdp", label="checkpoint")
         return full
 
+    def join(self, tensors: dict[str, torch.Tensor], suffix: str = "") -> dict[str, torch.Tensor]:
+        """Full tensors from this tp rank's pieces, by global name (`name + suffix`; a collective over tp)."""
+        if self.tp.size == 1:
+            return tensors
+        out = {}
+        for name, t in tensors.items():
+            pieces = t.new_empty((self.tp.size * t.shape[0], *t.shape[1:]))
+            self.comm.all_gather(pieces, t.contiguous(), "tp", label="checkpoint")
+            out[name] = self.splits[name.removesuffix(suffix)].join(list(pieces.view(-1, *t.shape)), self.tp.size)
+        return out
+
+    def local(self, tensors: dict[str, torch.Tensor], suffix: str = "") -> dict[str, torch.Tensor]:
+        """This tp rank's pieces of full tensors named `name + suffix`, keyed by parameter name."""
+        return {n: self.splits[n].local(tensors[n + suffix]) for n in self.splits}
+
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """Every parameter by global name (a collective under ZeRO)."""
+        """Every parameter by global name at its full shape (a collective under ZeRO and TP)."""
         out = {}
         for u in self.units:
             out.update(u.views(self.gather(u, u.master)))
-        return out
+        return self.join(out)
 
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        tensors = self.local(tensors)
         for u in self.units:
             flat = u.flatten(tensors)
             u.master.copy_(u.shard_of(flat))

@@ -1,0 +1,297 @@
+"""Tensor parallelism (Megatron-style): column/row-parallel linear, vocab-parallel embedding and cross-entropy.
+
+Two dual collectives over the tp group do all the work:
+  gather   forward of a column-parallel input and backward of a row-parallel output:
+           all-gather of the tokens under sequence-TP, otherwise the identity;
+  reduce   forward of a row-parallel output and backward of a column-parallel input:
+           reduce-scatter of the tokens under sequence-TP, otherwise an all-reduce.
+Activations between sub-layers are [tokens, hidden]; under sequence-TP each rank holds a contiguous
+1/tp of the tokens, so both collectives work on dim 0 without copies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm import Comm, Pending
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a parameter's full tensor maps to this rank: cut into `parts` along `dim`, piece `index`.
+
+    `full` is the size along dim, `padded` that size rounded up to a multiple of parts (vocab rows).
+    parts < tp means pieces are replicated on tp/parts ranks (norms: parts 1; kv heads fewer than tp).
+    `partial_grad`: each of those replicas holds part of the gradient, to be summed over them.
+    """
+    dim: int = 0
+    parts: int = 1
+    index: int = 0
+    full: int = 0
+    padded: int = 0
+    partial_grad: bool = False
+
+    @property
+    def size(self) -> int:
+        return (self.padded or self.full) // self.parts
+
+    def full_shape(self, local: torch.Size) -> torch.Size:
+        if self.parts == 1:
+            return local
+        shape = list(local)
+        shape[self.dim] = self.full
+        return torch.Size(shape)
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the full tensor (the padding is zeros)."""
+        if self.parts == 1:
+            return full
+        if self.padded > self.full:
+            pad = [0, 0] * (full.dim() - 1 - self.dim) + [0, self.padded - self.full]
+            full = F.pad(full, pad)
+        return full.narrow(self.dim, self.index * self.size, self.size)
+
+    def join(self, gathered: list[torch.Tensor], tp: int) -> torch.Tensor:
+        """The full tensor from every tp rank's piece (piece k is read from the first rank holding it)."""
+        if self.parts == 1:
+            return gathered[0]
+        pieces = [gathered[k * tp // self.parts] for k in range(self.parts)]
+        return torch.cat(pieces, self.dim).narrow(self.dim, 0, self.full)
+
+
+class WeightGrads:
+    """Weight gradients computed later than input gradients (zero-bubble pipelines' W actions).
+
+    While `defer` is set, linear layers queue their weight-gradient work here; run() performs it,
+    accumulating into each weight's .grad and then calling on_grad(weight).
+    """
+
+    def __init__(self):
+        self.defer = False
+        self.pending: list = []
+        self.on_grad = None
+
+    def run(self) -> None:
+        for weight, compute in self.pending:
+            grad = compute()
+            if weight.grad is None:
+                weight.grad = grad
+            else:
+                weight.grad.add_(grad)
+            if self.on_grad is not None:
+                self.on_grad(weight)
+        self.pending.clear()
+
+
+class TensorParallel:
+    """This rank's place in the tp group, and the collectives its layers use."""
+
+    def __init__(self, comm: Comm | None = None, sequence: bool = False):
+        self.comm = comm
+        self.size = comm.ctx.size("tp") if comm is not None else 1
+        self.rank = comm.ctx.rank_in("tp") if comm is not None else 0
+        self.sequence = sequence and self.size > 1
+        self.weight_grads = WeightGrads()
+
+    def split(self, dim: int, full: int, parts: int | None = None, pad: bool = False,
+              partial_grad: bool = False) -> Split:
+        """A split of `full` along `dim` into `parts` (default tp) pieces, this rank's piece chosen by its tp rank."""
+        parts = self.size if parts is None else parts
+        if parts == 1:
+            return Split(partial_grad=partial_grad and self.size > 1)
+        padded = -(-full // parts) * parts if pad else 0
+        return Split(dim, parts, self.rank * parts // self.size, full, padded, partial_grad)
+
+    def uses_sequence(self, tokens: int) -> bool:
+        """Sequence-TP applies when the tokens split evenly (generation's single tokens run without it)."""
+        return self.sequence and tokens % self.size == 0
+
+    def gather(self, x: torch.Tensor, sp: bool, async_op: bool = False) -> tuple[torch.Tensor, Pending | None]:
+        """All-gather of the tokens under sequence-TP; otherwise x itself."""
+        if not sp:
+            return x, None
+        full = x.new_empty((x.shape[0] * self.size, *x.shape[1:]))
+        return full, self.comm.all_gather(full, x.contiguous(), "tp", async_op, label="tokens")
+
+    def reduce(self, x: torch.Tensor, sp: bool, async_op: bool = False) -> tuple[torch.Tensor, Pending | None]:
+        """Reduce-scatter of the tokens under sequence-TP; otherwise an all-reduce (x itself, in place)."""
+        if self.size == 1:
+            return x, None
+        if not sp:
+            return x, self.comm.all_reduce(x, "tp", async_op, label="activations")
+        out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
+        return out, self.comm.reduce_scatter(out, x.contiguous(), "tp", async_op, label="tokens")
+
+
+def _wait(p: Pending | None) -> None:
+    if p is not None:
+        p.wait()
+
+
+class _Linear(torch.autograd.Function):
+    """y_i = x W_i^T for weights sharing one input; column mode gathers x, row mode reduces y."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TensorParallel, mode: str, sp: bool, *weights):
+        ctx.tp, ctx.mode, ctx.sp = tp, mode, sp
+        if mode == "column":
+            full, _ = tp.gather(x, sp)
+            ctx.save_for_backward(x, *weights)  # under sequence-TP the shard: gathered again in backward
+            return tuple(F.linear(full, w) for w in weights)
+        ctx.save_for_backward(x, *weights)
+        y = F.linear(x, weights[0])
+        if mode == "row":
+            y, _ = tp.reduce(y, sp)
+        return y
+
+    @staticmethod
+    def backward(ctx, *grads):
+        tp, mode, sp = ctx.tp, ctx.mode, ctx.sp
+        x, *weights = ctx.saved_tensors
+        if mode == "column":
+            full, gathering = tp.gather(x, sp, async_op=True)
+            dx = sum(dy @ w for dy, w in zip(grads, weights))
+            dx, reducing = tp.reduce(dx, sp, async_op=True)  # overlaps the weight gradients below
+            _wait(gathering)
+        else:
+            (dy,), full = grads, x
+            if mode == "row":
+                dy, _ = tp.gather(dy, sp)
+                grads = (dy,)
+            dx, reducing = dy @ weights[0], None
+        dws = [_weight_grad(tp, w, dy, full) for dy, w in zip(grads, weights)]
+        _wait(reducing)
+        return (dx, None, None, None, *dws)
+
+
+def _weight_grad(tp: TensorParallel, weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor):
+    def compute():
+        return dy.flatten(0, -2).t() @ x.flatten(0, -2)
+
+    if tp.weight_grads.defer:
+        tp.weight_grads.pending.append((weight, compute))
+        return None
+    return compute()
+
+
+def linear(tp: TensorParallel, x: torch.Tensor, weights: list[torch.Tensor], mode: str, sp: bool):
+    """Apply one or more weights to x in `mode` (plain, column or row); a tuple for column mode."""
+    if not tp.weight_grads.defer and (tp.size == 1 or mode == "plain"):  # autograd's own linear suffices
+        out = tuple(F.linear(x, w) for w in weights)
+        return out if mode == "column" else out[0]
+    return _Linear.apply(x, tp, mode, sp and tp.size > 1, *weights)
+
+
+class Linear(nn.Module):
+    """A bias-free linear layer whose weight is this rank's piece: rows (column mode) or columns (row mode)."""
+
+    def __init__(self, tp: TensorParallel, in_features: int, out_features: int, mode: str = "plain",
+                 split: Split | None = None):
+        super().__init__()
+        self.tp, self.mode = tp, mode
+        if split is None:
+            split = tp.split(0, out_features) if mode == "column" else tp.split(1, in_features) if mode == "row" \
+                else Split()
+        self.split = split
+        shape = [out_features, in_features]
+        if split.parts > 1:
+            shape[split.dim] = split.size
+        self.weight = nn.Parameter(torch.empty(shape))
+
+    def forward(self, x: torch.Tensor, sp: bool) -> torch.Tensor:
+        out = linear(self.tp, x, [self.weight], self.mode, sp)
+        return out[0] if self.mode == "column" else out
+
+
+class _Reduce(torch.autograd.Function):
+    """Forward: the reduce collective (partial sums become whole); backward: its dual, gather."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TensorParallel, sp: bool):
+        ctx.tp, ctx.sp = tp, sp
+        return tp.reduce(x, sp)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.tp.gather(grad, ctx.sp)[0], None, None
+
+
+class VocabEmbedding(nn.Module):
+    """Embedding rows split over tp by vocabulary (padded to a multiple of tp); the lookups are summed."""
+
+    def __init__(self, tp: TensorParallel, vocab_size: int, dim: int):
+        super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        self.split = tp.split(0, vocab_size, pad=True)
+        self.weight = nn.Parameter(torch.empty(self.split.size if self.split.parts > 1 else vocab_size, dim))
+
+    @property
+    def first(self) -> int:
+        return self.split.index * self.split.size
+
+    def forward(self, tokens: torch.Tensor, sp: bool) -> torch.Tensor:
+        """[tokens] -> [tokens, dim] (this rank's 1/tp of the tokens under sequence-TP)."""
+        if self.tp.size == 1:
+            return F.embedding(tokens, self.weight)
+        local = tokens - self.first
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0.0)
+        return _Reduce.apply(x, self.tp, sp)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Token losses from logits split over tp by vocabulary, without gathering them."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, tp: TensorParallel, first: int, vocab_size: int):
+        comm = tp.comm
+        logits = logits.float()
+        if first + logits.shape[1] > vocab_size:  # padded rows of the last piece
+            logits = logits.clone()
+            logits[:, vocab_size - first:] = float("-inf")
+        top = logits.max(dim=1).values
+        comm.all_reduce(top, "tp", label="loss max", op=dist.ReduceOp.MAX)
+        exp = (logits - top[:, None]).exp_()
+        local = labels - first
+        mine = (local >= 0) & (local < logits.shape[1])
+        picked = torch.where(mine, logits.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None])[:, 0], 0.0)
+        sums = torch.stack([exp.sum(dim=1), picked])
+        comm.all_reduce(sums, "tp", label="loss sums")
+        loss = sums[0].log() + top - sums[1]
+        ignored = labels == IGNORE_INDEX
+        loss = loss.masked_fill(ignored, 0.0)
+        exp.div_(sums[0][:, None])
+        ctx.save_for_backward(exp, local, mine & ~ignored, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, local, mine, ignored = ctx.saved_tensors
+        grad = grad.masked_fill(ignored, 0.0)
+        dlogits = probs * grad[:, None]
+        dlogits.scatter_add_(1, local.clamp(0, probs.shape[1] - 1)[:, None], -(grad * mine)[:, None])
+        return dlogits, None, None, None, None
+
+
+def cross_entropy(tp: TensorParallel, logits: torch.Tensor, labels: torch.Tensor, first: int,
+                  vocab_size: int) -> torch.Tensor:
+    """Sum of token cross-entropies in fp32; logits [tokens, this rank's vocab piece starting at `first`]."""
+    if tp.size == 1:
+        return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return _VocabParallelCrossEntropy.apply(logits, labels, tp, first, vocab_size).sum()
+
+
+@torch.no_grad()
+def gather_vocab(tp: TensorParallel, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Full logits [tokens, vocab] from every rank's vocab piece (generation only: no gradient)."""
+    if tp.size == 1:
+        return logits
+    pieces = logits.new_empty((tp.size * logits.shape[0], logits.shape[1]))
+    tp.comm.all_gather(pieces, logits.contiguous(), "tp", label="logits")
+    return pieces.view(tp.size, *logits.shape).permute(1, 0, 2).flatten(1)[:, :vocab_size]
