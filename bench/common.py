@@ -94,7 +94,8 @@ def torch_worker(cfg, wrap, grads_to_none: bool) -> dict:
     import torch.nn.functional as F
 
     from sixfold.data import BatchLoader, load_data
-    from sixfold.model.llama import IGNORE_INDEX, Llama, init_weights, no_decay
+    from sixfold.model.llama import Llama, init_weights, no_decay
+    from sixfold.parallel.tensor import IGNORE_INDEX
     from sixfold.optim import learning_rate
 
     t = cfg.train

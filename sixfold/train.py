@@ -16,10 +16,10 @@ from .config import DTYPES, Config, ConfigError, check_available
 from .data import BatchLoader, eval_batches, load_data
 from .logs import RunLog
 from .mesh import ParallelContext
-from .model.llama import IGNORE_INDEX, Llama, init_weights, no_decay
+from .model.llama import Llama, init_weights, no_decay
 from .optim import AdamW, clip_grad_norm, learning_rate
 from .parallel.sharding import Sharded
-from .parallel.tensor import TensorParallel
+from .parallel.tensor import IGNORE_INDEX, TensorParallel
 from .trace import Tracer, draw_timeline, write_chrome_trace
 
 TRACE_STEPS = 3

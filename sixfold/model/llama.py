@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..parallel.tensor import (IGNORE_INDEX, Linear, Split, TensorParallel, VocabEmbedding, cross_entropy,
-                               gather_vocab, linear)
+from ..parallel.tensor import (Linear, Split, TensorParallel, VocabEmbedding, cross_entropy, gather_vocab,
+                               linear)
 
 
 class RMSNorm(nn.Module):
