@@ -1,6 +1,7 @@
 """What the benchmarks share: the workers' step, memory marks, the alternating torchrun driver, the docs table.
 
-A benchmark (bench/dp.py, bench/fsdp.py) describes itself in a `Bench` and calls `main(bench, description)`.
+A benchmark (bench/dp.py, bench/fsdp.py, bench/tp.py) describes itself in a `Bench` and calls
+`main(bench, description)`.
 
 Each run is its own torchrun job (OMP_NUM_THREADS=1 per rank); sixfold and the torch side alternate.
 A run's time is rank 0's mean step time after the warm-up steps; a layout's time is the median over
@@ -10,6 +11,7 @@ ranks. The table goes into docs/benchmarks.md between the benchmark's markers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -41,10 +43,11 @@ class Bench:
     layout: Callable[[int], list[str]]  # sixfold's parallel overrides for a world size
     describe: Callable[[int], str]  # the table's layout column for a world size
     worker: Callable  # the torch side's worker: cfg -> result dict
+    global_batch: Callable[[int], int] = lambda world: ROWS_PER_RANK * world  # sequences per step for a world size
 
 
 def overrides(bench: Bench, world: int, steps: int, run_dir: str) -> list[str]:
-    return [f"train.global_batch={ROWS_PER_RANK * world}", *bench.layout(world),
+    return [f"train.global_batch={bench.global_batch(world)}", *bench.layout(world),
             f"train.steps={steps}", f"log.run_dir={run_dir}", "log.progress=false",
             "log.tensorboard=false", "checkpoint.save_final=false"]
 
@@ -86,9 +89,13 @@ def sixfold_worker(cfg) -> dict:
             "peak_mb": peak_mb(base["kb"])}
 
 
-def torch_worker(cfg, wrap, grads_to_none: bool) -> dict:
-    """sixfold's step written with torch's own parts. wrap(model, world) returns the module to call and the
-    factor on the loss that turns the wrapper's gradient reduction into a sum, as in sixfold."""
+def torch_worker(cfg, wrap, grads_to_none: bool, build=None, data_parallel: bool = True,
+                 loss_context=contextlib.nullcontext) -> dict:
+    """sixfold's step written with torch's own parts. build(cfg) returns the model (default: sixfold's
+    single-process Llama with init_weights); wrap(model, world) returns the module to call and the factor on
+    the loss that turns the wrapper's gradient reduction into a sum, as in sixfold. Without data_parallel
+    every rank reads the whole batch and computes the whole loss. Forward, loss and backward run inside
+    loss_context()."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -104,27 +111,34 @@ def torch_worker(cfg, wrap, grads_to_none: bool) -> dict:
     data = load_data(cfg.data)
     base = mark_memory()
     torch.manual_seed(t.seed)
-    model = Llama(cfg.model)
-    init_weights(model, t.seed)
+    if build is None:
+        model = Llama(cfg.model)
+        init_weights(model, t.seed)
+    else:
+        model = build(cfg)
     module, loss_scale = wrap(model, world)
     named = list(model.named_parameters())
     groups = [{"params": [p for n, p in named if not no_decay(n)], "weight_decay": t.weight_decay},
               {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0}]
     optim = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True)  # as sixfold
-    loader = BatchLoader(data.train, t.seq_len, t.global_batch, t.seed, rank, world)
+    batch_ranks = (rank, world) if data_parallel else (0, 1)
+    loader = BatchLoader(data.train, t.seq_len, t.global_batch, t.seed, *batch_ranks)
     out = {"step_s": [], "loss": []}
     for step in range(t.steps):
         start = time.perf_counter()
         x, y = loader.batch(step)
         counts = torch.tensor([float((y != IGNORE_INDEX).sum())], dtype=torch.float64)
-        dist.all_reduce(counts)
-        logits = module(x)
-        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="sum")
-        loss = loss_sum / float(counts)
-        (loss * loss_scale).backward()
+        if data_parallel:
+            dist.all_reduce(counts)
+        with loss_context():
+            logits = module(x)
+            loss_sum = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
+                                       reduction="sum")
+            loss = loss_sum / float(counts)
+            (loss * loss_scale).backward()
         total = torch.tensor([float(loss.detach())], dtype=torch.float64)
-        dist.all_reduce(total)
+        if data_parallel:
+            dist.all_reduce(total)
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         for g in optim.param_groups:
             g["lr"] = learning_rate(t, step)
@@ -282,8 +296,13 @@ def drive(bench: Bench, args) -> None:
                 row[side].append(r)
                 print(f"{world} ranks, run {i + 1}, {side:7}: {r['step_s']:.3f} s/step, peak {r['peak_mb']:.0f} MB, "
                       f"loss at step {args.steps} {r['loss'][-1]:.6f}, other load {r['others']:.2f} cores", flush=True)
-        gap = max(abs(a - b) for a, b in zip(row["sixfold"][0]["loss"], row[bench.side][0]["loss"]))
-        print(f"{world} ranks: largest loss difference sixfold vs {bench.label} {gap:.2e}", flush=True)
+        ours, theirs = row["sixfold"][0]["loss"], row[bench.side][0]["loss"]
+        gap = max(abs(a - b) for a, b in zip(ours, theirs))
+        print(f"{world} ranks: step-1 loss sixfold {ours[0]:.6f}, {bench.label} {theirs[0]:.6f}; largest loss "
+              f"difference {gap:.2e}", flush=True)
+        if abs(ours[0] - theirs[0]) > 1e-5 * abs(ours[0]):
+            print(f"WARNING: {world} ranks: the step-1 losses differ by more than 1e-5 relative: the two sides "
+                  "do not compute the same thing", flush=True)
         rows.append(row)
     if revision() != rev:
         rev += f", then {revision()} before the last run ended"
@@ -295,7 +314,7 @@ def drive(bench: Bench, args) -> None:
 
 def main(bench: Bench, description: str) -> None:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="data-parallel sizes to measure")
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="numbers of ranks to measure")
     p.add_argument("--runs", type=int, default=3, help=f"alternations (sixfold then {bench.label}) per size")
     p.add_argument("--steps", type=int, default=10, help=f"steps per run; the first {WARMUP} are not timed")
     p.add_argument("--config", default=str(ROOT / "configs" / "bench.yaml"))

@@ -1,4 +1,4 @@
-"""Data-parallel and ZeRO layouts reproduce the single-process run (losses and final weights, fp32); bf16 learns."""
+"""Data-parallel, ZeRO and tensor-parallel layouts reproduce the single-process run (losses and final weights, fp32); bf16 learns."""
 import pytest
 
 from sixfold.config import load_config
@@ -21,6 +21,14 @@ for shards in (2, 4):
 LAYOUTS["hsdp2x2-zero3"] = ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=3", *ACCUM]
 LAYOUTS["hsdp2x2-zero2-tied"] = ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=2",
                                  "model.tie_embeddings=true", *ACCUM]
+for tp in (2, 4):
+    LAYOUTS[f"tp{tp}"] = [f"parallel.tp={tp}"]
+    LAYOUTS[f"tp{tp}-no-sequence-tp"] = [f"parallel.tp={tp}", "parallel.sequence_parallel=false"]
+LAYOUTS["tp2-tied"] = ["parallel.tp=2", "model.tie_embeddings=true", *ACCUM]
+LAYOUTS["tp4-tied-padded-vocab"] = ["parallel.tp=4", "model.tie_embeddings=true", "model.vocab_size=322"]
+LAYOUTS["tp2xdp_shard2-zero3"] = ["parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3", *ACCUM]
+LAYOUTS["tp2xhsdp2x2-zero2-tied"] = ["parallel.tp=2", "parallel.dp_replicate=2", "parallel.dp_shard=2",
+                                   "parallel.zero=2", "model.tie_embeddings=true"]
 LAYOUTS["dp_shard4-zero3-keep-gathered"] = ["parallel.dp_shard=4", "parallel.zero=3",
                                             "parallel.reshard_after_forward=false", *ACCUM]
 

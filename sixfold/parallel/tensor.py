@@ -295,3 +295,21 @@ def gather_vocab(tp: TensorParallel, logits: torch.Tensor, vocab_size: int) -> t
     pieces = logits.new_empty((tp.size * logits.shape[0], logits.shape[1]))
     tp.comm.all_gather(pieces, logits.contiguous(), "tp", label="logits")
     return pieces.view(tp.size, *logits.shape).permute(1, 0, 2).flatten(1)[:, :vocab_size]
+
+
+def comm_bytes(n_layers: int, tokens: int, dim: int, tp: int, sequence: bool, itemsize: int = 4) -> dict[str, int]:
+    """Bytes over the tp group for one forward and backward of the model on `tokens` tokens, by op.
+
+    Per block, with a = tokens * dim * itemsize (all-gathers count their output, reduce-scatters their input):
+      without sequence-TP  4 all-reduces of a: after wo and w_down forward, before qkv and gate/up backward;
+      with sequence-TP     the same volume as 2 all-gathers and 2 reduce-scatters each way, plus 2 all-gathers
+                           in backward, which gather the qkv and gate/up inputs again (only shards are saved).
+    The embedding adds a reduce (and its dual in backward), the head a column-parallel layer's collectives;
+    the vocab-parallel loss all-reduces 3 floats per token (max, sum of exponentials, target logit).
+    """
+    if tp == 1:
+        return {}
+    a, loss = tokens * dim * itemsize, {"all_reduce": 3 * tokens * 4}
+    if not sequence:
+        return {"all_reduce": (4 * n_layers + 2) * a + loss["all_reduce"]}
+    return {"all_gather": (6 * n_layers + 3) * a, "reduce_scatter": (4 * n_layers + 2) * a, **loss}

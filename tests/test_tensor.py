@@ -1,0 +1,68 @@
+"""Tensor parallelism's pieces: splits of full tensors, the collectives' bytes, deferred weight gradients,
+activation memory under sequence-TP. Parity of whole runs is in test_parity.py."""
+import json
+
+import pytest
+import torch
+
+from sixfold.config import load_config
+from sixfold.model.llama import Llama, init_weights
+from sixfold.parallel.tensor import Split, TensorParallel
+from helpers import TINY, torchrun
+
+
+class FakeRank(TensorParallel):
+    """The split arithmetic of a tp rank, without a process group."""
+
+    def __init__(self, size: int, rank: int, sequence: bool = False):
+        super().__init__()
+        self.size, self.rank, self.sequence = size, rank, sequence
+
+
+@pytest.mark.parametrize("full,parts,tp", [(320, 4, 4), (322, 4, 4), (2, 2, 4), (4, 4, 4), (8, 1, 2)])
+def test_pieces_join_back_into_the_full_tensor(full, parts, tp):
+    t = torch.randn(full, 6)
+    splits = [FakeRank(tp, r).split(0, full, parts, pad=True) for r in range(tp)]
+    pieces = [s.local(t) for s in splits]
+    assert all(p.shape == pieces[0].shape for p in pieces)  # equal pieces: gathers need no sizes
+    assert torch.equal(splits[0].join(pieces, tp), t)
+    assert splits[0].full_shape(pieces[0].shape) == t.shape
+
+
+def test_padded_vocab_rows_are_zero_and_replicated_pieces_repeat():
+    t = torch.randn(322, 3)
+    last = FakeRank(4, 3).split(0, 322, pad=True)
+    assert last.size == 81 and torch.equal(last.local(t)[-2:], torch.zeros(2, 3))
+    kv = [FakeRank(4, r).split(0, 2, parts=2, partial_grad=True) for r in range(4)]
+    assert [s.index for s in kv] == [0, 0, 1, 1] and all(s.partial_grad for s in kv)
+
+
+def test_deferred_weight_gradients_equal_immediate_ones_in_one_process():
+    model = Llama(load_config(TINY).model)
+    init_weights(model, 1)
+    x = torch.randint(0, 300, (2, 16))
+    model.loss_sum(x, x).backward()
+    immediate = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    model.tp.weight_grads.defer = True
+    model.loss_sum(x, x).backward()
+    assert model.layers[0].attn.wq.weight.grad is None and model.norm.weight.grad is not None
+    model.tp.weight_grads.run()
+    for n, p in model.named_parameters():
+        # autograd's own linear against ours: equal to round-off
+        assert (p.grad - immediate[n]).norm() <= 1e-6 * immediate[n].norm(), n
+
+
+def _layers(tp: int, sequence: bool) -> dict:
+    proc = torchrun("tp_layers.py", tp, "1" if sequence else "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("tp layers OK") == tp
+    return json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_bytes_equal_the_formula_and_sequence_tp_splits_saved_activations(tp):
+    """The worker asserts the ledger's tp bytes and deferred gradients; here, the saved activations."""
+    plain, sequence = _layers(tp, False), _layers(tp, True)
+    assert sequence["sequence_split"] * tp == plain["sequence_split"]
+    assert sequence["total"] - sequence["sequence_split"] == plain["total"] - plain["sequence_split"]

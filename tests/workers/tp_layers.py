@@ -1,0 +1,57 @@
+"""Under torchrun with tp ranks: the tp collectives' bytes equal the formula, deferred weight gradients equal
+immediate ones, and the saved activations (printed for the test to compare across runs).
+
+    torchrun --nproc-per-node TP tp_layers.py SEQUENCE(0|1)
+"""
+import json
+import os
+import sys
+
+import torch
+
+from sixfold.activations import SavedTensors
+from sixfold.comm import Comm
+from sixfold.config import ParallelConfig, load_config
+from sixfold.mesh import ParallelContext
+from sixfold.model.llama import Llama, init_weights
+from sixfold.parallel.tensor import TensorParallel, comm_bytes
+from sixfold.trace import Tracer
+
+sequence = sys.argv[1] == "1"
+cfg = load_config("configs/tiny.yaml").model
+ctx = ParallelContext.initialize(ParallelConfig(tp=int(os.environ["WORLD_SIZE"]),
+                                                sequence_parallel=sequence))
+tp_size = ctx.size("tp")
+comm = Comm(ctx, Tracer(False, ctx.rank))
+model = Llama(cfg, TensorParallel(comm, sequence))
+init_weights(model, 7)
+g = torch.Generator().manual_seed(3)
+batch, seq = 2, 32
+x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+y = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+
+with SavedTensors(model) as saved:
+    loss = model.loss_sum(x, y)
+loss.backward()
+measured = {op: b for (group, op), b in comm.ledger.total.items() if group == "tp"}
+expected = comm_bytes(cfg.n_layers, batch * seq, cfg.dim, tp_size, sequence)
+assert measured == expected, (measured, expected)
+
+immediate = {n: p.grad.clone() for n, p in model.named_parameters()}
+model.zero_grad(set_to_none=True)
+model.tp.weight_grads.defer = True
+model.loss_sum(x, y).backward()
+deferred_now = [n for n, p in model.named_parameters() if p.grad is None]
+model.tp.weight_grads.run()
+assert len(deferred_now) == 7 * cfg.n_layers + 1, deferred_now  # every linear weight, the head included
+for n, p in model.named_parameters():
+    assert torch.equal(p.grad, immediate[n]), n
+
+tokens_here = batch * seq // tp_size if sequence else batch * seq
+# the activations that sequence-TP splits: [tokens, dim] and norm statistics [tokens, 1]
+split = sum(s.nbytes for s in saved.saved if s.dtype.is_floating_point and len(s.shape) == 2 and
+            s.shape[0] == tokens_here and s.shape[1] in (cfg.dim, 1))
+if ctx.rank == 0:
+    print("RESULT " + json.dumps({"sequence_split": split, "total": saved.nbytes}))
+print(f"rank {ctx.rank} tp layers OK")
+ctx.close()
