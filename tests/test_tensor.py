@@ -7,7 +7,7 @@ import torch
 
 from sixfold.config import load_config
 from sixfold.model.llama import Llama, init_weights
-from sixfold.parallel.tensor import Split, TensorParallel
+from sixfold.parallel.tensor import TensorParallel
 from helpers import TINY, torchrun
 
 

@@ -34,7 +34,8 @@ def test_run_outputs(tmp_path):
     assert gen.returncode == 0 and gen.stdout.startswith("import "), gen.stderr[-2000:]
 
 
-@pytest.mark.parametrize("layout", [["parallel.dp_replicate=2"], ["parallel.dp_shard=2", "parallel.zero=3"]])
+@pytest.mark.parametrize("layout", [["parallel.dp_replicate=2"], ["parallel.dp_shard=2", "parallel.zero=3"],
+                                    ["parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3"]])
 def test_resume_is_bit_exact(tmp_path, layout):
     """Resuming from step 3 in the same layout gives exactly the losses of the uninterrupted run."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
@@ -50,12 +51,17 @@ def test_resume_is_bit_exact(tmp_path, layout):
     assert [m["grad_norm"] for m in a] == [m["grad_norm"] for m in b]
 
 
-def test_checkpoint_moves_across_layouts(tmp_path):
-    """Saved under ZeRO-3 over 4 ranks, resumed in one process: the rest matches the uninterrupted run."""
+@pytest.mark.parametrize("saved,resumed", [
+    (["parallel.dp_shard=4", "parallel.zero=3"], []),
+    (["parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3"], ["parallel.tp=4", "parallel.sequence_parallel=false"]),
+])
+def test_checkpoint_moves_across_layouts(tmp_path, saved, resumed):
+    """Saved in one layout, resumed in another: the rest matches the uninterrupted single-process run."""
     sharded, moved, reference = tmp_path / "sharded", tmp_path / "moved", tmp_path / "reference"
     common = ["train.steps=6"]
-    assert _train(sharded, *common, "parallel.dp_shard=4", "parallel.zero=3", "checkpoint.every=3").returncode == 0
-    assert _train(moved, *common, f"checkpoint.resume={sharded / 'checkpoints' / 'step_0000003'}").returncode == 0
+    assert _train(sharded, *common, *saved, "checkpoint.every=3").returncode == 0
+    proc = _train(moved, *common, *resumed, f"checkpoint.resume={sharded / 'checkpoints' / 'step_0000003'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert _train(reference, *common).returncode == 0
     for a, b in zip(read_metrics(moved), read_metrics(reference)[3:]):
         assert a["step"] == b["step"] and abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"]
