@@ -44,7 +44,8 @@ class Pending:
 
     def wait(self) -> None:
         if self.work is not None:
-            self.work.wait()
+            for work in self.work if isinstance(self.work, list) else [self.work]:
+                work.wait()
             self.work = None
             self.tracer.add(self.name, "comm", self.start, now_us(), **self.args)
 
@@ -88,6 +89,20 @@ class Comm:
             return None
         return self._run("all_gather", group, full.numel() * full.element_size(), label, async_op,
                          lambda g, a: _all_gather(full, part, group=g, async_op=a))
+
+    def all_to_all(self, out: torch.Tensor, x: torch.Tensor, group: str, label: str = "") -> None:
+        """Equal slices along dim 0: slice j of `x` goes to the group's rank j; `out` gets every rank's slice."""
+        self._run("all_to_all", group, x.numel() * x.element_size(), label, False,
+                  lambda g, a: dist.all_to_all_single(out, x, group=g, async_op=a))
+
+    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: str,
+                 label: str = "") -> Pending:
+        """Start point-to-point sends and receives (tensor, rank within `group`) as one batch."""
+        ranks = self.ctx.members(group)
+        ops = [dist.P2POp(dist.isend, t, ranks[r], self.ctx.groups[group]) for t, r in sends] + \
+              [dist.P2POp(dist.irecv, t, ranks[r], self.ctx.groups[group]) for t, r in recvs]
+        nbytes = sum(t.numel() * t.element_size() for t, _ in sends)
+        return self._run("send_recv", group, nbytes, label, True, lambda g, a: dist.batch_isend_irecv(ops))
 
     def sum_scalars(self, values: list[float], group: str) -> list[float]:
         """Sum a few fp64 scalars over `group` in one collective."""

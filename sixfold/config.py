@@ -60,6 +60,8 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     sequence_parallel: bool = True
+    cp_mode: str = "ring"  # ring | allgather | ulysses
+    cp_zigzag: bool = True  # balanced causal work; false: contiguous chunks
     zero: int = 0
     reshard_after_forward: bool = True
     timeout_s: float = 300.0
@@ -76,7 +78,8 @@ class ParallelConfig:
         parts = [f"{n}{getattr(self, n)}" for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
                  if getattr(self, n) > 1]
         sp = ", sequence-TP" if self.tp > 1 and self.sequence_parallel else ""
-        return (" x ".join(parts) or "single process") + sp + (f", zero{self.zero}" if self.zero else "")
+        cp = f", cp {self.cp_mode}{'' if self.cp_zigzag else ' contiguous'}" if self.cp > 1 else ""
+        return (" x ".join(parts) or "single process") + sp + cp + (f", zero{self.zero}" if self.zero else "")
 
 
 @dataclass
@@ -239,7 +242,7 @@ def check_world_size(p: ParallelConfig, world_size: int) -> None:
 
 def check_available(cfg: Config) -> None:
     """Refuse what the config can describe but this version cannot run yet."""
-    for dim, issue in (("cp", 5), ("pp", 6), ("ep", 7)):
+    for dim, issue in (("pp", 6), ("ep", 7)):
         if getattr(cfg.parallel, dim) > 1:
             raise ConfigError(f"parallel.{dim}={getattr(cfg.parallel, dim)}: this dimension's layers are not in "
                               f"this version yet (issue #{issue}); set parallel.{dim}=1")
@@ -277,8 +280,21 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}")
     if p.tp > 1 and m.n_kv_heads % p.tp and p.tp % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} and parallel.tp={p.tp}: one must divide the other")
-    if p.cp > 1 and t.seq_len % (2 * p.cp):
-        raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by 2*parallel.cp={2 * p.cp} (zigzag chunks)")
+    if p.cp_mode not in ("ring", "allgather", "ulysses"):
+        raise ConfigError(f"parallel.cp_mode={p.cp_mode!r}: choose ring, allgather or ulysses")
+    chunks = 2 * p.cp if p.cp_zigzag else p.cp
+    if p.cp > 1 and t.seq_len % chunks:
+        raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by {chunks} ({'2*' if p.cp_zigzag else ''}"
+                          f"parallel.cp={p.cp} {'zigzag ' if p.cp_zigzag else ''}chunks)")
+    if p.cp > 1 and p.tp > 1 and p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
+        raise ConfigError(f"train.seq_len/parallel.cp={t.seq_len // p.cp} must be divisible by parallel.tp={p.tp} "
+                          f"under sequence-TP; change train.seq_len or set parallel.sequence_parallel=false")
+    if p.cp > 1 and p.cp_mode == "ulysses" and m.n_heads % p.tp == 0:
+        heads, kv_heads = m.n_heads // p.tp, max(m.n_kv_heads // p.tp, 1)
+        if heads % p.cp or (kv_heads % p.cp and p.cp % kv_heads):
+            raise ConfigError(f"parallel.cp_mode=ulysses splits heads over cp: the {heads} query heads and {kv_heads} "
+                              f"kv heads per tp rank must divide by parallel.cp={p.cp} (kv heads may be fewer if "
+                              f"they divide it); use cp_mode=ring or allgather")
     if p.tp > 1 and m.ffn_dim % p.tp:
         raise ConfigError(f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={p.tp}")
     if p.tp > 1 and p.sequence_parallel and t.seq_len % p.tp:

@@ -18,6 +18,7 @@ from .logs import RunLog
 from .mesh import ParallelContext
 from .model.llama import Llama, init_weights, no_decay
 from .optim import AdamW, clip_grad_norm, learning_rate
+from .parallel.context import ContextParallel
 from .parallel.sharding import Sharded
 from .parallel.tensor import IGNORE_INDEX, TensorParallel
 from .trace import Tracer, draw_timeline, write_chrome_trace
@@ -38,8 +39,10 @@ class Trainer:
         self.comm = Comm(ctx, self.tracer)
         self.data = self._load_data()
         torch.manual_seed(t.seed)
-        tp = TensorParallel(self.comm, cfg.parallel.sequence_parallel)
-        self.model = Llama(cfg.model, tp).to(ctx.device)
+        p = cfg.parallel
+        tp = TensorParallel(self.comm, p.sequence_parallel)
+        self.cp = ContextParallel(self.comm, p.cp_mode, p.cp_zigzag)
+        self.model = Llama(cfg.model, tp, self.cp).to(ctx.device)
         init_weights(self.model, t.seed)
         self.sharded = Sharded(self.model, self.comm, cfg.parallel.zero, cfg.parallel.reshard_after_forward,
                                getattr(torch, DTYPES[t.precision]), getattr(torch, DTYPES[t.grad_reduce]))
@@ -73,11 +76,11 @@ class Trainer:
         start = time.perf_counter()
         with self.tracer.span("data", "data"):
             micro = self.loader.micro_batches(self.step, t.micro_batches)
-        local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)
+        local_tokens = sum(int((self.cp.shard(y) != IGNORE_INDEX).sum()) for _, y in micro)
         (global_tokens,) = self.comm.sum_scalars([local_tokens], "loss")
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         for i, (x, y) in enumerate(micro):
-            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            x, y = self.cp.shard(x.to(self.ctx.device)), self.cp.shard(y.to(self.ctx.device))
             self.sharded.sync = i == len(micro) - 1
             with self.tracer.span(f"F{i}", "compute", mb=i):
                 loss = self.model.loss_sum(x, y) / global_tokens
@@ -109,7 +112,7 @@ class Trainer:
                                self.ctx.batch_index, self.ctx.size("batch"))
         total = count = 0.0
         for x, y in batches:
-            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            x, y = self.cp.shard(x.to(self.ctx.device)), self.cp.shard(y.to(self.ctx.device))
             total += float(self.model.loss_sum(x, y))
             count += int((y != IGNORE_INDEX).sum())
         total, count = self.comm.sum_scalars([total, count], "loss")

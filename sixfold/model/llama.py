@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..parallel.context import ContextParallel
 from ..parallel.tensor import (Linear, Split, TensorParallel, VocabEmbedding, cross_entropy, gather_vocab,
                                linear)
 
@@ -58,12 +60,23 @@ class KVCache:
         return k, v
 
 
+@dataclass
+class Tokens:
+    """What every layer needs to know about the tokens of one forward."""
+    shape: tuple[int, int]  # (batch, this rank's sequence length)
+    cos: torch.Tensor  # rotary tables at the tokens' global positions
+    sin: torch.Tensor
+    sequence_tp: bool  # activations between sub-layers split over tp
+    context: bool  # the sequence is split over cp: attention goes through the cp strategy
+    cache: KVCache | None = None
+
+
 class Attention(nn.Module):
     """Query heads split over tp; kv heads too, or, when fewer than tp, each replicated on the ranks needing it."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel, cp: ContextParallel):
         super().__init__()
-        self.layer, self.tp, self.head_dim = layer, tp, cfg.head_dim
+        self.layer, self.tp, self.cp, self.head_dim = layer, tp, cp, cfg.head_dim
         kv_parts = min(cfg.n_kv_heads, tp.size)
         self.n_heads, self.n_kv_heads = cfg.n_heads // tp.size, cfg.n_kv_heads // kv_parts
         q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -73,13 +86,15 @@ class Attention(nn.Module):
         self.wv = Linear(tp, cfg.dim, kv, "column", kv_split)
         self.wo = Linear(tp, q, cfg.dim, "row")
 
-    def forward(self, x, shape, cos, sin, sp: bool, cache: KVCache | None = None) -> torch.Tensor:
-        b, s = shape
+    def forward(self, x: torch.Tensor, t: Tokens) -> torch.Tensor:
+        (b, s), sp, cache = t.shape, t.sequence_tp, t.cache
         q, k, v = linear(self.tp, x, [self.wq.weight, self.wk.weight, self.wv.weight], "column", sp)
         q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, t.cos, t.sin), apply_rope(k, t.cos, t.sin)
+        if t.context:
+            return self.wo(self.cp.attention(q, k, v).transpose(1, 2).reshape(b * s, -1), sp)
         mask, causal = None, True
         if cache is not None:
             past = cache.length
@@ -106,29 +121,34 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel, cp: ContextParallel):
         super().__init__()
         norm_split = tp.split(0, cfg.dim, parts=1, partial_grad=tp.sequence)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, norm_split)
-        self.attn = Attention(cfg, layer, tp)
+        self.attn = Attention(cfg, layer, tp, cp)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, norm_split)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x, shape, cos, sin, sp: bool, cache: KVCache | None = None) -> torch.Tensor:
-        """x: [tokens, dim], this rank's 1/tp of the tokens under sequence-TP; shape: (batch, sequence)."""
-        x = x + self.attn(self.attn_norm(x), shape, cos, sin, sp, cache)
-        return x + self.mlp(self.mlp_norm(x), sp)
+    def forward(self, x: torch.Tensor, t: Tokens) -> torch.Tensor:
+        """x: [tokens, dim], this rank's 1/tp of the tokens under sequence-TP."""
+        x = x + self.attn(self.attn_norm(x), t)
+        return x + self.mlp(self.mlp_norm(x), t.sequence_tp)
 
 
 class Llama(nn.Module):
-    """The model on one tp rank (the whole model when tp is 1); parameters keep their global names."""
+    """The model on one tp rank (the whole model when tp is 1); parameters keep their global names.
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
+    Under context parallelism the tokens given are this rank's cp shard of each sequence (except with a KV
+    cache: generation runs whole sequences on every rank).
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None, cp: ContextParallel | None = None):
         super().__init__()
         self.cfg = cfg
         self.tp = tp = tp or TensorParallel()
+        self.cp = cp = cp or ContextParallel()
         self.embed = VocabEmbedding(tp, cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, i, tp) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, tp, cp) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, tp.split(0, cfg.dim, parts=1, partial_grad=tp.sequence))
         self.head = None if cfg.tie_embeddings else Linear(tp, cfg.dim, cfg.vocab_size, "column",
                                                            tp.split(0, cfg.vocab_size, pad=True))
@@ -140,13 +160,18 @@ class Llama(nn.Module):
     def local_logits(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Logits [b*s, this rank's vocab piece] for tokens [b, s] (positions continue the cache, if any)."""
         b, s = tokens.shape
-        start = cache.length if cache is not None else 0
-        positions = torch.arange(start, start + s, device=tokens.device)
+        context = self.cp.size > 1 and cache is None
+        if context:
+            positions = self.cp.positions(s, tokens.device)
+        else:
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + s, device=tokens.device)
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
         sp = self.tp.uses_sequence(b * s)
+        t = Tokens((b, s), cos, sin, sp, context, cache)
         x = self.embed(tokens.flatten(), sp)
         for block in self.layers:
-            x = block(x, (b, s), cos, sin, sp, cache)
+            x = block(x, t)
         if cache is not None:
             cache.length += s
         x = self.norm(x)

@@ -1,0 +1,225 @@
+"""Context parallelism: each cp rank holds part of every sequence; attention still sees the whole of it.
+
+The sequence is cut into chunks: 2*cp with zigzag balance (rank i holds chunks i and 2*cp-1-i, so every
+rank does the same causal-attention work) or cp contiguous ones. Three ways to attend over the whole:
+  ring       key/value blocks travel the cp ring (async send/recv overlapped with the current block);
+             partial outputs merge exactly through their log-sum-exp; fully masked chunk pairs are
+             skipped; in backward dK/dV travel the ring back to their owners;
+  allgather  keys and values all-gathered (their gradients reduce-scattered), local queries;
+  ulysses    all-to-all from (my tokens, all heads) to (all tokens, my heads) and back.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..comm import Comm
+
+MODES = ("ring", "allgather", "ulysses")
+
+
+class ContextParallel:
+    """This rank's place in the cp group: which chunks of each sequence it holds, and how it attends."""
+
+    def __init__(self, comm: Comm | None = None, mode: str = "ring", zigzag: bool = True):
+        self.comm, self.mode, self.zigzag = comm, mode, zigzag
+        self.size = comm.ctx.size("cp") if comm is not None else 1
+        self.rank = comm.ctx.rank_in("cp") if comm is not None else 0
+        self.n_chunks = 2 * self.size if zigzag else self.size
+
+    def chunks_of(self, rank: int) -> list[int]:
+        return [rank, 2 * self.size - 1 - rank] if self.zigzag else [rank]
+
+    @property
+    def chunks(self) -> list[int]:
+        return self.chunks_of(self.rank)
+
+    def shard(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's part of the sequence dimension `dim` (its chunks, in order)."""
+        if self.size == 1:
+            return t
+        pieces = t.chunk(self.n_chunks, dim=dim)
+        return torch.cat([pieces[c] for c in self.chunks], dim=dim)
+
+    def positions(self, local_len: int, device) -> torch.Tensor:
+        """Global positions of this rank's tokens."""
+        n = local_len // len(self.chunks)
+        return torch.cat([torch.arange(c * n, (c + 1) * n, device=device) for c in self.chunks])
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of local queries over the whole sequence; q [b, hq, local, d], k/v [b, hkv, local, d]."""
+        if self.mode == "ring":
+            return _Ring.apply(q, k, v, self)
+        if self.mode == "allgather":
+            return self._allgather(q, k, v)
+        return self._ulysses(q, k, v)
+
+    # all-gather KV --------------------------------------------------------------------------------
+    def _allgather(self, q, k, v):
+        keys = _GatherKV.apply(torch.stack([k, v]), self)  # [2, b, hkv, cp*local, d], ranks' chunks in rank order
+        order = torch.cat([self.positions_of(r, q.shape[2], q.device) for r in range(self.size)])
+        mask = self.positions(q.shape[2], q.device)[:, None] >= order[None, :]
+        return F.scaled_dot_product_attention(q, keys[0], keys[1], attn_mask=mask,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+
+    def positions_of(self, rank: int, local_len: int, device) -> torch.Tensor:
+        n = local_len // len(self.chunks)
+        return torch.cat([torch.arange(c * n, (c + 1) * n, device=device) for c in self.chunks_of(rank)])
+
+    # Ulysses ---------------------------------------------------------------------------------------
+    def _ulysses(self, q, k, v):
+        if k.shape[1] % self.size:  # fewer kv heads than cp: each rank receives the one its queries need
+            k, v = (t.repeat_interleave(self.size // t.shape[1], dim=1) for t in (k, v))
+        local = q.shape[2]
+        order = torch.cat([self.positions_of(r, local, q.device) for r in range(self.size)]).argsort()
+        q, k, v = (_HeadsToTokens.apply(t, self)[:, :, order] for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return _TokensToHeads.apply(out[:, :, order.argsort()], self)
+
+
+def _heads_to_tokens(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """[b, h, local, d] -> [b, h/cp, cp*local, d]: my head group, every rank's tokens (in rank order)."""
+    b, h, n, d = x.shape
+    send = x.view(b, cp.size, h // cp.size, n, d).transpose(0, 1).contiguous()
+    out = torch.empty_like(send)
+    cp.comm.all_to_all(out, send, "cp", label="ulysses")
+    return out.permute(1, 2, 0, 3, 4).reshape(b, h // cp.size, cp.size * n, d)
+
+
+def _tokens_to_heads(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """The inverse: [b, h/cp, cp*local, d] -> [b, h, local, d]."""
+    b, hg, total, d = x.shape
+    n = total // cp.size
+    send = x.view(b, hg, cp.size, n, d).permute(2, 0, 1, 3, 4).contiguous()
+    out = torch.empty_like(send)
+    cp.comm.all_to_all(out, send, "cp", label="ulysses")
+    return out.transpose(0, 1).reshape(b, cp.size * hg, n, d)
+
+
+class _HeadsToTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp):
+        ctx.cp = cp
+        return _heads_to_tokens(x, cp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _tokens_to_heads(grad, ctx.cp), None
+
+
+class _TokensToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp):
+        ctx.cp = cp
+        return _tokens_to_heads(x, cp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_tokens(grad, ctx.cp), None
+
+
+class _GatherKV(torch.autograd.Function):
+    """Forward: all-gather of stacked [k, v] along the sequence; backward: reduce-scatter of their gradients."""
+
+    @staticmethod
+    def forward(ctx, kv, cp):
+        ctx.cp = cp
+        full = kv.new_empty((cp.size * kv.shape[0], *kv.shape[1:]))
+        cp.comm.all_gather(full, kv.contiguous(), "cp", label="kv")
+        return full.view(cp.size, *kv.shape).permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp = ctx.cp
+        two, b, h, total, d = grad.shape
+        per_rank = grad.view(two, b, h, cp.size, total // cp.size, d).permute(3, 0, 1, 2, 4, 5).contiguous()
+        out = per_rank.new_empty(per_rank.shape[1:])
+        cp.comm.reduce_scatter(out, per_rank.flatten(0, 1), "cp", label="kv grads")
+        return out, None
+
+
+# ring attention ------------------------------------------------------------------------------------
+
+def _scores(q, k, causal: bool, scale: float):
+    """q [b, hkv, g, n, d] against k [b, hkv, m, d] -> [b, hkv, g, n, m], upper triangle masked if causal."""
+    s = torch.einsum("bhgnd,bhmd->bhgnm", q, k) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def _pairs(cp: ContextParallel, owner: int):
+    """(my chunk index, owner's chunk index, causal) for the chunk pairs that are not fully masked."""
+    mine, theirs = cp.chunks, cp.chunks_of(owner)
+    return [(i, j, a == c) for i, a in enumerate(mine) for j, c in enumerate(theirs) if c <= a]
+
+
+def _ring_step(cp: ContextParallel, kv: torch.Tensor):
+    """Start passing a block to the next rank of the ring; returns the receive buffer and the pending op."""
+    nxt, prev = (cp.rank + 1) % cp.size, (cp.rank - 1) % cp.size
+    buf = torch.empty_like(kv)
+    return buf, cp.comm.exchange([(kv, nxt)], [(buf, prev)], "cp", label="ring")
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp: ContextParallel):
+        b, hq, n, d = q.shape
+        hkv, parts, scale = k.shape[1], len(cp.chunks), 1.0 / math.sqrt(d)
+        qs = q.view(b, hkv, hq // hkv, parts, n // parts, d).unbind(3)
+        out = [None] * parts
+        lse = [None] * parts
+        kv = torch.stack([k, v]).contiguous()
+        for step in range(cp.size):
+            pending = _ring_step(cp, kv) if step < cp.size - 1 else None
+            ks, vs = (t.chunk(parts, dim=2) for t in kv)
+            for i, j, causal in _pairs(cp, (cp.rank - step) % cp.size):
+                s = _scores(qs[i], ks[j], causal, scale)
+                block_lse = s.logsumexp(-1)
+                block_out = torch.einsum("bhgnm,bhmd->bhgnd", (s - block_lse[..., None]).exp(), vs[j])
+                if out[i] is None:
+                    out[i], lse[i] = block_out, block_lse
+                else:
+                    merged = torch.logaddexp(lse[i], block_lse)
+                    out[i] = out[i] * (lse[i] - merged).exp()[..., None] + block_out * (block_lse - merged).exp()[..., None]
+                    lse[i] = merged
+            if pending is not None:
+                kv, work = pending
+                work.wait()
+        out_t, lse_t = torch.stack(out, 3), torch.stack(lse, 3)  # [b, hkv, g, parts, n/parts, (d)]
+        ctx.cp, ctx.scale = cp, scale
+        ctx.save_for_backward(q, k, v, out_t, lse_t)
+        return out_t.reshape(b, hq, n, d)
+
+    @staticmethod
+    def backward(ctx, dout):
+        cp, scale = ctx.cp, ctx.scale
+        q, k, v, out, lse = ctx.saved_tensors
+        b, hq, n, d = q.shape
+        hkv, parts = k.shape[1], len(cp.chunks)
+        dout = dout.reshape(out.shape)
+        delta = (dout * out).sum(-1)
+        qs = q.view(b, hkv, hq // hkv, parts, n // parts, d).unbind(3)
+        dq = torch.zeros_like(out)
+        kv = torch.stack([k, v]).contiguous()
+        dkv = torch.zeros_like(kv)
+        for step in range(cp.size):
+            ahead = _ring_step(cp, kv) if step < cp.size - 1 else None
+            ks, vs = (t.chunk(parts, dim=2) for t in kv)
+            dks, dvs = (t.chunk(parts, dim=2) for t in dkv)
+            for i, j, causal in _pairs(cp, (cp.rank - step) % cp.size):
+                p = (_scores(qs[i], ks[j], causal, scale) - lse[:, :, :, i, :, None]).exp()
+                do = dout[:, :, :, i]
+                dvs[j].add_(torch.einsum("bhgnm,bhgnd->bhmd", p, do))
+                ds = p * (torch.einsum("bhgnd,bhmd->bhgnm", do, vs[j]) - delta[:, :, :, i, :, None])
+                dq[:, :, :, i] += torch.einsum("bhgnm,bhmd->bhgnd", ds, ks[j]) * scale
+                dks[j].add_(torch.einsum("bhgnm,bhgnd->bhmd", ds, qs[i]) * scale)
+            back, pending = _ring_step(cp, dkv)  # the gradients follow their block; one more hop reaches the owner
+            if ahead is not None:
+                kv, work = ahead
+                work.wait()
+            pending.wait()
+            dkv = back
+        return dq.reshape(b, hq, n, d), dkv[0], dkv[1], None
