@@ -40,7 +40,9 @@ def test_bad_values():
     (["model.n_kv_heads=3"], "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
     (["parallel.dp_replicate=3"], "train.global_batch=8 must be divisible by data-parallel size"),
     (["train.micro_batches=3"], "train.global_batch=8 must be divisible"),
-    (["parallel.cp=2", "train.seq_len=30"], "train.seq_len=30 must be divisible by 2\\*parallel.cp=4"),
+    (["parallel.cp=2", "train.seq_len=30"], "train.seq_len=30 must be divisible by 4 \\(2\\*parallel.cp=2 zigzag"),
+    (["parallel.cp=8", "parallel.cp_mode=ulysses"], "4 query heads and 2 kv heads per tp rank must divide by parallel.cp=8"),
+    (["parallel.cp=2", "parallel.cp_mode=rings"], "parallel.cp_mode='rings': choose ring, allgather or ulysses"),
     (["parallel.tp=2", "train.seq_len=31"], "train.seq_len=31 must be divisible by parallel.tp=2"),
     (["parallel.tp=8", "model.n_heads=4"], "model.n_heads=4 is not divisible by parallel.tp=8"),
     (["parallel.tp=4", "model.ffn_dim=170"], "model.ffn_dim=170 is not divisible by parallel.tp=4"),
@@ -72,7 +74,7 @@ def test_shipped_configs_load():
 
 
 def test_dimensions_not_in_this_version_are_refused_at_run_time():
-    for overrides, message in ((["parallel.cp=2"], "issue #5"), (["parallel.pp=2"], "issue #6"),
+    for overrides, message in ((["parallel.pp=2"], "issue #6"),
                                (["model.moe_experts=8"], "issue #7")):
         cfg = load_config(None, overrides)
         with pytest.raises(ConfigError, match=message):

@@ -1,4 +1,4 @@
-"""Data-parallel, ZeRO and tensor-parallel layouts reproduce the single-process run (losses and final weights, fp32); bf16 learns."""
+"""Data-parallel, ZeRO, tensor- and context-parallel layouts reproduce the single-process run (losses and final weights, fp32); bf16 learns."""
 import pytest
 
 from sixfold.config import load_config
@@ -29,6 +29,14 @@ LAYOUTS["tp4-tied-padded-vocab"] = ["parallel.tp=4", "model.tie_embeddings=true"
 LAYOUTS["tp2xdp_shard2-zero3"] = ["parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3", *ACCUM]
 LAYOUTS["tp2xhsdp2x2-zero2-tied"] = ["parallel.tp=2", "parallel.dp_replicate=2", "parallel.dp_shard=2",
                                    "parallel.zero=2", "model.tie_embeddings=true"]
+for mode in ("ring", "allgather", "ulysses"):
+    for cp in (2, 4):
+        LAYOUTS[f"cp{cp}-{mode}"] = [f"parallel.cp={cp}", f"parallel.cp_mode={mode}"]
+LAYOUTS["cp4-ring-contiguous"] = ["parallel.cp=4", "parallel.cp_zigzag=false"]
+LAYOUTS["cp2xtp2-ring"] = ["parallel.cp=2", "parallel.tp=2"]
+LAYOUTS["cp2xtp2-ulysses-tied"] = ["parallel.cp=2", "parallel.tp=2", "parallel.cp_mode=ulysses",
+                                   "model.tie_embeddings=true"]
+LAYOUTS["cp2xdp_shard2-zero3"] = ["parallel.cp=2", "parallel.dp_shard=2", "parallel.zero=3", *ACCUM]
 LAYOUTS["dp_shard4-zero3-keep-gathered"] = ["parallel.dp_shard=4", "parallel.zero=3",
                                             "parallel.reshard_after_forward=false", *ACCUM]
 
