@@ -268,15 +268,16 @@ def report(bench: Bench, rows: list[dict], args, rev: str) -> str:
     return "\n".join(lines)
 
 
-def write_doc(bench: Bench, body: str) -> None:
-    begin, end = f"<!-- {bench.name}:begin -->", f"<!-- {bench.name}:end -->"
+def write_doc(name: str, title: str, body: str) -> None:
+    """Put body between the docs markers of `name`, adding a section titled `title` if they are missing."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
     block = f"{begin}\n{body}\n{end}"
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
         text = head + block + rest.split(end, 1)[1]
     else:
-        text = text.rstrip("\n") + f"\n\n## {bench.title}\n\n" + block + "\n"
+        text = text.rstrip("\n") + f"\n\n## {title}\n\n" + block + "\n"
     DOC.parent.mkdir(exist_ok=True)
     DOC.write_text(text)
 
@@ -308,7 +309,7 @@ def drive(bench: Bench, args) -> None:
         rev += f", then {revision()} before the last run ended"
     body = report(bench, rows, args, rev)
     print(body)
-    write_doc(bench, body)
+    write_doc(bench.name, bench.title, body)
     print(f"wrote {DOC.relative_to(ROOT)}")
 
 
