@@ -79,9 +79,9 @@ def sixfold_worker(cfg) -> dict:
 
     base = {}
 
-    def build(model_cfg, tp=None):  # the trainer's own Llama, with the memory mark taken just before it
+    def build(*args):  # the trainer's own Llama, with the memory mark taken just before it
         base["kb"] = mark_memory()
-        return Llama(model_cfg, tp)
+        return Llama(*args)
 
     trainer.Llama = build
     history = trainer.train(cfg)
