@@ -8,10 +8,18 @@ The model's layers are split into pp * v stages. An action names a stage held by
   RECV_F(s, m)  receive F(s, m)'s input from the rank of stage s - 1
   SEND_B(s, m)  send B(s, m)'s input gradient to the rank of stage s - 1   (matches RECV_B(s - 1, m))
   RECV_B(s, m)  receive B(s, m)'s output gradient from the rank of stage s + 1
-A RECV sits right before the compute that needs it and a SEND right after the compute that produced it,
-so the communication between two computes is one run that the runtime may post as one batch.
 Neighbouring stages on the same rank pass data locally, with no send or receive.
-simulate.py checks every schedule here: matched and ordered messages, dependencies, no deadlock.
+
+A schedule function gives each rank's compute order; build() adds the communication. A SEND goes right
+after the compute that produced it. Its RECV goes where the receiver stands when the message is sent on
+the unit-cost timeline: right before the compute that needs it when the receiver is waiting for it, earlier
+when it arrives while the receiver works on something else (looped and V placements, where rendezvous
+sends and receives posted only just in time would wait on each other in a ring). So the sends and receives
+between two computes form one run, which the runtime may post as one batch_isend_irecv, and a rank
+receives from another in the order that one sends (NCCL matches by order). The RECV is where to post the
+receive; the runtime need not wait for it until the compute that uses it.
+simulate.py checks every schedule here: matched and ordered messages, dependencies, no deadlock with or
+without batching.
 """
 from __future__ import annotations
 
@@ -60,29 +68,75 @@ class Schedule:
 
 
 def placement(pp: int, v: int, schedule: str = "1f1b") -> list[int]:
-    """Rank of each of the pp * v stages: looped (stage s on rank s % pp), or a V for zb-v."""
+    """Rank of each of the pp * v stages: looped, rank r holding stages r, r + pp, r + 2pp, ...;
+    or for zb-v (v = 2) a V, rank r holding stages r and 2pp-1-r."""
     if schedule == "zb-v":
         return [s if s < pp else 2 * pp - 1 - s for s in range(2 * pp)]
     return [s % pp for s in range(pp * v)]
 
 
+def _deps(a: Action, last: int) -> list[Action]:
+    """The compute actions that a compute action needs first."""
+    s, m = a.stage, a.micro
+    if a.kind == F:
+        return [Action(F, s - 1, m)] if s > 0 else []
+    if a.kind == B:
+        return [Action(F, s, m)] + ([Action(B, s + 1, m)] if s < last else [])
+    return [Action(B, s, m)]
+
+
+def _timeline(orders: list[list[Action]], last: int) -> dict[Action, tuple[float, float]]:
+    """Start and end of every compute action, each run as soon as it can at unit costs
+    (F = B = W = 1, and B = 2 where it also computes the weight gradient)."""
+    split = {(a.stage, a.micro) for order in orders for a in order if a.kind == W}
+    times: dict[Action, tuple[float, float]] = {}
+    pos, clock = [0] * len(orders), [0.0] * len(orders)
+    while any(p < len(o) for p, o in zip(pos, orders)):
+        moved = False
+        for r, order in enumerate(orders):
+            while pos[r] < len(order):
+                a = order[pos[r]]
+                deps = _deps(a, last)
+                if any(d not in times for d in deps):
+                    break
+                start = max([clock[r]] + [times[d][1] for d in deps])
+                clock[r] = start + (2 if a.kind == B and (a.stage, a.micro) not in split else 1)
+                times[a] = (start, clock[r])
+                pos[r] += 1
+                moved = True
+        if not moved:
+            stuck = [order[p] for p, order in zip(pos, orders) if p < len(order)]
+            raise RuntimeError(f"compute orders wait on each other at {stuck}")
+    return times
+
+
 def _with_comms(orders: list[list[Action]], where: list[int]) -> tuple[tuple[Action, ...], ...]:
-    """Insert the sends and receives that the compute orders need between ranks."""
+    """Add the sends and receives between ranks: each SEND right after its compute, each RECV before the
+    receiver's first compute that starts no earlier than the message is sent (see the module docstring)."""
     last = len(where) - 1
+    times = _timeline(orders, last)
+    sends: dict[Action, Action] = {}
+    inbox: list[list[tuple[float, Action]]] = [[] for _ in orders]  # (sent at, RECV) for each receiver
+    for r, order in enumerate(orders):
+        for a in order:
+            s, m, t = a.stage, a.micro, times[a][1]
+            if a.kind == F and s < last and where[s + 1] != r:
+                sends[a] = Action(SEND_F, s, m)
+                inbox[where[s + 1]].append((t, Action(RECV_F, s + 1, m)))
+            if a.kind == B and s > 0 and where[s - 1] != r:
+                sends[a] = Action(SEND_B, s, m)
+                inbox[where[s - 1]].append((t, Action(RECV_B, s - 1, m)))
     ranks = []
     for r, order in enumerate(orders):
+        waiting, k = sorted(inbox[r], key=lambda x: x[0]), 0
         acts = []
         for a in order:
-            s, m = a.stage, a.micro
-            if a.kind == F and s > 0 and where[s - 1] != r:
-                acts.append(Action(RECV_F, s, m))
-            if a.kind == B and s < last and where[s + 1] != r:
-                acts.append(Action(RECV_B, s, m))
+            while k < len(waiting) and waiting[k][0] <= times[a][0]:
+                acts.append(waiting[k][1])
+                k += 1
             acts.append(a)
-            if a.kind == F and s < last and where[s + 1] != r:
-                acts.append(Action(SEND_F, s, m))
-            if a.kind == B and s > 0 and where[s - 1] != r:
-                acts.append(Action(SEND_B, s, m))
+            if a in sends:
+                acts.append(sends[a])
         ranks.append(tuple(acts))
     return tuple(ranks)
 
@@ -105,7 +159,8 @@ def one_f_one_b(pp: int, v: int, m: int) -> list[list[Action]]:
 
 
 def interleaved(pp: int, v: int, m: int) -> list[list[Action]]:
-    """Megatron's interleaved 1F1B: micro-batches in groups of pp go through each local stage in turn."""
+    """Megatron's interleaved 1F1B (looped placement): micro-batches in groups of pp go through each local
+    stage in turn; rank r warms up with 2(pp-1-r) + (v-1)pp forwards, then alternates, then drains."""
     total = m * v
 
     def unit(r: int, k: int, kind: str) -> Action:
@@ -125,7 +180,8 @@ def interleaved(pp: int, v: int, m: int) -> list[list[Action]]:
 
 
 def breadth_first(pp: int, v: int, m: int) -> list[list[Action]]:
-    """Looped: every micro-batch through a local stage before the next one; forwards, then backwards."""
+    """Breadth-first (Lamy-Poirier 2023), looped placement: every micro-batch goes through a local stage
+    before the next local stage; all forwards, then all backwards in reverse stage order."""
     orders = []
     for r in range(pp):
         local = range(r, pp * v, pp)
@@ -134,11 +190,59 @@ def breadth_first(pp: int, v: int, m: int) -> list[list[Action]]:
     return orders
 
 
+def zb_h1(pp: int, v: int, m: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al. 2023): 1F1B with each backward split into B and W. Rank r runs the W of micro-batch
+    i after the B of micro-batch i + r, so B reaches the first rank sooner and the deferred W's fill the
+    cool-down. Saved activations until B as in 1F1B; until W, at most pp on every rank."""
+    orders = []
+    for r, order in enumerate(one_f_one_b(pp, v, m)):
+        split = []
+        for a in order:
+            split.append(a)
+            if a.kind == B and a.micro >= r:
+                split.append(Action(W, r, a.micro - r))
+        orders.append(split + [Action(W, r, i) for i in range(max(m - r, 0), m)])
+    return orders
+
+
+def zb_v(pp: int, v: int, m: int) -> list[list[Action]]:
+    """ZB-V (Qi et al. 2023, section 6): rank r holds stages r and 2pp-1-r, so the loss is on rank 0;
+    B and W split. Warm-up fills the V with forwards, the steady phase runs F B W on both stages, the
+    cool-down fills with W's. Built for at least 2pp-1 micro-batches, the extra ones then dropped."""
+    n = max(m, 2 * pp - 1)
+    orders = []
+    for r in range(pp):
+        first, second = r, 2 * pp - 1 - r  # this rank's stage on each arm of the V
+        done: dict[tuple[str, int], int] = {}
+        order: list[Action] = []
+
+        def put(*steps: tuple[str, int]) -> None:
+            for kind, s in steps:
+                i = done.get((kind, s), 0)
+                done[kind, s] = i + 1
+                order.append(Action(kind, s, i))
+
+        put(*[(F, first)] * (2 * (pp - r) - 1))
+        put(*[(F, second), (F, first)] * r)
+        put(*[(F, second), (B, second), (W, second)] * (pp - r))
+        while done[F, second] < n:
+            if done[F, first] < n:
+                put((F, first))
+            put((B, first), (W, first), (F, second), (B, second), (W, second))
+        put(*[(B, first), (B, second)] * r)
+        put(*[(B, first), (W, first)] * (pp - r))
+        put(*[(W, second)] * (n - done[W, second]) + [(W, first)] * (n - done[W, first]))
+        orders.append([a for a in order if a.micro < m])
+    return orders
+
+
 SCHEDULES: dict[str, Callable[[int, int, int], list[list[Action]]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
     "breadth-first": breadth_first,
+    "zb-h1": zb_h1,
+    "zb-v": zb_v,
 }
 
 
@@ -161,15 +265,17 @@ def check(name: str, pp: int, v: int, m: int) -> None:
         if m % pp:
             raise ConfigError(
                 f"parallel.pp_schedule='interleaved' needs train.micro_batches={m} to be a multiple of "
-                f"parallel.pp={pp}: set train.micro_batches to {(m // pp + 1) * pp}, or choose another schedule")
+                f"parallel.pp={pp}: set train.micro_batches to {(m // pp + 1) * pp} (or another multiple), "
+                "or choose another schedule")
     if name == "zb-v" and v != 2:
         raise ConfigError(
             f"parallel.pp_schedule='zb-v' places 2 stages per rank in a V: set parallel.pp_virtual_stages=2 "
             f"(got {v})")
 
 
-def build(name: str, pp: int, v: int, m: int) -> Schedule:
-    """The named schedule for pp ranks, v stages per rank and m micro-batches."""
-    check(name, pp, v, m)
+def build(name: str, pp: int, v: int, micro_batches: int) -> Schedule:
+    """The named schedule for pp ranks, v stages per rank and the given number of micro-batches."""
+    check(name, pp, v, micro_batches)
     where = placement(pp, v, name)
-    return Schedule(name, pp, v, m, tuple(where), _with_comms(SCHEDULES[name](pp, v, m), where))
+    orders = SCHEDULES[name](pp, v, micro_batches)
+    return Schedule(name, pp, v, micro_batches, tuple(where), _with_comms(orders, where))

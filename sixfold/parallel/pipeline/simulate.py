@@ -1,21 +1,22 @@
 """Run a schedule's action lists on every rank at once, with given costs: prove it sound and time it.
 
-Each rank runs its list in order. Compute actions take their cost. Sends and receives between two ranks
-are matched in posting order, as NCCL matches them (it has no tags), and a mismatch is an error.
-Two ways to run the communication:
-  buffered (default)  a SEND completes at once; a RECV waits for its SEND's posting plus the latency
-  batched             each run of consecutive SENDs and RECVs is posted as one batch (batch_isend_irecv)
-                      and completes when every one of its messages has been posted at both ends;
-                      this proves that batching adjacent communication cannot deadlock
-Checked: the right stage on the right rank, one F and one B per (stage, micro) and at most one W (after
-its B), F of stage s after F of s - 1, B of stage s after F of s and after B of s + 1, every SEND
-received exactly once, and no deadlock (the error shows what each stuck rank waits for).
+Each rank runs its list in order; compute actions take their cost. Messages between two ranks are matched
+in posting order, as NCCL matches them (it has no tags); a message out of order is an error. Two models:
+  buffered (default)  a SEND completes at once; a RECV waits until its SEND is posted, plus the latency
+  batched             each run of adjacent SENDs and RECVs is posted as one batch (batch_isend_irecv) that
+                      completes once each of its messages is posted at both ends; passing proves that
+                      batching adjacent communication cannot deadlock, even where a send waits for its receive
+Checked: each action on the rank of its stage; one F and one B per (stage, micro), at most one W and after
+its B; F of stage s after F of s - 1; B of stage s after F of s and after B of s + 1; every SEND received
+once; no deadlock (the error shows what each stuck rank waits for).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .schedules import B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Schedule
+
+Posted = tuple[Action, tuple[int, int], int, float]  # message, (src, dst), index on that channel, post time
 
 
 class ScheduleError(ValueError):
@@ -26,7 +27,7 @@ class ScheduleError(ValueError):
 class Costs:
     f: float = 1.0  # forward of one stage for one micro-batch
     b: float = 1.0  # input gradient
-    w: float = 1.0  # weight gradient: a B with no W of its own does both and costs b + w
+    w: float = 1.0  # weight gradient; a B with no W of its own computes both and costs b + w
     comm: float = 0.0  # latency from a message's posting to its data being usable
 
 
@@ -35,8 +36,8 @@ class RankStats:
     finish: float
     busy: float
     bubble: float  # idle fraction of the makespan: 1 - busy / makespan
-    peak_in_flight: int  # most (stage, micro) pairs whose saved activations are alive at once
-    events: tuple[tuple[float, float, Action], ...]  # (start, end, action) in list order
+    peak_in_flight: int  # most (stage, micro) pairs with saved activations alive at once
+    events: tuple[tuple[float, float, Action], ...]  # (start, end, action) for each action, in list order
 
 
 @dataclass(frozen=True)
@@ -60,26 +61,27 @@ def _source(a: Action) -> Action:
 class _Run:
     def __init__(self, schedule: Schedule, costs: Costs, batched: bool, release: str):
         self.s, self.costs, self.batched, self.release = schedule, costs, batched, release
+        self.head = f"{schedule.name} pp={schedule.pp} v={schedule.v} m={schedule.m}"
         self.split = {(a.stage, a.micro) for acts in schedule.ranks for a in acts if a.kind == W}
         n = schedule.pp
-        self.pos, self.clock, self.busy = [0] * n, [0.0] * n, [0.0] * n
+        self.pos, self.clock, self.busy, self.peak = [0] * n, [0.0] * n, [0.0] * n, [0] * n
         self.events: list[list[tuple[float, float, Action]]] = [[] for _ in range(n)]
         self.alive: list[set[tuple[int, int]]] = [set() for _ in range(n)]
-        self.peak = [0] * n
         self.done: dict[Action, float] = {}  # every finished action, with its end time
-        self.sends: dict[tuple[int, int], list[tuple[Action, float]]] = {}  # (src, dst) -> posted, in order
+        # (src, dst) -> the messages sent and the receives posted on that channel, with their post times
+        self.sends: dict[tuple[int, int], list[tuple[Action, float]]] = {}
         self.recvs: dict[tuple[int, int], list[tuple[Action, float]]] = {}
-        self.pending: list[list[tuple[Action, tuple[int, int], int, float]] | None] = [None] * n
+        self.pending: list[list[Posted] | None] = [None] * n  # each rank's posted, unfinished batch
 
     def fail(self, r: int, a: Action, why: str) -> ScheduleError:
-        return ScheduleError(f"{self.s.name} pp={self.s.pp} v={self.s.v} m={self.s.m}: rank {r}, "
-                             f"action {self.pos[r]} {a!r}: {why}")
+        at = self.s.ranks[r].index(a, self.pos[r])
+        return ScheduleError(f"{self.head}: rank {r}, action {at} {a!r}: {why}")
 
     def need(self, r: int, a: Action, dep: Action) -> None:
         if dep not in self.done:
             raise self.fail(r, a, f"runs before {dep!r}")
 
-    def where(self, r: int, a: Action) -> None:
+    def check_place(self, r: int, a: Action) -> None:
         if not (0 <= a.stage < self.s.stages and 0 <= a.micro < self.s.m):
             raise self.fail(r, a, "no such stage or micro-batch")
         if self.s.placement[a.stage] != r:
@@ -88,7 +90,7 @@ class _Run:
             raise self.fail(r, a, "runs twice")
 
     def compute(self, r: int, a: Action) -> None:
-        self.where(r, a)
+        self.check_place(r, a)
         s, m, last, place = a.stage, a.micro, self.s.stages - 1, self.s.placement
         if a.kind == F and s > 0:
             self.need(r, a, Action(F, s - 1, m) if place[s - 1] == r else Action(RECV_F, s, m))
@@ -99,7 +101,9 @@ class _Run:
         if a.kind == W:
             self.need(r, a, Action(B, s, m))
         split = (s, m) in self.split
-        cost = {F: self.costs.f, W: self.costs.w}.get(a.kind, self.costs.b + (0 if split else self.costs.w))
+        cost = self.costs.f if a.kind == F else self.costs.w if a.kind == W else self.costs.b
+        if a.kind == B and not split:
+            cost += self.costs.w
         start = self.clock[r]
         self.clock[r] += cost
         self.busy[r] += cost
@@ -111,13 +115,14 @@ class _Run:
         elif a.kind == W or not split or self.release == "B":
             self.alive[r].discard((s, m))
 
-    def post(self, r: int, a: Action) -> tuple[Action, tuple[int, int], int, float]:
-        self.where(r, a)
-        if a.kind in (SEND_F, RECV_B) and a.stage == self.s.stages - 1 or a.kind in (RECV_F, SEND_B) and a.stage == 0:
+    def post(self, r: int, a: Action) -> Posted:
+        self.check_place(r, a)
+        to_next = a.kind in (SEND_F, RECV_B)
+        if a.stage == (self.s.stages - 1 if to_next else 0):
             raise self.fail(r, a, "no stage on the other side")
         peer = self.s.peer(a)
         if peer == r:
-            raise self.fail(r, a, "both stages are on this rank; they pass data locally")
+            raise self.fail(r, a, "both stages are on this rank, which passes the data locally")
         if a.kind in (SEND_F, SEND_B):
             self.need(r, a, Action(F if a.kind == SEND_F else B, a.stage, a.micro))
             channel, posted = (r, peer), self.sends
@@ -127,27 +132,35 @@ class _Run:
         queue.append((a, self.clock[r]))
         return a, channel, len(queue) - 1, self.clock[r]
 
-    def finish(self, r: int) -> float | list[str]:
-        """When the posted batch of rank r completes, or what it still waits for."""
-        end, waits = self.clock[r], []
-        for a, channel, k, t in self.pending[r]:
+    def finish(self, r: int) -> float | None:
+        """When rank r's posted batch completes; None while it waits."""
+        end, lag = self.clock[r], self.costs.comm
+        for a, channel, k, t in self.pending[r] or []:
             if a.kind in (RECV_F, RECV_B):
                 queue = self.sends.get(channel, [])
                 if len(queue) <= k:
-                    waits.append(f"{a!r} waits for {_source(a)!r} from rank {channel[0]}")
-                    continue
+                    return None
                 sent, t_sent = queue[k]
                 if sent != _source(a):
-                    raise self.fail(r, a, f"message {k} from rank {channel[0]} is {sent!r}: sends and receives "
-                                          "between two ranks must be posted in the same order")
-                end = max(end, max(t, t_sent) + self.costs.comm if self.batched else max(t, t_sent + self.costs.comm))
+                    raise self.fail(r, a, f"message {k} from rank {channel[0]} is {sent!r}: sends and "
+                                          "receives between two ranks must be posted in the same order")
+                end = max(end, max(t, t_sent) + lag if self.batched else max(t, t_sent + lag))
             elif self.batched:
                 queue = self.recvs.get(channel, [])
                 if len(queue) <= k:
-                    waits.append(f"{a!r} waits for rank {channel[1]} to post its receive")
-                    continue
-                end = max(end, max(t, queue[k][1]) + self.costs.comm)
-        return waits or end
+                    return None
+                end = max(end, max(t, queue[k][1]) + lag)
+        return end
+
+    def waits(self, r: int) -> str:
+        """What rank r's posted batch waits for."""
+        out = []
+        for a, (src, dst), k, _ in self.pending[r] or []:
+            if a.kind in (RECV_F, RECV_B) and len(self.sends.get((src, dst), [])) <= k:
+                out.append(f"{a!r} waits for {_source(a)!r} from rank {src}")
+            elif a.kind in (SEND_F, SEND_B) and len(self.recvs.get((src, dst), [])) <= k:
+                out.append(f"{a!r} waits for rank {dst} to post its receive")
+        return "; ".join(out)
 
     def advance(self, r: int) -> bool:
         """Run rank r as far as it can go; True if it moved."""
@@ -166,11 +179,13 @@ class _Run:
                 self.pending[r] = [self.post(r, c) for c in acts[self.pos[r]:stop]]
                 moved = True
             end = self.finish(r)
-            if isinstance(end, list):
+            if end is None:
                 return moved
-            for c, *_ in self.pending[r]:
+            batch = self.pending[r] or []
+            for c, _, _, t in batch:
                 self.done[c] = end
-            self.pos[r] += len(self.pending[r])
+                self.events[r].append((t, end, c))
+            self.pos[r] += len(batch)
             self.clock[r], self.pending[r] = end, None
         return moved
 
@@ -178,32 +193,32 @@ class _Run:
         ranks = range(self.s.pp)
         while any(self.pos[r] < len(self.s.ranks[r]) for r in ranks):
             if not any([self.advance(r) for r in ranks]):
-                stuck = [f"rank {r} at action {self.pos[r]}: " + "; ".join(self.finish(r))
+                stuck = [f"rank {r} at action {self.pos[r]}: {self.waits(r)}"
                          for r in ranks if self.pos[r] < len(self.s.ranks[r])]
-                raise ScheduleError(f"{self.s.name} pp={self.s.pp} v={self.s.v} m={self.s.m} deadlocks:\n  "
-                                    + "\n  ".join(stuck))
+                raise ScheduleError(f"{self.head} deadlocks:\n  " + "\n  ".join(stuck))
         self.check_complete()
-        makespan = max(self.clock, default=0.0)
+        makespan = max(self.clock)
         return Simulation(makespan, tuple(
             RankStats(self.clock[r], self.busy[r], 1 - self.busy[r] / makespan if makespan else 0.0,
                       self.peak[r], tuple(self.events[r])) for r in ranks))
 
     def check_complete(self) -> None:
-        head = f"{self.s.name} pp={self.s.pp} v={self.s.v} m={self.s.m}: "
+        for channel, queue in self.sends.items():
+            received = len(self.recvs.get(channel, []))
+            if received < len(queue):
+                raise ScheduleError(f"{self.head}: {queue[received][0]!r} from rank {channel[0]} "
+                                    "is never received")
         for s in range(self.s.stages):
             for m in range(self.s.m):
                 for kind in (F, B):
                     if Action(kind, s, m) not in self.done:
-                        raise ScheduleError(head + f"{Action(kind, s, m)!r} never runs")
-        for channel, queue in self.sends.items():
-            received = len(self.recvs.get(channel, []))
-            if received < len(queue):
-                raise ScheduleError(head + f"{queue[received][0]!r} from rank {channel[0]} is never received")
+                        raise ScheduleError(f"{self.head}: {Action(kind, s, m)!r} never runs")
 
 
-def simulate(schedule: Schedule, costs: Costs = Costs(), batched: bool = False, release: str = "W") -> Simulation:
-    """Check and time a schedule. release: when a (stage, micro) stops counting as in flight, at its B
-    or at its W ("W", the default: W still needs the saved input; a B with no W of its own releases)."""
+def simulate(schedule: Schedule, costs: Costs = Costs(), batched: bool = False,
+             release: str = "W") -> Simulation:
+    """Check and time a schedule. release says when a (stage, micro) stops counting as in flight: at its
+    B, or at its W ("W", the default, since W still needs the saved input; a B with no W releases)."""
     if release not in ("B", "W"):
         raise ValueError(f"release={release!r} must be 'B' or 'W'")
     return _Run(schedule, costs, batched, release).run()
