@@ -43,10 +43,18 @@ class ContextParallel:
         pieces = t.chunk(self.n_chunks, dim=dim)
         return torch.cat([pieces[c] for c in self.chunks], dim=dim)
 
+    def positions_of(self, rank: int, local_len: int, device) -> torch.Tensor:
+        """Global positions of the tokens a rank holds."""
+        n = local_len // len(self.chunks)
+        return torch.cat([torch.arange(c * n, (c + 1) * n, device=device) for c in self.chunks_of(rank)])
+
     def positions(self, local_len: int, device) -> torch.Tensor:
         """Global positions of this rank's tokens."""
-        n = local_len // len(self.chunks)
-        return torch.cat([torch.arange(c * n, (c + 1) * n, device=device) for c in self.chunks])
+        return self.positions_of(self.rank, local_len, device)
+
+    def _rank_order(self, local_len: int, device) -> torch.Tensor:
+        """Global positions of every rank's tokens, rank after rank (the order gathers deliver them in)."""
+        return torch.cat([self.positions_of(r, local_len, device) for r in range(self.size)])
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of local queries over the whole sequence; q [b, hq, local, d], k/v [b, hkv, local, d]."""
@@ -80,24 +88,18 @@ class ContextParallel:
     # all-gather KV --------------------------------------------------------------------------------
     def _allgather(self, q, k, v):
         keys = _GatherKV.apply(torch.stack([k, v]), self)  # [2, b, hkv, cp*local, d], ranks' chunks in rank order
-        order = torch.cat([self.positions_of(r, q.shape[2], q.device) for r in range(self.size)])
-        mask = self.positions(q.shape[2], q.device)[:, None] >= order[None, :]
+        mask = self.positions(q.shape[2], q.device)[:, None] >= self._rank_order(q.shape[2], q.device)[None, :]
         return F.scaled_dot_product_attention(q, keys[0], keys[1], attn_mask=mask,
                                               enable_gqa=k.shape[1] != q.shape[1])
-
-    def positions_of(self, rank: int, local_len: int, device) -> torch.Tensor:
-        n = local_len // len(self.chunks)
-        return torch.cat([torch.arange(c * n, (c + 1) * n, device=device) for c in self.chunks_of(rank)])
 
     # Ulysses ---------------------------------------------------------------------------------------
     def _ulysses(self, q, k, v):
         if k.shape[1] % self.size:  # fewer kv heads than cp: each rank receives the one its queries need
             k, v = (t.repeat_interleave(self.size // t.shape[1], dim=1) for t in (k, v))
-        local = q.shape[2]
-        order = torch.cat([self.positions_of(r, local, q.device) for r in range(self.size)]).argsort()
-        q, k, v = (_HeadsToTokens.apply(t, self)[:, :, order] for t in (q, k, v))
+        order = self._rank_order(q.shape[2], q.device).argsort()
+        q, k, v = (_AllToAll.apply(t, self, _heads_to_tokens, _tokens_to_heads)[:, :, order] for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-        return _TokensToHeads.apply(out[:, :, order.argsort()], self)
+        return _AllToAll.apply(out[:, :, order.argsort()], self, _tokens_to_heads, _heads_to_tokens)
 
 
 def _heads_to_tokens(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
@@ -119,26 +121,17 @@ def _tokens_to_heads(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     return out.transpose(0, 1).reshape(b, cp.size * hg, n, d)
 
 
-class _HeadsToTokens(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """Forward: one of the Ulysses all-to-alls; backward: the other, its inverse."""
+
     @staticmethod
-    def forward(ctx, x, cp):
-        ctx.cp = cp
-        return _heads_to_tokens(x, cp)
+    def forward(ctx, x, cp, there, back):
+        ctx.cp, ctx.back = cp, back
+        return there(x, cp)
 
     @staticmethod
     def backward(ctx, grad):
-        return _tokens_to_heads(grad, ctx.cp), None
-
-
-class _TokensToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cp):
-        ctx.cp = cp
-        return _tokens_to_heads(x, cp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_tokens(grad, ctx.cp), None
+        return ctx.back(grad, ctx.cp), None, None, None
 
 
 class _GatherKV(torch.autograd.Function):
