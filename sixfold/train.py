@@ -70,17 +70,20 @@ class Trainer:
                               f"{data.tokenizer.vocab_size} tokens; set model.vocab_size>={data.tokenizer.vocab_size}")
         return data
 
+    def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's tokens and labels on this rank's device, cut to its part of each sequence under cp."""
+        return self.cp.shard(x.to(self.ctx.device)), self.cp.shard(y.to(self.ctx.device))
+
     # one step ---------------------------------------------------------------------------------
     def train_step(self) -> dict:
         t = self.cfg.train
         start = time.perf_counter()
         with self.tracer.span("data", "data"):
-            micro = self.loader.micro_batches(self.step, t.micro_batches)
-        local_tokens = sum(int((self.cp.shard(y) != IGNORE_INDEX).sum()) for _, y in micro)
+            micro = [self._local(x, y) for x, y in self.loader.micro_batches(self.step, t.micro_batches)]
+        local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)
         (global_tokens,) = self.comm.sum_scalars([local_tokens], "loss")
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         for i, (x, y) in enumerate(micro):
-            x, y = self.cp.shard(x.to(self.ctx.device)), self.cp.shard(y.to(self.ctx.device))
             self.sharded.sync = i == len(micro) - 1
             with self.tracer.span(f"F{i}", "compute", mb=i):
                 loss = self.model.loss_sum(x, y) / global_tokens
@@ -112,7 +115,7 @@ class Trainer:
                                self.ctx.batch_index, self.ctx.size("batch"))
         total = count = 0.0
         for x, y in batches:
-            x, y = self.cp.shard(x.to(self.ctx.device)), self.cp.shard(y.to(self.ctx.device))
+            x, y = self._local(x, y)
             total += float(self.model.loss_sum(x, y))
             count += int((y != IGNORE_INDEX).sum())
         total, count = self.comm.sum_scalars([total, count], "loss")

@@ -87,24 +87,25 @@ class Attention(nn.Module):
         self.wo = Linear(tp, q, cfg.dim, "row")
 
     def forward(self, x: torch.Tensor, t: Tokens) -> torch.Tensor:
-        (b, s), sp, cache = t.shape, t.sequence_tp, t.cache
+        (b, s), sp = t.shape, t.sequence_tp
         q, k, v = linear(self.tp, x, [self.wq.weight, self.wk.weight, self.wv.weight], "column", sp)
         q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, t.cos, t.sin), apply_rope(k, t.cos, t.sin)
-        if t.context:
-            return self.wo(self.cp.attention(q, k, v).transpose(1, 2).reshape(b * s, -1), sp)
-        mask, causal = None, True
+        out = self.cp.attention(q, k, v) if t.context else self._local_attention(q, k, v, t.cache)
+        return self.wo(out.transpose(1, 2).reshape(b * s, -1), sp)
+
+    def _local_attention(self, q, k, v, cache: KVCache | None) -> torch.Tensor:
+        s, mask, causal = q.shape[2], None, True
         if cache is not None:
             past = cache.length
             k, v = cache.extend(self.layer, k, v)
             if past:
                 causal = False
-                mask = torch.ones(s, past + s, dtype=torch.bool, device=x.device).tril(past)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and s > 1,
-                                             enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.wo(out.transpose(1, 2).reshape(b * s, -1), sp)
+                mask = torch.ones(s, past + s, dtype=torch.bool, device=q.device).tril(past)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and s > 1,
+                                              enable_gqa=self.n_kv_heads != self.n_heads)
 
 
 class MLP(nn.Module):
