@@ -43,8 +43,7 @@ def worker(args) -> None:
     with SavedTensors(model) as saved:
         model.loss_sum(tokens, tokens)
     here = SEQUENCES * seq // (ctx.size("tp") if args.sequence else 1)
-    split = sum(s.nbytes for s in saved.saved if s.dtype.is_floating_point and len(s.shape) == 2 and
-                s.shape[0] == here and s.shape[1] in (m.dim, 1))
+    split = saved.token_rows_nbytes(here, m.dim)
     if ctx.rank == 0:
         Path(args.out).write_text(json.dumps({"total": saved.nbytes, "split": split}))
     ctx.close()

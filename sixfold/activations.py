@@ -44,3 +44,9 @@ class SavedTensors:
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.saved)
+
+    def token_rows_nbytes(self, tokens: int, dim: int) -> int:
+        """Bytes of the [tokens, dim] activations and the norms' [tokens, 1] statistics (floating point only):
+        what sequence-TP splits over tp."""
+        return sum(s.nbytes for s in self.saved if s.dtype.is_floating_point and len(s.shape) == 2 and
+                   s.shape[0] == tokens and s.shape[1] in (dim, 1))

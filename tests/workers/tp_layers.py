@@ -48,9 +48,7 @@ for n, p in model.named_parameters():
     assert torch.equal(p.grad, immediate[n]), n
 
 tokens_here = batch * seq // tp_size if sequence else batch * seq
-# the activations that sequence-TP splits: [tokens, dim] and norm statistics [tokens, 1]
-split = sum(s.nbytes for s in saved.saved if s.dtype.is_floating_point and len(s.shape) == 2 and
-            s.shape[0] == tokens_here and s.shape[1] in (cfg.dim, 1))
+split = saved.token_rows_nbytes(tokens_here, cfg.dim)
 if ctx.rank == 0:
     print("RESULT " + json.dumps({"sequence_split": split, "total": saved.nbytes}))
 print(f"rank {ctx.rank} tp layers OK")
