@@ -1,6 +1,7 @@
 """Tensor parallelism's pieces: splits of full tensors, the collectives' bytes, deferred weight gradients,
 activation memory under sequence-TP. Parity of whole runs is in test_parity.py."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,16 +54,16 @@ def test_deferred_weight_gradients_equal_immediate_ones_in_one_process():
         assert (p.grad - immediate[n]).norm() <= 1e-6 * immediate[n].norm(), n
 
 
-def _layers(tp: int, sequence: bool) -> dict:
-    proc = torchrun("tp_layers.py", tp, "1" if sequence else "0")
+def _layers(tp: int, sequence: bool, out: Path) -> dict:
+    proc = torchrun("tp_layers.py", tp, "1" if sequence else "0", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("tp layers OK") == tp
-    return json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_bytes_equal_the_formula_and_sequence_tp_splits_saved_activations(tp):
+def test_bytes_equal_the_formula_and_sequence_tp_splits_saved_activations(tp, tmp_path):
     """The worker asserts the ledger's tp bytes and deferred gradients; here, the saved activations."""
-    plain, sequence = _layers(tp, False), _layers(tp, True)
+    plain, sequence = _layers(tp, False, tmp_path / "plain.json"), _layers(tp, True, tmp_path / "sequence.json")
     assert sequence["sequence_split"] * tp == plain["sequence_split"]
     assert sequence["total"] - sequence["sequence_split"] == plain["total"] - plain["sequence_split"]

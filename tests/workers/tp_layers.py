@@ -1,7 +1,7 @@
 """Under torchrun with tp ranks: the tp collectives' bytes equal the formula, deferred weight gradients equal
-immediate ones, and the saved activations (printed for the test to compare across runs).
+immediate ones, and the saved activations (written as JSON for the test to compare across runs).
 
-    torchrun --nproc-per-node TP tp_layers.py SEQUENCE(0|1)
+    torchrun --nproc-per-node TP tp_layers.py SEQUENCE(0|1) OUT.json
 """
 import json
 import os
@@ -50,6 +50,7 @@ for n, p in model.named_parameters():
 tokens_here = batch * seq // tp_size if sequence else batch * seq
 split = saved.token_rows_nbytes(tokens_here, cfg.dim)
 if ctx.rank == 0:
-    print("RESULT " + json.dumps({"sequence_split": split, "total": saved.nbytes}))
+    with open(sys.argv[2], "w") as f:
+        json.dump({"sequence_split": split, "total": saved.nbytes}, f)
 print(f"rank {ctx.rank} tp layers OK")
 ctx.close()
