@@ -202,10 +202,11 @@ class _Ring(torch.autograd.Function):
             if pending is not None:
                 kv, work = pending
                 work.wait()
-        out_t, lse_t = torch.stack(out, 3), torch.stack(lse, 3)  # [b, hkv, g, parts, n/parts, (d)]
+        # laid out [b, n, hq, d] as the output projection reads it: the tensor saved here is its input too
+        out_t = torch.stack(out, 3).permute(0, 3, 4, 1, 2, 5).contiguous().view(b, n, hq, d).transpose(1, 2)
         ctx.cp, ctx.scale = cp, scale
-        ctx.save_for_backward(q, k, v, out_t, lse_t)
-        return out_t.reshape(b, hq, n, d)
+        ctx.save_for_backward(q, k, v, out_t, torch.stack(lse, 3))  # lse [b, hkv, g, parts, n/parts]
+        return out_t
 
     @staticmethod
     def backward(ctx, dout):
@@ -213,6 +214,7 @@ class _Ring(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         b, hq, n, d = q.shape
         hkv, parts = k.shape[1], len(cp.chunks)
+        out = out.view(b, hkv, hq // hkv, parts, n // parts, d)
         dout = dout.reshape(out.shape)
         delta = (dout * out).sum(-1)
         qs = q.view(b, hkv, hq // hkv, parts, n // parts, d).unbind(3)
