@@ -28,6 +28,7 @@ class ContextParallel:
         self.size = comm.ctx.size("cp") if comm is not None else 1
         self.rank = comm.ctx.rank_in("cp") if comm is not None else 0
         self.n_chunks = 2 * self.size if zigzag else self.size
+        self._mask: tuple[tuple, torch.Tensor] | None = None  # all-gather KV's last mask and what it was for
 
     def chunks_of(self, rank: int) -> list[int]:
         return [rank, 2 * self.size - 1 - rank] if self.zigzag else [rank]
@@ -88,9 +89,17 @@ class ContextParallel:
     # all-gather KV --------------------------------------------------------------------------------
     def _allgather(self, q, k, v):
         keys = _GatherKV.apply(torch.stack([k, v]), self)  # [2, b, hkv, cp*local, d], ranks' chunks in rank order
-        mask = self.positions(q.shape[2], q.device)[:, None] >= self._rank_order(q.shape[2], q.device)[None, :]
-        return F.scaled_dot_product_attention(q, keys[0], keys[1], attn_mask=mask,
+        return F.scaled_dot_product_attention(q, keys[0], keys[1], attn_mask=self._causal_mask(q),
                                               enable_gqa=k.shape[1] != q.shape[1])
+
+    def _causal_mask(self, q):
+        """Additive causal mask [local, cp*local] of the local queries over the gathered keys, one tensor for every
+        layer: attention saves it for backward (a bool mask would be converted, and saved, once per layer)."""
+        n, key = q.shape[2], (q.shape[2], q.device, q.dtype)
+        if self._mask is None or self._mask[0] != key:
+            hidden = self.positions(n, q.device)[:, None] < self._rank_order(n, q.device)[None, :]
+            self._mask = key, torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill(hidden, -math.inf)
+        return self._mask[1]
 
     # Ulysses ---------------------------------------------------------------------------------------
     def _ulysses(self, q, k, v):
