@@ -14,7 +14,7 @@ def wrap(model, world: int):
 
     # sixfold reduces one FSDP unit (a block) at a time: give DDP buckets of the largest unit's size
     unit_mb = max(sum(p.numel() * p.element_size() for p in m.parameters())
-                  for m in [model.embed, *model.layers]) / 2 ** 20
+                  for m in [model.embed, *model.layers.values()]) / 2 ** 20
     ddp = DistributedDataParallel(model, bucket_cap_mb=unit_mb, gradient_as_bucket_view=True)
     return ddp, world  # DDP averages over ranks; a loss times world makes the result a sum, as in sixfold
 

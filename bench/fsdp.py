@@ -13,7 +13,7 @@ def wrap(model, world: int):
     from torch.distributed.fsdp import fully_shard
 
     # a unit per block, as in sixfold; the root unit holds the embedding, final norm and head (two units in sixfold)
-    units = [fully_shard(block) for block in model.layers] + [fully_shard(model)]
+    units = [fully_shard(block) for block in model.layers.values()] + [fully_shard(model)]
     for unit in units:  # FSDP2 averages over ranks; sum instead, as in sixfold (gloo has no AVG op)
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)

@@ -104,6 +104,21 @@ class Comm:
         nbytes = sum(t.numel() * t.element_size() for t, _ in sends)
         return self._run("send_recv", group, nbytes, label, True, lambda g, a: dist.batch_isend_irecv(ops))
 
+    def gather_objects(self, obj, group: str) -> list:
+        """Every member's `obj` (pickled in transit), on the group's first rank; elsewhere [obj]."""
+        ranks = self.ctx.members(group)
+        if len(ranks) == 1:
+            return [obj]
+        out = [None] * len(ranks) if self.ctx.rank == ranks[0] else None
+        dist.gather_object(obj, out, dst=ranks[0], group=self.ctx.groups[group])
+        return out if out is not None else [obj]
+
+    def broadcast(self, t: torch.Tensor, group: str, src: int) -> None:
+        """`t` from the group's rank `src` to every member, in place."""
+        if self.ctx.size(group) > 1:
+            self._run("broadcast", group, t.numel() * t.element_size(), "", False,
+                      lambda g, a: dist.broadcast(t, self.ctx.members(group)[src], group=g, async_op=a))
+
     def sum_scalars(self, values: list[float], group: str) -> list[float]:
         """Sum a few fp64 scalars over `group` in one collective."""
         t = torch.tensor(values, dtype=torch.float64, device=self.ctx.device)

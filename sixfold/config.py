@@ -62,8 +62,10 @@ class ParallelConfig:
     sequence_parallel: bool = True
     cp_mode: str = "ring"  # ring | allgather | ulysses
     cp_zigzag: bool = True  # balanced causal work; false: contiguous chunks
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | breadth-first | zb-h1 | zb-v
+    pp_virtual_stages: int = 1  # stages per pp rank (interleaved and breadth-first: 2 or more; zb-v: 2)
     zero: int = 0
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None  # ZeRO-3; unset: true, and false (gather once per step) with pp
     timeout_s: float = 300.0
 
     @property
@@ -79,7 +81,14 @@ class ParallelConfig:
                  if getattr(self, n) > 1]
         sp = ", sequence-TP" if self.tp > 1 and self.sequence_parallel else ""
         cp = f", cp {self.cp_mode}{'' if self.cp_zigzag else ' contiguous'}" if self.cp > 1 else ""
-        return (" x ".join(parts) or "single process") + sp + cp + (f", zero{self.zero}" if self.zero else "")
+        pp = f", {self.pp_schedule}" + (f" v={self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else "") \
+            if self.pp > 1 else ""
+        return (" x ".join(parts) or "single process") + sp + cp + pp + (f", zero{self.zero}" if self.zero else "")
+
+    @property
+    def reshard(self) -> bool:
+        """ZeRO-3 frees a unit's weights after its forward (else they stay gathered for the step)."""
+        return self.pp == 1 if self.reshard_after_forward is None else self.reshard_after_forward
 
 
 @dataclass
@@ -162,6 +171,8 @@ def _unknown(key: str, choices, where: str) -> ConfigError:
 
 
 def _coerce(value, typ, name: str):
+    if typ == bool | None:
+        return None if value is None or value == "" else _coerce(value, bool, name)
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -242,10 +253,9 @@ def check_world_size(p: ParallelConfig, world_size: int) -> None:
 
 def check_available(cfg: Config) -> None:
     """Refuse what the config can describe but this version cannot run yet."""
-    for dim, issue in (("pp", 6), ("ep", 7)):
-        if getattr(cfg.parallel, dim) > 1:
-            raise ConfigError(f"parallel.{dim}={getattr(cfg.parallel, dim)}: this dimension's layers are not in "
-                              f"this version yet (issue #{issue}); set parallel.{dim}=1")
+    if cfg.parallel.ep > 1:
+        raise ConfigError(f"parallel.ep={cfg.parallel.ep}: expert parallelism is not in this version yet "
+                          f"(issue #7); set parallel.ep=1")
     if cfg.train.precision == "bf16":
         import torch
         if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
@@ -300,6 +310,14 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if p.tp > 1 and p.sequence_parallel and t.seq_len % p.tp:
         raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} under sequence-TP; "
                           f"change it or set parallel.sequence_parallel=false")
+    if p.pp > 1 or p.pp_virtual_stages > 1:
+        from .parallel.pipeline.schedules import check
+        from .parallel.pipeline.stages import check_stages
+        check(p.pp_schedule, p.pp, p.pp_virtual_stages, t.micro_batches)
+        check_stages(m, p.pp * p.pp_virtual_stages)
+        if p.zero == 3 and p.reshard_after_forward:
+            raise ConfigError("parallel.reshard_after_forward=true: under pipelining ZeRO-3 gathers each stage's "
+                              "weights once per step; leave it unset or set it to false")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if t.micro_batches < 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .model.llama import KVCache, Llama
+from .parallel.pipeline.runtime import Pipeline
 
 
 def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
@@ -18,15 +19,16 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Genera
 
 
 @torch.no_grad()
-def generate(model: Llama, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, eot: int | None = None) -> list[int]:
-    """New tokens after prompt_ids (ending with eot if it was drawn); the total stays within max_seq_len."""
+    """New tokens after prompt_ids (ending with eot if it was drawn); the total stays within max_seq_len.
+    `model` is the whole model, or a pipeline run on every one of its ranks."""
     limit = model.cfg.max_seq_len
     if not 0 < len(prompt_ids) <= limit:
         raise ValueError(f"prompt has {len(prompt_ids)} tokens; it needs 1 to model.max_seq_len={limit}")
     if temperature < 0:
         raise ValueError(f"temperature={temperature} must be 0 (greedy) or positive")
-    device = model.embed.weight.device
+    device = model.device
     gen = torch.Generator().manual_seed(seed)
     cache = KVCache(model.cfg.n_layers)
     tokens = torch.tensor([prompt_ids], device=device)
@@ -40,7 +42,7 @@ def generate(model: Llama, prompt_ids: list[int], max_new_tokens: int, temperatu
     return out
 
 
-def sample_text(model: Llama, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
+def sample_text(model: Llama | Pipeline, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
                 top_k: int = 40, seed: int = 0) -> str:
     """The prompt followed by a sampled continuation (without the end-of-text token)."""
     ids = generate(model, tokenizer.encode(prompt), max_new_tokens, temperature, top_k, seed, tokenizer.eot)

@@ -2,7 +2,8 @@
 
 Ranks vary fastest along tp, then cp, dp_shard, dp_replicate, pp (DESIGN.md, "The mesh").
 Expert parallel borrows ranks: an ep group is `ep` consecutive members of the flattened
-(dp_shard, cp) index; edp is the rest of (dp_replicate, dp_shard, cp).
+(dp_shard, cp) index; edp is the rest of (dp_replicate, dp_shard, cp). pp_ends joins the first and last
+pipeline ranks (a tied embedding and head), every other rank alone.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ GROUP_DIMS = {
     "loss": ("dp_replicate", "dp_shard", "cp"),
     "world": ORDER,
 }
-GROUP_NAMES = tuple(GROUP_DIMS) + ("ep", "edp")
+GROUP_NAMES = tuple(GROUP_DIMS) + ("ep", "edp", "pp_ends")
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,11 @@ class ParallelDims:
         c = self.coords(rank)
         if name in ("ep", "edp"):
             return tuple(r for r in range(self.world_size) if self._same_expert_group(name, c, self.coords(r)))
+        if name == "pp_ends":
+            ends = {0, self.pp - 1}
+            if c["pp"] not in ends:
+                return (rank,)
+            return tuple(r for r in self.group_ranks("pp", rank) if self.coords(r)["pp"] in ends)
         if name not in GROUP_DIMS:
             raise KeyError(f"unknown group '{name}'; groups are {', '.join(GROUP_NAMES)}")
         vary = GROUP_DIMS[name]

@@ -48,7 +48,8 @@ class AdamW:
         return self.opt.state[view]
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Optimizer state by global parameter name, at full shapes (a collective under ZeRO and TP)."""
+        """Optimizer state by global parameter name, at full shapes, on the first rank of the pp group (a
+        collective under ZeRO, TP and PP)."""
         out = {}
         for key in ("exp_avg", "exp_avg_sq"):
             pieces = {}
@@ -59,7 +60,7 @@ class AdamW:
                 full = self.sharded.gather(unit, shard)
                 pieces.update({f"{n}.{key}": t for n, t in unit.views(full).items()})
             out.update(self.sharded.join(pieces, f".{key}"))
-        return out
+        return self.sharded.over_stages(out)
 
     @torch.no_grad()
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], step_count: int) -> None:

@@ -16,9 +16,12 @@ from .config import DTYPES, Config, ConfigError, check_available
 from .data import BatchLoader, eval_batches, load_data
 from .logs import RunLog
 from .mesh import ParallelContext
-from .model.llama import Llama, init_weights, no_decay
+from .model.llama import Llama, full_shapes, init_weights, no_decay
 from .optim import AdamW, clip_grad_norm, learning_rate
 from .parallel.context import ContextParallel
+from .parallel.pipeline import schedules
+from .parallel.pipeline.runtime import Pipeline
+from .parallel.pipeline.stages import split_stages
 from .parallel.sharding import Sharded
 from .parallel.tensor import IGNORE_INDEX, TensorParallel
 from .trace import Tracer, draw_timeline, write_chrome_trace
@@ -42,10 +45,14 @@ class Trainer:
         p = cfg.parallel
         tp = TensorParallel(self.comm, p.sequence_parallel)
         self.cp = ContextParallel(self.comm, p.cp_mode, p.cp_zigzag)
-        self.model = Llama(cfg.model, tp, self.cp).to(ctx.device)
+        stages = split_stages(cfg.model, p.pp * p.pp_virtual_stages, t.seq_len)
+        schedule = schedules.build(p.pp_schedule, p.pp, p.pp_virtual_stages, t.micro_batches) if p.pp > 1 else None
+        mine = [s for s in stages if schedule is None or schedule.placement[s.index] == ctx.rank_in("pp")]
+        self.model = Llama(cfg.model, tp, self.cp, mine).to(ctx.device)
         init_weights(self.model, t.seed)
-        self.sharded = Sharded(self.model, self.comm, cfg.parallel.zero, cfg.parallel.reshard_after_forward,
+        self.sharded = Sharded(self.model, self.comm, p.zero, p.reshard,
                                getattr(torch, DTYPES[t.precision]), getattr(torch, DTYPES[t.grad_reduce]))
+        self.pipeline = Pipeline(self.model, schedule, self.comm, self.sharded, self.tracer) if schedule else None
         self.optim = AdamW(self.sharded, t, no_decay)
         self.loader = BatchLoader(self.data.train, t.seq_len, t.global_batch, t.seed,
                                   ctx.batch_index, ctx.size("batch"))
@@ -82,16 +89,19 @@ class Trainer:
             micro = [self._local(x, y) for x, y in self.loader.micro_batches(self.step, t.micro_batches)]
         local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)
         (global_tokens,) = self.comm.sum_scalars([local_tokens], "loss")
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        for i, (x, y) in enumerate(micro):
-            self.sharded.sync = i == len(micro) - 1
-            with self.tracer.span(f"F{i}", "compute", mb=i):
-                loss = self.model.loss_sum(x, y) / global_tokens
-            with self.tracer.span(f"B{i}", "compute", mb=i):
-                loss.backward()
-            loss_sum += loss.detach()
+        if self.pipeline:
+            loss_sum = self.pipeline.step(micro, global_tokens)
+        else:
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+            for i, (x, y) in enumerate(micro):
+                self.sharded.sync = i == len(micro) - 1
+                with self.tracer.span(f"F{i}", "compute", mb=i):
+                    loss = self.model.loss_sum(x, y) / global_tokens
+                with self.tracer.span(f"B{i}", "compute", mb=i):
+                    loss.backward()
+                loss_sum += loss.detach()
         self.sharded.finish()
-        (loss_value,) = self.comm.sum_scalars([float(loss_sum)], "loss")
+        loss_value = self._total(float(loss_sum))
         if not math.isfinite(loss_value):
             raise TrainingError(f"loss is {loss_value} at step {self.step + 1}; weights were not updated. "
                                 f"Lower train.lr or check the data, then resume from the last checkpoint")
@@ -116,10 +126,17 @@ class Trainer:
         total = count = 0.0
         for x, y in batches:
             x, y = self._local(x, y)
-            total += float(self.model.loss_sum(x, y))
+            total += self.pipeline.forward(x, y) if self.pipeline else float(self.model.loss_sum(x, y))
             count += int((y != IGNORE_INDEX).sum())
         total, count = self.comm.sum_scalars([total, count], "loss")
         return total / count
+
+    def _total(self, loss: float) -> float:
+        """A step's loss from this rank's part: summed over the loss group, and from the last pipeline stage."""
+        (loss,) = self.comm.sum_scalars([loss], "loss")
+        if self.pipeline:
+            (loss,) = self.comm.sum_scalars([loss], "pp")
+        return loss
 
     # checkpoints ------------------------------------------------------------------------------
     def save(self) -> Path:
@@ -139,15 +156,14 @@ class Trainer:
     def load(self, where: str) -> None:
         path = ckpt.find_checkpoint(where)
         meta = ckpt.read_meta(path)
-        splits = self.model.splits()
-        shapes = {n: splits[n].full_shape(p.shape) for n, p in self.model.named_parameters()}
+        shapes = full_shapes(self.cfg.model)
         tensors = ckpt.read_tensors(path, "model.safetensors")
         ckpt.check_shapes(shapes, tensors, str(path / "model.safetensors"))
         self.sharded.load_weights(tensors)
         if "optim.safetensors" in meta["files"]:
             state = ckpt.read_tensors(path, "optim.safetensors")
-            ckpt.check_shapes({n: t.shape for n, t in self.optim.state_tensors().items()}, state,
-                              str(path / "optim.safetensors"))
+            ckpt.check_shapes({f"{n}.{k}": s for n, s in shapes.items() for k in ("exp_avg", "exp_avg_sq")},
+                              state, str(path / "optim.safetensors"))
             self.optim.load_state_tensors(state, meta["optimizer_steps"])
             self.loader.load_state_dict(meta["loader"])
             self.step = meta["step"]
@@ -182,7 +198,7 @@ class Trainer:
 
     def sample(self) -> str:
         from .generate import sample_text
-        return sample_text(self.model, self.data.tokenizer, self.cfg.log.sample_prompt, self.cfg.log.sample_tokens,
+        return sample_text(self.pipeline or self.model, self.data.tokenizer, self.cfg.log.sample_prompt, self.cfg.log.sample_tokens,
                            seed=self.cfg.train.seed)
 
     def _write_trace(self, log: RunLog) -> None:

@@ -74,7 +74,7 @@ def test_shipped_configs_load():
 
 
 def test_dimensions_not_in_this_version_are_refused_at_run_time():
-    for overrides, message in ((["parallel.pp=2"], "issue #6"),
+    for overrides, message in ((["parallel.dp_shard=2", "parallel.ep=2", "model.moe_experts=8"], "issue #7"),
                                (["model.moe_experts=8"], "issue #7")):
         cfg = load_config(None, overrides)
         with pytest.raises(ConfigError, match=message):

@@ -1,4 +1,4 @@
-"""Data-parallel, ZeRO, tensor- and context-parallel layouts reproduce the single-process run (losses and final weights, fp32); bf16 learns."""
+"""Data-parallel, ZeRO, tensor-, context- and pipeline-parallel layouts reproduce the single-process run (losses and final weights, fp32); bf16 learns."""
 import pytest
 
 from sixfold.config import load_config
@@ -39,6 +39,23 @@ LAYOUTS["cp2xtp2-ulysses-tied"] = ["parallel.cp=2", "parallel.tp=2", "parallel.c
 LAYOUTS["cp2xdp_shard2-zero3"] = ["parallel.cp=2", "parallel.dp_shard=2", "parallel.zero=3", *ACCUM]
 LAYOUTS["dp_shard4-zero3-keep-gathered"] = ["parallel.dp_shard=4", "parallel.zero=3",
                                             "parallel.reshard_after_forward=false", *ACCUM]
+
+VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "breadth-first": 2, "zb-h1": 1, "zb-v": 2}
+for pp, layers, micro in ((2, 4, 4), (4, 6, 8)):
+    for schedule, v in VIRTUAL.items():
+        LAYOUTS[f"pp{pp}-{schedule}"] = [f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}",
+                                         f"parallel.pp_virtual_stages={v}", f"model.n_layers={layers}",
+                                         f"train.micro_batches={micro}"]
+LAYOUTS["pp2xdp_shard2-zero1"] = ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero=1", *ACCUM]
+LAYOUTS["pp2xdp_shard2-zero3-zb-h1"] = ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero=3",
+                                        "parallel.pp_schedule=zb-h1", *ACCUM]
+LAYOUTS["pp2xtp2"] = ["parallel.pp=2", "parallel.tp=2", *ACCUM]
+LAYOUTS["pp2xcp2"] = ["parallel.pp=2", "parallel.cp=2", *ACCUM]
+LAYOUTS["pp2-tied"] = ["parallel.pp=2", "model.tie_embeddings=true", *ACCUM]
+LAYOUTS["pp2-interleaved-tied"] = ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2",
+                                   "model.n_layers=4", "model.tie_embeddings=true", "train.micro_batches=4"]
+LAYOUTS["pp2-zb-v-tied-xtp2"] = ["parallel.pp=2", "parallel.pp_schedule=zb-v", "parallel.pp_virtual_stages=2",
+                                 "parallel.tp=2", "model.tie_embeddings=true", "train.micro_batches=4"]
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

@@ -47,7 +47,7 @@ def test_deferred_weight_gradients_equal_immediate_ones_in_one_process():
     model.zero_grad(set_to_none=True)
     model.tp.weight_grads.defer = True
     model.loss_sum(x, x).backward()
-    assert model.layers[0].attn.wq.weight.grad is None and model.norm.weight.grad is not None
+    assert model.layers["0"].attn.wq.weight.grad is None and model.norm.weight.grad is not None
     model.tp.weight_grads.run()
     for n, p in model.named_parameters():
         # autograd's own linear against ours: equal to round-off

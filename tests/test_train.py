@@ -35,6 +35,7 @@ def test_run_outputs(tmp_path):
 
 
 @pytest.mark.parametrize("layout", [["parallel.dp_replicate=2"], ["parallel.dp_shard=2", "parallel.zero=3"],
+                                    ["parallel.pp=2", "parallel.pp_schedule=zb-v", "parallel.pp_virtual_stages=2"],
                                     ["parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3"]])
 def test_resume_is_bit_exact(tmp_path, layout):
     """Resuming from step 3 in the same layout gives exactly the losses of the uninterrupted run."""
@@ -51,14 +52,18 @@ def test_resume_is_bit_exact(tmp_path, layout):
     assert [m["grad_norm"] for m in a] == [m["grad_norm"] for m in b]
 
 
-@pytest.mark.parametrize("saved,resumed", [
-    (["parallel.dp_shard=4", "parallel.zero=3"], []),
-    (["parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3"], ["parallel.tp=4", "parallel.sequence_parallel=false"]),
+@pytest.mark.parametrize("saved,resumed,model", [
+    (["parallel.dp_shard=4", "parallel.zero=3"], [], []),
+    (["parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3"], ["parallel.tp=4", "parallel.sequence_parallel=false"],
+     []),
+    (["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero=3"],
+     ["parallel.pp=4", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2", "train.micro_batches=4"],
+     ["model.n_layers=6", "model.tie_embeddings=true"]),
 ])
-def test_checkpoint_moves_across_layouts(tmp_path, saved, resumed):
+def test_checkpoint_moves_across_layouts(tmp_path, saved, resumed, model):
     """Saved in one layout, resumed in another: the rest matches the uninterrupted single-process run."""
     sharded, moved, reference = tmp_path / "sharded", tmp_path / "moved", tmp_path / "reference"
-    common = ["train.steps=6"]
+    common = ["train.steps=6", *model]
     assert _train(sharded, *common, *saved, "checkpoint.every=3").returncode == 0
     proc = _train(moved, *common, *resumed, f"checkpoint.resume={sharded / 'checkpoints' / 'step_0000003'}")
     assert proc.returncode == 0, proc.stderr[-3000:]

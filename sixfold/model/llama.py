@@ -14,6 +14,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..parallel.context import ContextParallel
+from ..parallel.pipeline.stages import Stage, whole
 from ..parallel.tensor import (Linear, Split, TensorParallel, VocabEmbedding, cross_entropy, gather_vocab,
                                linear)
 
@@ -137,58 +138,92 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """The model on one tp rank (the whole model when tp is 1); parameters keep their global names.
+    """The stages of the model that one rank holds (by default the whole model), its tp piece of each;
+    parameters keep their global names.
 
     Under context parallelism the tokens given are this rank's cp shard of each sequence (except with a KV
     cache: generation runs whole sequences on every rank).
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None, cp: ContextParallel | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None, cp: ContextParallel | None = None,
+                 stages: list[Stage] | None = None):
         super().__init__()
         self.cfg = cfg
         self.tp = tp = tp or TensorParallel()
         self.cp = cp = cp or ContextParallel()
-        self.embed = VocabEmbedding(tp, cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, i, tp, cp) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, tp.split(0, cfg.dim, parts=1, partial_grad=tp.sequence))
-        self.head = None if cfg.tie_embeddings else Linear(tp, cfg.dim, cfg.vocab_size, "column",
-                                                           tp.split(0, cfg.vocab_size, pad=True))
+        self.stages = stages or [whole(cfg)]
+        lookup, head = any(s.embed for s in self.stages), any(s.head for s in self.stages)
+        # a tied head reads the embedding's rows, so the last stage holds them too
+        self.embed = VocabEmbedding(tp, cfg.vocab_size, cfg.dim) if lookup or (head and cfg.tie_embeddings) else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, tp, cp) for s in self.stages for i in s.layers})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, tp.split(0, cfg.dim, parts=1, partial_grad=tp.sequence)) \
+            if head else None
+        self.head = Linear(tp, cfg.dim, cfg.vocab_size, "column", tp.split(0, cfg.vocab_size, pad=True)) \
+            if head and not cfg.tie_embeddings else None
+        # the tied embedding is held for one use only (lookup or head): its gradient is summed over the pp ends
+        self.tied_across_stages = cfg.tie_embeddings and lookup != head
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
 
     def splits(self) -> dict[str, Split]:
         """Every parameter's global name -> how this rank's tensor is cut from the full one."""
         return {f"{name}.weight": m.split for name, m in self.named_modules() if hasattr(m, "split")}
 
-    def local_logits(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Logits [b*s, this rank's vocab piece] for tokens [b, s] (positions continue the cache, if any)."""
-        b, s = tokens.shape
+    def tokens(self, b: int, s: int, device: torch.device, cache: KVCache | None = None) -> Tokens:
+        """The description of a forward of tokens [b, s] (positions continue the cache, if any)."""
         context = self.cp.size > 1 and cache is None
         if context:
-            positions = self.cp.positions(s, tokens.device)
+            positions = self.cp.positions(s, device)
         else:
             start = cache.length if cache is not None else 0
-            positions = torch.arange(start, start + s, device=tokens.device)
+            positions = torch.arange(start, start + s, device=device)
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        sp = self.tp.uses_sequence(b * s)
-        t = Tokens((b, s), cos, sin, sp, context, cache)
-        x = self.embed(tokens.flatten(), sp)
-        for block in self.layers:
-            x = block(x, t)
-        if cache is not None:
-            cache.length += s
+        return Tokens((b, s), cos, sin, self.tp.uses_sequence(b * s), context, cache)
+
+    def run(self, stage: Stage, x: torch.Tensor, t: Tokens) -> torch.Tensor:
+        """One stage's forward: token ids [b, s] into the first stage, the hidden state [tokens, dim] into the
+        others; out comes the hidden state, or from the last stage this rank's logits [b*s, vocab piece]."""
+        if stage.embed:
+            x = self.embed(x.flatten(), t.sequence_tp)
+        for i in stage.layers:
+            x = self.layers[str(i)](x, t)
+        if not stage.head:
+            return x
         x = self.norm(x)
         head = self.embed if self.head is None else self.head
-        (logits,) = linear(self.tp, x, [head.weight], "column", sp)
+        (logits,) = linear(self.tp, x, [head.weight], "column", t.sequence_tp)
         return logits
 
+    def local_logits(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits [b*s, this rank's vocab piece] for tokens [b, s], through the whole model."""
+        logits = self.run(whole(self.cfg), tokens, self.tokens(*tokens.shape, tokens.device, cache))
+        if cache is not None:
+            cache.length += tokens.shape[1]
+        return logits
+
+    def full_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """Full logits from this rank's vocab piece (gathered over tp, without gradient there)."""
+        return gather_vocab(self.tp, local, self.cfg.vocab_size)
+
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Full logits [b, s, vocab] (gathered over tp, without gradient there)."""
-        logits = gather_vocab(self.tp, self.local_logits(tokens, cache), self.cfg.vocab_size)
-        return logits.view(*tokens.shape, -1)
+        """Full logits [b, s, vocab]."""
+        return self.full_logits(self.local_logits(tokens, cache)).view(*tokens.shape, -1)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Sum of token cross-entropies in fp32 (labels equal to IGNORE_INDEX count for nothing)."""
+        split = (self.head or self.embed).split  # this rank's vocabulary rows
+        return cross_entropy(self.tp, logits, labels.flatten(), split.index * split.size, self.cfg.vocab_size)
 
     def loss_sum(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Sum of token cross-entropies in fp32 (labels equal to IGNORE_INDEX count for nothing)."""
-        return cross_entropy(self.tp, self.local_logits(tokens), labels.flatten(), self.embed.first,
-                             self.cfg.vocab_size)
+        return self.loss(self.local_logits(tokens), labels)
+
+
+def full_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
+    """Every parameter's global name and full shape (no memory is allocated)."""
+    with torch.device("meta"):
+        return {n: p.shape for n, p in Llama(cfg).named_parameters()}
 
 
 def param_seed(seed: int, name: str) -> int:

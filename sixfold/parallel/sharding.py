@@ -100,9 +100,12 @@ class Unit:
 
 
 def build_units(model: nn.Module, shards: int, rank: int, dtype: torch.dtype) -> list[Unit]:
-    """The embedding, each block, and the final norm with the head (a tied head adds no parameter)."""
+    """The embedding, each block, and the final norm with the head (a tied head adds no parameter): those of
+    them that this rank's pipeline stages hold."""
     names = {id(p): n for n, p in model.named_parameters()}
-    groups = [[model.embed], *[[b] for b in model.layers], [model.norm] + ([model.head] if model.head is not None else [])]
+    groups = [[m] for m in [model.embed, *model.layers.values()] if m is not None]
+    if model.norm is not None:
+        groups.append([model.norm] + ([model.head] if model.head is not None else []))
     units = []
     for i, modules in enumerate(groups):
         named = [(names[id(p)], p) for m in modules for p in m.parameters() if id(p) in names]
@@ -140,6 +143,9 @@ class Sharded:
         self.sync = False
         self._next = len(self.units) - 1
         self.tp, self.splits = model.tp, model.splits()
+        self.tied_across_stages = model.tied_across_stages
+        # this rank holds the tied embedding for the head only: a copy of the first stage's
+        self.embed_copy = model.tied_across_stages and model.norm is not None
         unit_of = {id(p): u for u in self.units for p in u.params}
         model.tp.weight_grads.on_grad = lambda p: self._on_grad(unit_of[id(p)])
         tied = model.head is None
@@ -150,7 +156,7 @@ class Sharded:
                 unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self._grad_buffer(u))
             if self.zero == 3:
                 # the last unit's backward follows its forward at once; a tied embedding serves the head too
-                last, tied_embedding = unit.index == len(self.units) - 1, tied and unit.index == 0
+                last, tied_embedding = unit.index == len(self.units) - 1, tied and unit.modules[0] is model.embed
                 unit.keep_gathered = not reshard_after_forward or last or tied_embedding
                 unit.backward_reads_weights = not all(isinstance(m, VocabEmbedding) for m in unit.modules)
                 unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self.before_forward(u))
@@ -168,6 +174,19 @@ class Sharded:
         if unit.gather is not None:
             unit.gather.wait()
             unit.gather = None
+
+    def gather_all(self) -> None:
+        """ZeRO-3: every unit's weights gathered now (pipelining keeps them for the step)."""
+        if self.zero == 3:
+            for unit in self.units:
+                self._start_gather(unit)
+            for unit in self.units:
+                self._wait_gather(unit)
+
+    def alloc_grads(self) -> None:
+        """ZeRO-2/3: every unit's gradient buffer ready now (pipelining: for the step)."""
+        for unit in self.units:
+            self._grad_buffer(unit)
 
     def before_forward(self, unit: Unit) -> None:
         self._wait_gather(unit)
@@ -202,11 +221,12 @@ class Sharded:
         if self.sync:
             unit.done = True
             while self._next >= 0 and self.units[self._next].done:
-                self._launch(self.units[self._next])
+                self.launch(self.units[self._next])
                 self._next -= 1
 
-    def _launch(self, unit: Unit) -> None:
-        """Start the unit's reduction (in reduce_dtype); backward's unit order on every rank."""
+    def launch(self, unit: Unit) -> None:
+        """Start the unit's reduction (in reduce_dtype), once its gradients for the step are complete; in the
+        same unit order on every rank of the group."""
         if self.zero:
             src = unit.grad if unit.grad.dtype == self.reduce_dtype else unit.grad.to(self.reduce_dtype)
             out = unit.grad_shard if self.reduce_dtype == unit.grad_shard.dtype else \
@@ -222,9 +242,9 @@ class Sharded:
 
     def finish(self) -> None:
         """After the last micro-batch's backward: reduce what has not started, wait, then across replicas."""
-        while self._next >= 0:
-            self._launch(self.units[self._next])
-            self._next -= 1
+        for unit in reversed(self.units):
+            if unit.reduced is None:
+                self.launch(unit)
         for unit in self.units:
             if unit.reduce is not None:
                 unit.reduce.wait()
@@ -234,6 +254,8 @@ class Sharded:
         if self.replicas > 1:
             for p in [self.comm.all_reduce(u.grad_shard, "dp_replicate", async_op=True) for u in self.units]:
                 p.wait()
+        if self.tied_across_stages:
+            self.comm.all_reduce(self.units[0].grad_shard, "pp_ends", label="tied embedding")
         self._sum_partial_grads()
         for unit in self.units:
             if self.zero >= 2:
@@ -267,9 +289,10 @@ class Sharded:
     def grad_norm_sq(self) -> float:
         """Squared L2 norm of the reduced gradients: fp32 per shard, summed in fp64 over fsdp and tp.
 
-        A piece replicated on several tp ranks counts once: each replica adds its share.
+        A piece replicated on several tp ranks counts once: each replica adds its share; so does a tied
+        embedding held by the first and last pipeline stages.
         """
-        local = sum(float(u.grad_shard.norm()) ** 2 for u in self.units)
+        local = sum(float(u.grad_shard.norm()) ** 2 for u in self.units[1 if self.embed_copy else 0:])
         for u in self.units:
             for n, a, b in u.segments():
                 split = self.splits[n]
@@ -277,8 +300,9 @@ class Sharded:
                     local -= (1 - split.parts / self.tp.size) * float(u.grad_shard[a:b].norm()) ** 2
         if self.zero:
             (local,) = self.comm.sum_scalars([local], "fsdp")
-        if self.tp.size > 1:
-            (local,) = self.comm.sum_scalars([local], "tp")
+        for group in ("tp", "pp"):
+            if self.comm.ctx.size(group) > 1:
+                (local,) = self.comm.sum_scalars([local], group)
         return local
 
     def scale_grads(self, coef: float) -> None:
@@ -323,12 +347,20 @@ class Sharded:
         """This tp rank's pieces of full tensors named `name + suffix`, keyed by parameter name."""
         return {n: self.splits[n].local(tensors[n + suffix]) for n in self.splits}
 
+    def over_stages(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every pipeline stage's tensors, on the first rank of the pp group (a collective over pp)."""
+        out = {}
+        for part in self.comm.gather_objects(tensors, "pp"):
+            out.update(part)
+        return out
+
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """Every parameter by global name at its full shape (a collective under ZeRO and TP)."""
+        """Every parameter by global name at its full shape, on the first rank of the pp group (a collective
+        under ZeRO, TP and PP)."""
         out = {}
         for u in self.units:
             out.update(u.views(self.gather(u, u.master)))
-        return self.join(out)
+        return self.over_stages(self.join(out))
 
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:

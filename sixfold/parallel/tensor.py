@@ -77,8 +77,15 @@ class WeightGrads:
         self.pending: list = []
         self.on_grad = None
 
-    def run(self) -> None:
-        for weight, compute in self.pending:
+    def take(self) -> list:
+        """The queued work, which run() performs later; the queue is left empty."""
+        work, self.pending = self.pending, []
+        return work
+
+    @torch.no_grad()
+    def run(self, work: list | None = None) -> None:
+        """Perform `work` (by default everything queued)."""
+        for weight, compute in self.take() if work is None else work:
             grad = compute()
             if weight.grad is None:
                 weight.grad = grad
@@ -86,7 +93,6 @@ class WeightGrads:
                 weight.grad.add_(grad)
             if self.on_grad is not None:
                 self.on_grad(weight)
-        self.pending.clear()
 
 
 class TensorParallel:

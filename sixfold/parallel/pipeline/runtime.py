@@ -1,0 +1,167 @@
+"""Runs a pipeline schedule on this rank: the forwards, backwards and deferred weight gradients of the stages it
+holds, in the schedule's order, with activations and their gradients passed between ranks.
+
+Each run of sends and receives between two computes is posted as one batch_isend_irecv and completed before
+the next compute (the simulator proves every schedule deadlock-free so). Shapes are known ahead: every
+micro-batch has the same [tokens, dim] hidden state (this rank's cp and sequence-TP part), so no metadata
+travels. A stage's gradient reduction starts right after its last backward or weight-gradient action of the
+step; with ZeRO-3 the weights are gathered once per step.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from ...comm import Comm
+from ...trace import Tracer
+from ..sharding import Sharded
+from .schedules import B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Schedule
+
+
+class Pipeline:
+    def __init__(self, model, schedule: Schedule, comm: Comm, sharded: Sharded, tracer: Tracer):
+        self.model, self.schedule, self.comm, self.sharded, self.tracer = model, schedule, comm, sharded, tracer
+        self.rank = comm.ctx.rank_in("pp")
+        self.place = schedule.placement
+        self.stages = {s.index: s for s in model.stages}
+        self.last = schedule.stages - 1
+        self.actions = schedule.ranks[self.rank]
+        self.split = {(a.stage, a.micro) for a in self.actions if a.kind == W}
+        self.launch_after = self._launch_points()
+        self.peak_in_flight = 0  # in the last step: most (stage, micro) pairs whose saved activations were alive
+
+    @property
+    def cfg(self):
+        return self.model.cfg
+
+    @property
+    def device(self) -> torch.device:
+        return self.comm.ctx.device
+
+    def __call__(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
+        return self.forward(tokens, cache=cache)
+
+    def _launch_points(self) -> dict[int, list]:
+        """Action index -> the units whose gradients for the step are complete after it."""
+        model, finals = self.model, {}
+        for i, a in enumerate(self.actions):
+            if a.kind in (B, W):
+                finals[a.stage] = i
+        out = defaultdict(list)
+        for unit in self.sharded.units:
+            m = unit.modules[0]
+            if m is model.embed:
+                touching = [s for s in self.stages.values() if s.embed or (s.head and model.head is None)]
+            elif m is model.norm:
+                touching = [s for s in self.stages.values() if s.head]
+            else:
+                touching = [s for s in self.stages.values() if m.attn.layer in s.layers]
+            out[max(finals[s.index] for s in touching)].append(unit)
+        return out
+
+    def _hidden(self, t) -> torch.Tensor:
+        """An empty buffer for one micro-batch's hidden state (or its gradient) on this rank."""
+        b, s = t.shape
+        tokens = b * s // self.model.tp.size if t.sequence_tp else b * s
+        return torch.empty(tokens, self.model.cfg.dim, dtype=self.sharded.units[0].full.dtype,
+                           device=self.comm.ctx.device)
+
+    def _exchange(self, batch: list, t, outbox: dict, inputs: dict, grads: dict) -> None:
+        """Post a run of sends and receives as one batch and complete it."""
+        if not batch:
+            return
+        sends, recvs, landed = [], [], []
+        for a in batch:
+            key, peer = (a.stage, a.micro), self.schedule.peer(a)
+            if a.kind in (SEND_F, SEND_B):
+                sends.append((outbox.pop((a.kind, *key)), peer))
+            else:
+                buf = self._hidden(t)
+                recvs.append((buf, peer))
+                landed.append((a.kind, key, buf))
+        self.comm.exchange(sends, recvs, "pp", label=" ".join(map(repr, batch))).wait()
+        for kind, key, buf in landed:
+            if kind == RECV_F:
+                inputs[key] = buf.requires_grad_()
+            else:
+                grads[key] = buf
+
+    def step(self, micro: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+        """Forward and backward of every micro-batch (tokens, labels) by the schedule; the losses are divided
+        by `scale`. Returns this rank's summed loss (zero off the last stage)."""
+        self.sharded.gather_all()
+        self.sharded.alloc_grads()
+        model, wg = self.model, self.model.tp.weight_grads
+        t = model.tokens(*micro[0][0].shape, micro[0][0].device)
+        inputs, outputs, grads, outbox, deferred = {}, {}, {}, {}, {}
+        self.peak_in_flight = 0
+        loss = torch.zeros((), dtype=torch.float64, device=self.comm.ctx.device)
+        batch = []
+        for i, a in enumerate(self.actions):
+            if a.kind not in COMPUTE:
+                batch.append(a)
+                continue
+            self._exchange(batch, t, outbox, inputs, grads)
+            batch = []
+            s, m = key = (a.stage, a.micro)
+            stage = self.stages[s]
+            with self.tracer.span(f"{a.kind}{m}", "compute", mb=m, stage=s):
+                if a.kind == F:
+                    out = model.run(stage, micro[m][0] if stage.embed else inputs[key], t)
+                    if stage.head:
+                        out = model.loss(out, micro[m][1]) / scale
+                        loss += out.detach()
+                    elif self.place[s + 1] == self.rank:
+                        inputs[s + 1, m] = out.detach().requires_grad_()
+                    else:
+                        outbox[SEND_F, s, m] = out.detach()
+                    outputs[key] = out
+                    self.peak_in_flight = max(self.peak_in_flight, len(outputs) + len(deferred))
+                elif a.kind == B:
+                    wg.defer = key in self.split
+                    out = outputs.pop(key)
+                    out.backward(None if stage.head else grads.pop(key))
+                    wg.defer = False
+                    if key in self.split:
+                        deferred[key] = wg.take()
+                    if not stage.embed:
+                        grad = inputs.pop(key).grad
+                        if self.place[s - 1] == self.rank:
+                            grads[s - 1, m] = grad
+                        else:
+                            outbox[SEND_B, s, m] = grad
+                else:
+                    wg.run(deferred.pop(key))
+            for unit in self.launch_after.get(i, []):
+                self.sharded.launch(unit)
+        self._exchange(batch, t, outbox, inputs, grads)
+        return loss
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, cache=None):
+        """One batch through every stage in order, on every pp rank: with labels the loss sum (a float),
+        else the full logits [b, s, vocab]."""
+        self.sharded.gather_all()
+        model = self.model
+        t = model.tokens(*tokens.shape, tokens.device, cache)
+        x = None
+        for s in range(self.last + 1):
+            if self.place[s] != self.rank:
+                continue
+            if s > 0 and self.place[s - 1] != self.rank:
+                x = self._hidden(t)
+                self.comm.exchange([], [(x, self.place[s - 1])], "pp", label="forward").wait()
+            x = model.run(self.stages[s], tokens if s == 0 else x, t)
+            if s < self.last and self.place[s + 1] != self.rank:
+                self.comm.exchange([(x, self.place[s + 1])], [], "pp", label="forward").wait()
+        if cache is not None:
+            cache.length += tokens.shape[1]
+        owner = self.place[self.last] == self.rank
+        if labels is not None:
+            (total,) = self.comm.sum_scalars([float(model.loss(x, labels)) if owner else 0.0], "pp")
+            return total
+        logits = model.full_logits(x).float().view(*tokens.shape, -1) if owner else \
+            torch.empty(*tokens.shape, model.cfg.vocab_size, device=tokens.device)
+        self.comm.broadcast(logits, "pp", self.place[self.last])
+        return logits

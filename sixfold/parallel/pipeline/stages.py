@@ -1,0 +1,65 @@
+"""The model's layers cut into pipeline stages: the embedding, the blocks, and the final norm with the head,
+in contiguous runs balanced by their compute (forward FLOPs per token, the embedding and head included)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+from ...config import ConfigError, ModelConfig
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    layers: range  # global block indices
+    embed: bool  # the first stage: looks the tokens up
+    head: bool  # the last stage: final norm, head and loss
+
+
+def whole(cfg: ModelConfig) -> Stage:
+    """The whole model as one stage."""
+    return Stage(0, range(cfg.n_layers), True, True)
+
+
+def layer_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
+    """Forward FLOPs per token of the embedding, each block, and the head (norm, logits, cross-entropy)."""
+    d, hd = cfg.dim, cfg.head_dim
+    matmuls = 2 * (d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.ffn_dim)
+    attention = 2 * cfg.n_heads * hd * seq_len  # scores and weighted values over half the sequence (causal)
+    return [2.0 * d] + [float(matmuls + attention)] * cfg.n_layers + [2.0 * d * cfg.vocab_size + 5.0 * cfg.vocab_size]
+
+
+def check_stages(cfg: ModelConfig, stages: int) -> None:
+    if stages > cfg.n_layers + 2:
+        raise ConfigError(
+            f"parallel.pp*parallel.pp_virtual_stages={stages} stages, but the model has only {cfg.n_layers + 2} "
+            f"pieces to place (embedding, {cfg.n_layers} blocks, head): lower parallel.pp or "
+            f"parallel.pp_virtual_stages, or raise model.n_layers to at least {stages - 2}")
+
+
+def split_stages(cfg: ModelConfig, n: int, seq_len: int) -> list[Stage]:
+    """n contiguous stages whose largest cost is the least possible."""
+    check_stages(cfg, n)
+    costs = layer_costs(cfg, seq_len)
+    prefix = list(accumulate([0.0] + costs))
+    items = len(costs)
+    # best[k][i]: the least largest cost of k stages over the first i pieces; cut[k][i]: where the last begins
+    best = [[float("inf")] * (items + 1) for _ in range(n + 1)]
+    cut = [[0] * (items + 1) for _ in range(n + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n + 1):
+        for i in range(k, items - (n - k) + 1):
+            for j in range(k - 1, i):
+                worst = max(best[k - 1][j], prefix[i] - prefix[j])
+                if worst < best[k][i]:
+                    best[k][i], cut[k][i] = worst, j
+    bounds, i = [items], items
+    for k in range(n, 0, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    bounds.reverse()
+    stages = []
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        # piece p is the embedding (0), block p - 1, or the head (items - 1)
+        stages.append(Stage(s, range(max(a, 1) - 1, min(b, items - 1) - 1), a == 0, b == items))
+    return stages

@@ -1,0 +1,52 @@
+"""Pipeline stages and runtime: the split of layers by cost, the runtime against one process and the simulator,
+bad settings. Schedules alone are in test_schedules.py; whole-run parity in test_parity.py."""
+import pytest
+
+from sixfold.config import ConfigError, ModelConfig, load_config
+from sixfold.parallel.pipeline.stages import layer_costs, split_stages
+from helpers import TINY, torchrun
+
+
+@pytest.mark.parametrize("layers,n", [(2, 2), (2, 4), (6, 8), (8, 2), (8, 3), (32, 8)])
+def test_stages_cover_the_model_in_order_and_are_balanced(layers, n):
+    cfg = ModelConfig(n_layers=layers)
+    stages = split_stages(cfg, n, 64)
+    assert [s.index for s in stages] == list(range(n))
+    assert stages[0].embed and stages[-1].head and not any(s.embed for s in stages[1:])
+    assert [i for s in stages for i in s.layers] == list(range(layers))
+    costs = layer_costs(cfg, 64)
+    loads = [costs[0] * s.embed + sum(costs[1 + i] for i in s.layers) + costs[-1] * s.head for s in stages]
+    # no single piece can move to a neighbour and lower the largest load
+    assert max(loads) <= sum(costs) / n + max(costs)
+
+
+def test_the_head_counts_in_the_split():
+    cfg = ModelConfig(n_layers=8, dim=64, vocab_size=32000)  # a head heavier than several blocks
+    first, second = split_stages(cfg, 2, 64)
+    assert len(first.layers) > len(second.layers)
+
+
+def test_too_many_stages_is_refused_naming_the_settings():
+    with pytest.raises(ConfigError, match="model.n_layers to at least 6"):
+        load_config(TINY, ["parallel.pp=4", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2",
+                           "train.micro_batches=4"])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.pp=2", "parallel.pp_schedule=zigzag"], "not one of"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2",
+      "train.micro_batches=3", "model.n_layers=4"], "multiple of"),
+    (["parallel.pp=2", "parallel.pp_schedule=zb-v"], "pp_virtual_stages=2"),
+    (["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero=3", "parallel.reshard_after_forward=true"],
+     "once per step"),
+])
+def test_bad_pipeline_settings_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, overrides)
+
+
+@pytest.mark.parametrize("pp,micro", [(2, 4), (4, 8)])
+def test_runtime_gradients_in_flight_and_bytes(pp, micro):
+    proc = torchrun("pipeline_runtime.py", pp, str(micro))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count(" OK") == 6 * pp

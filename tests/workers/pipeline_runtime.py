@@ -1,0 +1,58 @@
+"""Under torchrun with pp ranks, for each schedule: the runtime's gradients equal one process's, its peak of
+micro-batches in flight equals the simulator's, and the bytes it sends equal its SEND actions' payload.
+
+    torchrun --nproc-per-node PP pipeline_runtime.py MICRO_BATCHES
+"""
+import os
+import sys
+
+import torch
+
+from sixfold.comm import Comm
+from sixfold.config import ParallelConfig, load_config
+from sixfold.mesh import ParallelContext
+from sixfold.model.llama import Llama, init_weights
+from sixfold.parallel.context import ContextParallel
+from sixfold.parallel.pipeline import schedules
+from sixfold.parallel.pipeline.runtime import Pipeline
+from sixfold.parallel.pipeline.simulate import simulate
+from sixfold.parallel.pipeline.stages import split_stages
+from sixfold.parallel.sharding import Sharded
+from sixfold.parallel.tensor import TensorParallel
+from sixfold.trace import Tracer
+
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("breadth-first", 2), ("zb-h1", 1), ("zb-v", 2)]
+
+pp, m = int(os.environ["WORLD_SIZE"]), int(sys.argv[1])
+cfg = load_config("configs/tiny.yaml", ["model.n_layers=6", "model.tie_embeddings=true"]).model
+ctx = ParallelContext.initialize(ParallelConfig(pp=pp))
+rank = ctx.rank_in("pp")
+g = torch.Generator().manual_seed(5)
+micro = [(torch.randint(0, cfg.vocab_size, (2, 16), generator=g), torch.randint(0, cfg.vocab_size, (2, 16), generator=g))
+         for _ in range(m)]
+scale = sum(y.numel() for _, y in micro)
+
+reference = Llama(cfg)
+init_weights(reference, 3)
+sum(reference.loss_sum(x, y) for x, y in micro).div(scale).backward()
+expected = {n: p.grad for n, p in reference.named_parameters()}
+
+for name, v in CASES:
+    schedule = schedules.build(name, pp, v, m)
+    comm = Comm(ctx, Tracer(False, ctx.rank))
+    stages = [s for s in split_stages(cfg, pp * v, 16) if schedule.placement[s.index] == rank]
+    model = Llama(cfg, TensorParallel(comm), ContextParallel(comm), stages)
+    init_weights(model, 3)
+    sharded = Sharded(model, comm, 0)
+    pipeline = Pipeline(model, schedule, comm, sharded, comm.tracer)
+    pipeline.step(micro, scale)
+    sharded.finish()
+    for n, p in model.named_parameters():
+        err = (p.grad - expected[n]).norm() / expected[n].norm()
+        assert err < 1e-5, (name, n, float(err))
+    assert pipeline.peak_in_flight == simulate(schedule).ranks[rank].peak_in_flight, (name, pipeline.peak_in_flight)
+    hidden = 2 * 16 * cfg.dim * 4
+    sends = sum(a.kind in (schedules.SEND_F, schedules.SEND_B) for a in schedule.ranks[rank])
+    assert comm.ledger.total["pp", "send_recv"] == sends * hidden, (name, dict(comm.ledger.total))
+    print(f"rank {rank} {name}: in flight {pipeline.peak_in_flight}, sent {sends} OK", flush=True)
+ctx.close()
