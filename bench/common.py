@@ -154,10 +154,14 @@ def torch_worker(cfg, wrap, grads_to_none: bool, build=None, data_parallel: bool
 def worker(bench: Bench, args) -> None:
     from sixfold.config import load_config
 
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
     cfg = load_config(args.config, overrides(bench, world, args.steps, str(Path(args.out) / "run")))
-    result = sixfold_worker(cfg) if args.worker == "sixfold" else bench.worker(cfg)
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result))
+    save_result(args.out, sixfold_worker(cfg) if args.worker == "sixfold" else bench.worker(cfg))
+
+
+def save_result(out: str, result: dict) -> None:
+    """A worker's result, one file per rank, for torchrun() to collect."""
+    (Path(out) / f"rank{os.environ.get('RANK', 0)}.json").write_text(json.dumps(result))
 
 
 # ---- driver ----
@@ -190,22 +194,31 @@ def job_jiffies() -> int:
     return round((r.ru_utime + r.ru_stime) * 100)
 
 
-def launch(bench: Bench, side: str, world: int, args) -> dict:
-    """One torchrun job: rank 0's mean step time after warm-up, max peak memory over ranks, and the
-    cores other processes kept busy meanwhile (a sign of a shared, noisy machine)."""
-    wait_quiet()
+def torchrun(script: str, world: int, *args: str) -> tuple[list[dict], float]:
+    """One torchrun job of `script ARGS --out DIR` on `world` ranks (OMP_NUM_THREADS=1 each): every rank's
+    result, saved by its worker with save_result, and the cores other processes kept busy meanwhile (a sign
+    of a shared, noisy machine)."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               bench.script, "--worker", side, "--steps", str(args.steps), "--config", args.config, "--out", out]
+               str(script), *args, "--out", out]
         busy, mine, began = busy_jiffies(), job_jiffies(), time.perf_counter()
         proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True, capture_output=True)
         others = ((busy_jiffies() - busy) - (job_jiffies() - mine)) / 100 / (time.perf_counter() - began)
         if proc.returncode:
-            sys.exit(f"{side} on {world} ranks failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-        ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world)]
+            sys.exit(f"{Path(script).name} {' '.join(args)} on {world} ranks failed:\n"
+                     f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world)], max(others, 0.0)
+
+
+def launch(bench: Bench, side: str, world: int, args) -> dict:
+    """One torchrun job: rank 0's mean step time after warm-up, max peak memory over ranks, and the
+    cores other processes kept busy meanwhile."""
+    wait_quiet()
+    ranks, others = torchrun(bench.script, world, "--worker", side, "--steps", str(args.steps), "--config",
+                             args.config)
     first = ranks[0]
     return {"step_s": statistics.mean(first["step_s"][WARMUP:]), "peak_mb": max(r["peak_mb"] for r in ranks),
-            "loss": first["loss"], "others": max(others, 0.0)}
+            "loss": first["loss"], "others": others}
 
 
 def measure(bench: Bench, side: str, world: int, args) -> dict:

@@ -1,5 +1,7 @@
 """Context parallelism's attention against plain attention on the whole sequence, and its balance.
 Parity of whole runs is in test_parity.py."""
+import json
+
 import pytest
 
 from sixfold.parallel.context import ContextParallel, _pairs
@@ -33,3 +35,16 @@ def test_zigzag_balances_the_causal_work_and_contiguous_does_not(size):
     contiguous = [ring_work(size, r, False) for r in range(size)]
     assert max(zigzag) - min(zigzag) < 1e-12 and abs(sum(zigzag) - 0.5) < 1e-12
     assert abs(sum(contiguous) - 0.5) < 1e-12 and max(contiguous) / min(contiguous) == 2 * size - 1
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_saved_activations_per_rank_fall_as_one_over_cp(cp, tmp_path):
+    """At a fixed sequence length, ring and Ulysses within 15% of 1/cp of one process's bytes. All-gather KV
+    is left out: every rank keeps the whole sequence's keys and values for backward."""
+    out = tmp_path / "saved.json"
+    proc = torchrun("cp_memory.py", cp, str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = json.loads(out.read_text())
+    for mode in ("ring", "ulysses"):
+        for rank, nbytes in enumerate(saved[mode]):
+            assert abs(nbytes * cp / saved["whole"] - 1) < 0.15, (mode, rank, nbytes * cp / saved["whole"])

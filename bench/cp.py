@@ -1,0 +1,88 @@
+"""Context parallelism against sequence length: time of a forward and backward and bytes saved per rank.
+
+    python bench/cp.py --seq 256 512 1024 2048 --cp 2
+
+One sequence of the benchmark model (configs/bench.yaml), fp32, on one process (cp=1) and on cp ranks in each
+mode (zigzag chunks); each a torchrun job (bench/common.py). A job counts the bytes autograd saves in its first
+forward (bench/activations.py), then times forward+backward after the warm-up; a repeat's time is the slowest
+rank's, the table shows the median over repeats (range).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+from activations import setup
+from common import ROOT, WARMUP, machine, revision, save_result, spread, torchrun, write_doc
+from sixfold.parallel.context import MODES
+
+SEQUENCES = 1
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    from sixfold.activations import SavedTensors
+
+    ctx, model, tokens = setup(args.config, "cp", args.seq_len, SEQUENCES, mode=args.mode)
+    with SavedTensors(model) as saved:
+        loss = model.loss_sum(tokens, tokens)
+    loss.backward()  # the first warm-up step
+    times = []
+    for _ in range(WARMUP - 1 + args.repeats):
+        model.zero_grad(set_to_none=True)
+        if ctx.world_size > 1:
+            dist.barrier()
+        start = time.perf_counter()
+        model.loss_sum(tokens, tokens).backward()
+        times.append(time.perf_counter() - start)
+    save_result(args.out, {"saved": saved.nbytes, "step_s": times[WARMUP - 1:]})
+    ctx.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024, 2048], help="sequence lengths")
+    p.add_argument("--cp", type=int, default=2)
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--repeats", type=int, default=5, help=f"timed steps per job, after {WARMUP} warm-up steps")
+    p.add_argument("--config", default=str(ROOT / "configs" / "bench.yaml"))
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--mode", choices=MODES, default="ring", help="(internal) the worker's cp mode")
+    p.add_argument("--seq-len", type=int, help="(internal) the worker's sequence length")
+    p.add_argument("--out", help="(internal) where a worker writes its result")
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    rev, load, others = revision(), os.getloadavg()[0], []
+    rows = ["| sequence | layout | s per forward+backward | vs cp=1 | saved per rank MiB | vs cp=1 |",
+            "|---|---|---|---|---|---|"]
+    for seq in args.seq:
+        base = None
+        for world, mode in [(1, "ring")] + [(args.cp, m) for m in args.modes]:
+            ranks, busy = torchrun(__file__, world, "--worker", "--config", args.config, "--mode", mode,
+                                   "--seq-len", str(seq), "--repeats", str(args.repeats))
+            others.append(busy)
+            step = [max(r["step_s"][i] for r in ranks) for i in range(args.repeats)]
+            saved = max(r["saved"] for r in ranks)
+            base = base or (statistics.median(step), saved)
+            name = f"cp={world}, {mode}" if world > 1 else "cp=1"
+            rows.append(f"| {seq} | {name} | {spread(step, 3)} | {statistics.median(step) / base[0]:.2f} | "
+                        f"{saved / 2 ** 20:.1f} | {saved / base[1]:.3f} |")
+            print(rows[-1], f"(other processes: {busy:.2f} cores)", flush=True)
+    body = "\n".join([
+        f"Command: `python bench/cp.py {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}  ", f"sixfold: {rev}  ",
+        f"Date: {time.strftime('%Y-%m-%d')}; {args.repeats} timed steps per job after {WARMUP} warm-up steps. Other "
+        f"processes kept {statistics.median(others):.2f} cores busy in the median job, {max(others):.2f} at most; "
+        f"load average (1 min) {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end"
+        + (": a shared machine, read the times as rough." if max(others) > 0.5 else "."), "", *rows])
+    write_doc("cp", "Context parallelism against sequence length", body)
+    print(body)
+
+
+if __name__ == "__main__":
+    main()
