@@ -95,6 +95,13 @@ class Comm:
         self._run("all_to_all", group, x.numel() * x.element_size(), label, False,
                   lambda g, a: dist.all_to_all_single(out, x, group=g, async_op=a))
 
+    def all_to_all_v(self, x: torch.Tensor, send: list[int], recv: list[int], group: str, label: str = "") -> torch.Tensor:
+        """Rows of `x` to the group's ranks, `send[j]` to rank j; returns the `recv[j]` rows from each rank j."""
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        self._run("all_to_all", group, x.numel() * x.element_size(), label, False,
+                  lambda g, a: dist.all_to_all_single(out, x, recv, send, group=g, async_op=a))
+        return out
+
     def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: str,
                  label: str = "") -> Pending:
         """Start point-to-point sends and receives (tensor, rank within `group`) as one batch."""

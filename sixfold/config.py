@@ -33,9 +33,12 @@ class ModelConfig:
     tie_embeddings: bool = False
     max_seq_len: int = 2048
     init_std: float = 0.02
-    moe_experts: int = 0
+    moe_experts: int = 0  # experts per MoE layer (0: dense)
     moe_top_k: int = 2
-    moe_every: int = 1
+    moe_every: int = 1  # layers 0, n, 2n, ... are MoE
+    moe_shared_expert: bool = False  # a dense SwiGLU beside the routed experts
+    moe_aux_weight: float = 0.01  # load-balancing loss
+    moe_z_weight: float = 0.001  # router z-loss
 
     @property
     def head_dim(self) -> int:
@@ -46,7 +49,8 @@ class ModelConfig:
         attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + 2 * d
         moe_layers = len(range(0, self.n_layers, self.moe_every)) if self.moe_experts else 0
         mlp = 3 * d * f
-        ffn = moe_layers * (self.moe_experts * mlp + d * self.moe_experts) + (self.n_layers - moe_layers) * mlp
+        ffn = moe_layers * ((self.moe_experts + self.moe_shared_expert) * mlp + d * self.moe_experts) + \
+            (self.n_layers - moe_layers) * mlp
         head = 0 if self.tie_embeddings else v * d
         return v * d + self.n_layers * attn + ffn + d + head
 
@@ -252,17 +256,11 @@ def check_world_size(p: ParallelConfig, world_size: int) -> None:
 
 
 def check_available(cfg: Config) -> None:
-    """Refuse what the config can describe but this version cannot run yet."""
-    if cfg.parallel.ep > 1:
-        raise ConfigError(f"parallel.ep={cfg.parallel.ep}: expert parallelism is not in this version yet "
-                          f"(issue #7); set parallel.ep=1")
+    """Refuse what this machine cannot run."""
     if cfg.train.precision == "bf16":
         import torch
         if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
             raise ConfigError("train.precision=bf16: this GPU has no bf16 support; set train.precision=fp32")
-    if cfg.model.moe_experts:
-        raise ConfigError(f"model.moe_experts={cfg.model.moe_experts}: mixture-of-experts layers are not in this "
-                          f"version yet (issue #7); set model.moe_experts=0")
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
@@ -279,7 +277,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if m.moe_experts and not 1 <= m.moe_top_k <= m.moe_experts:
         raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be between 1 and model.moe_experts={m.moe_experts}")
     if p.ep > 1 and (not m.moe_experts or m.moe_experts % p.ep):
-        raise ConfigError(f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts}")
+        raise ConfigError(f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts} (the experts are "
+                          f"split over ep); change parallel.ep or model.moe_experts")
+    if (p.dp_shard * p.cp) % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide parallel.dp_shard*parallel.cp={p.dp_shard * p.cp} "
+                          f"(expert parallel borrows those ranks); change parallel.ep or parallel.dp_shard")
+    if m.moe_experts < 0 or m.moe_every < 1:
+        raise ConfigError("model.moe_experts must be 0 or more and model.moe_every at least 1")
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
     if m.head_dim % 2:

@@ -410,6 +410,7 @@ class BatchLoader:
             raise DataError(f"corpus has fewer than seq_len+1 = {seq_len + 1} tokens ({len(tokens)}); "
                             "lower train.seq_len or add data")
         self.rows = _rank_rows(global_batch, batch_index, batch_count)
+        self.batch_index, self.batch_count = batch_index, batch_count
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
         self.next_step = 0
         self._epoch, self._perm = -1, None
@@ -422,19 +423,22 @@ class BatchLoader:
             self._epoch = epoch
         return self._perm
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels), int64 [rows of this rank, seq_len]; labels are inputs shifted by one."""
         starts = []
-        for j in self.rows:
+        for j in self.rows if rows is None else rows:
             g = step * self.global_batch + j
             starts.append(int(self._order(g // self.samples)[g % self.samples]) * self.seq_len)
         return _windows(self.tokens, starts, self.seq_len)
 
     def micro_batches(self, step: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's part of each of the n micro-batches of the step. Micro-batch i is the same slice
+        i of the global batch in every layout (what MoE load statistics are taken over)."""
         if n < 1 or len(self.rows) % n:
             raise DataError(f"{len(self.rows)} rows per rank cannot be split into train.micro_batches={n}")
-        x, y = self.batch(step)
-        return list(zip(x.split(len(self.rows) // n), y.split(len(self.rows) // n)))
+        per = self.global_batch // n
+        mine = _rank_rows(per, self.batch_index, self.batch_count)
+        return [self.batch(step, range(i * per + mine.start, i * per + mine.stop)) for i in range(n)]
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch,

@@ -13,6 +13,9 @@ def fmt_line(m: dict) -> str:
              f"lr {m['lr']:.2e}", f"tok/s {m['tokens_per_s']:,.0f}", f"elapsed {m['elapsed_s']:.1f}s"]
     if "val_loss" in m:
         parts.append(f"val_loss {m['val_loss']:.4f}")
+    if "expert_share" in m:
+        load = " ".join(f"{lo:.2f}-{hi:.2f}" for lo, hi in m["expert_share"].values())
+        parts.append(f"moe_loss {m['moe_loss']:.4f} | expert share min-max per layer {load}")
     return " | ".join(parts)
 
 

@@ -54,8 +54,10 @@ def _with(cfg: Config, run_dir: Path, steps: int, **sections) -> Config:
 
 
 def reference_config(cfg: Config, run_dir: Path, steps: int) -> Config:
-    """Same model, data and global batch in one process and one micro-batch."""
-    ref = _with(cfg, run_dir, steps, train={"micro_batches": 1})
+    """Same model, data and global batch in one process and one micro-batch; an MoE model keeps its micro-
+    batches, over which its load-balancing statistics are taken."""
+    micro = cfg.train.micro_batches if cfg.model.moe_experts else 1
+    ref = _with(cfg, run_dir, steps, train={"micro_batches": micro})
     ref.parallel = ParallelConfig(timeout_s=cfg.parallel.timeout_s)
     return ref
 

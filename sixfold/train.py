@@ -18,7 +18,9 @@ from .logs import RunLog
 from .mesh import ParallelContext
 from .model.llama import Llama, full_shapes, init_weights, no_decay
 from .optim import AdamW, clip_grad_norm, learning_rate
+from .model.moe import MoE
 from .parallel.context import ContextParallel
+from .parallel.expert import ExpertParallel
 from .parallel.pipeline import schedules
 from .parallel.pipeline.runtime import Pipeline
 from .parallel.pipeline.stages import split_stages
@@ -48,8 +50,11 @@ class Trainer:
         stages = split_stages(cfg.model, p.pp * p.pp_virtual_stages, t.seq_len)
         schedule = schedules.build(p.pp_schedule, p.pp, p.pp_virtual_stages, t.micro_batches) if p.pp > 1 else None
         mine = [s for s in stages if schedule is None or schedule.placement[s.index] == ctx.rank_in("pp")]
-        self.model = Llama(cfg.model, tp, self.cp, mine).to(ctx.device)
+        self.model = Llama(cfg.model, tp, self.cp, mine, ExpertParallel(self.comm)).to(ctx.device)
         init_weights(self.model, t.seed)
+        self.moe = {int(n.split(".")[1]): m for n, m in self.model.named_modules() if isinstance(m, MoE)}
+        for m in self.moe.values():
+            m.micro_batches = t.micro_batches
         self.sharded = Sharded(self.model, self.comm, p.zero, p.reshard,
                                getattr(torch, DTYPES[t.precision]), getattr(torch, DTYPES[t.grad_reduce]))
         self.pipeline = Pipeline(self.model, schedule, self.comm, self.sharded, self.tracer) if schedule else None
@@ -116,7 +121,25 @@ class Trainer:
         elapsed = time.perf_counter() - start
         return {"step": self.step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
                 "tokens_per_s": t.global_batch * t.seq_len / elapsed, "step_s": elapsed,
-                "comm_bytes": sum(self.comm.ledger.end_step().values())}
+                "comm_bytes": sum(self.comm.ledger.end_step().values()), **self._expert_load()}
+
+    def _expert_load(self) -> dict:
+        """The step's MoE losses (balancing + z, summed over layers) and each layer's least and most loaded
+        expert's share of the routed tokens."""
+        if not self.cfg.model.moe_experts:
+            return {}
+        aux = sum(float(m.aux) for m in self.moe.values())
+        if self.model.tp.sequence:
+            (aux,) = self.comm.sum_scalars([aux], "tp")
+        shares = {}
+        for part in self.comm.gather_objects({i: (m.counts / m.counts.sum()).tolist() for i, m in self.moe.items()},
+                                             "pp"):
+            shares.update(part)
+        for m in self.moe.values():
+            m.counts.zero_()
+            m.aux.zero_()
+        return {"moe_loss": self._total(aux),
+                "expert_share": {i: [min(s), max(s)] for i, s in sorted(shares.items())}}
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -1,6 +1,6 @@
 import pytest
 
-from sixfold.config import ConfigError, check_available, load_config, validate
+from sixfold.config import ConfigError, load_config, validate
 
 
 def test_yaml_and_overrides(tmp_path):
@@ -73,12 +73,15 @@ def test_shipped_configs_load():
         load_config(path)
 
 
-def test_dimensions_not_in_this_version_are_refused_at_run_time():
-    for overrides, message in ((["parallel.dp_shard=2", "parallel.ep=2", "model.moe_experts=8"], "issue #7"),
-                               (["model.moe_experts=8"], "issue #7")):
-        cfg = load_config(None, overrides)
-        with pytest.raises(ConfigError, match=message):
-            check_available(cfg)
+@pytest.mark.parametrize("overrides,message", [
+    (["model.moe_experts=6", "parallel.dp_shard=4", "parallel.ep=4"], "must divide model.moe_experts=6"),
+    (["model.moe_experts=8", "parallel.dp_shard=2", "parallel.ep=4"], "must divide parallel.dp_shard"),
+    (["model.moe_experts=4", "model.moe_top_k=5"], "moe_top_k=5"),
+    (["parallel.dp_shard=2", "parallel.ep=2"], "must divide model.moe_experts=0"),
+])
+def test_bad_expert_layouts_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
 
 
 def test_parameter_counts_of_shipped_shapes():

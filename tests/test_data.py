@@ -224,10 +224,10 @@ def test_epochs_cover_every_window():
 
 def test_micro_batches_and_state():
     loader = BatchLoader(tokens(), 16, 8, seed=3, batch_index=1, batch_count=2)
-    x, y = loader.batch(2)
-    micro = loader.micro_batches(2, 2)
-    assert len(micro) == 2 and torch.equal(torch.cat([m[0] for m in micro]), x)
-    assert torch.equal(torch.cat([m[1] for m in micro]), y)
+    whole = BatchLoader(tokens(), 16, 8, seed=3).micro_batches(2, 2)  # micro-batch i: global rows 4i .. 4i+3
+    micro = loader.micro_batches(2, 2)  # rank 1 of 2: the second half of each
+    assert len(micro) == 2 and all(torch.equal(m[k], w[k][2:]) for m, w in zip(micro, whole) for k in (0, 1))
+    assert torch.equal(torch.cat([w[0] for w in whole]), BatchLoader(tokens(), 16, 8, seed=3).batch(2)[0])
     with pytest.raises(DataError, match="micro_batches"):
         loader.micro_batches(2, 3)
     loader.next_step = 11

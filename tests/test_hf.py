@@ -113,3 +113,33 @@ def test_shape_mismatch_is_refused(tmp_path):
                      {"step": 0, "config": Config().to_dict()})
     with pytest.raises(CheckpointError, match="embed.weight"):
         load_model(tmp_path / "ckpt")
+
+
+def hf_mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+    cfg = MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=320, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=128, rms_norm_eps=1e-5, sliding_window=None,
+                        attn_implementation="eager")
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+    return model
+
+
+def test_mixtral_import_and_export_match_transformers(tmp_path):
+    from transformers import MixtralForCausalLM
+    hf = hf_mixtral()
+    hf.save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    model, cfg = load_model(tmp_path / "ckpt")
+    assert (cfg.model.moe_experts, cfg.model.moe_top_k) == (4, 2)
+    with torch.no_grad():
+        expected = hf(tokens()).logits
+        assert max_diff(model(tokens()), expected) <= TOL
+    export_hf(tmp_path / "ckpt", tmp_path / "out")
+    back = MixtralForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        assert max_diff(back(tokens()).logits, expected) <= TOL

@@ -1,4 +1,4 @@
-"""Data-parallel, ZeRO, tensor-, context- and pipeline-parallel layouts reproduce the single-process run (losses and final weights, fp32); bf16 learns."""
+"""Data-parallel, ZeRO, tensor-, context-, pipeline- and expert-parallel layouts reproduce the single-process run (losses and final weights, fp32); bf16 learns."""
 import pytest
 
 from sixfold.config import load_config
@@ -56,6 +56,19 @@ LAYOUTS["pp2-interleaved-tied"] = ["parallel.pp=2", "parallel.pp_schedule=interl
                                    "model.n_layers=4", "model.tie_embeddings=true", "train.micro_batches=4"]
 LAYOUTS["pp2-zb-v-tied-xtp2"] = ["parallel.pp=2", "parallel.pp_schedule=zb-v", "parallel.pp_virtual_stages=2",
                                  "parallel.tp=2", "model.tie_embeddings=true", "train.micro_batches=4"]
+
+MOE = ["model.moe_experts=4", "model.moe_top_k=2"]
+LAYOUTS["ep2"] = [*MOE, "parallel.dp_shard=2", "parallel.ep=2"]
+LAYOUTS["ep4"] = [*MOE, "parallel.dp_shard=4", "parallel.ep=4"]
+LAYOUTS["ep2xdp_shard4-zero3"] = [*MOE, "parallel.dp_shard=4", "parallel.ep=2", "parallel.zero=3", *ACCUM]
+LAYOUTS["ep2xhsdp2x2-zero2"] = [*MOE, "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2",
+                                "parallel.zero=2"]
+LAYOUTS["ep2xtp2"] = [*MOE, "parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2"]
+LAYOUTS["ep2xpp2-zb-h1"] = [*MOE, "parallel.dp_shard=2", "parallel.ep=2", "parallel.pp=2", "parallel.pp_schedule=zb-h1",
+                            *ACCUM]
+LAYOUTS["ep2xcp2"] = [*MOE, "parallel.cp=2", "parallel.ep=2"]
+LAYOUTS["ep2-shared-every2-zero1"] = [*MOE, "model.moe_shared_expert=true", "model.moe_every=2", "parallel.dp_shard=2",
+                                      "parallel.ep=2", "parallel.zero=1"]
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

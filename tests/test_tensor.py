@@ -26,7 +26,7 @@ def test_pieces_join_back_into_the_full_tensor(full, parts, tp):
     splits = [FakeRank(tp, r).split(0, full, parts, pad=True) for r in range(tp)]
     pieces = [s.local(t) for s in splits]
     assert all(p.shape == pieces[0].shape for p in pieces)  # equal pieces: gathers need no sizes
-    assert torch.equal(splits[0].join(pieces, tp), t)
+    assert torch.equal(splits[0].join(pieces), t)
     assert splits[0].full_shape(pieces[0].shape) == t.shape
 
 

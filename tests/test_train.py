@@ -102,8 +102,8 @@ def test_nan_loss_stops_with_a_clear_error(tmp_path):
 def test_layout_errors_before_any_process_starts(tmp_path):
     proc = _train(tmp_path / "run", "parallel.dp_replicate=2", nproc=3)
     assert proc.returncode == 2 and "world size 3 does not equal" in proc.stderr
-    proc = _train(tmp_path / "run", "parallel.pp=2")
-    assert proc.returncode == 2 and "parallel.pp=2" in proc.stderr
+    proc = _train(tmp_path / "run", "parallel.pp=8")
+    assert proc.returncode == 2 and "model.n_layers to at least 6" in proc.stderr
     proc = sixfold("check", TINY, "train.precision=bf16")
     assert proc.returncode == 2 and "set train.precision=fp32" in proc.stderr
     proc = _train(tmp_path / "run", "parallel.dp_shrd=2")

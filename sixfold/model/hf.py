@@ -1,6 +1,9 @@
-"""Hugging Face interop: LlamaForCausalLM configs and safetensors weights in and out.
+"""Hugging Face interop: LlamaForCausalLM and MixtralForCausalLM configs and safetensors weights in and out.
 
-Both sides use rotate-half RoPE, so weights only change names, never layout.
+Both sides use rotate-half RoPE, so weights only change names, never layout; Mixtral's experts, one tensor
+per expert in its published checkpoints (w1 gate, w3 up, w2 down) or fused per layer in transformers 5
+(gate_up_proj, down_proj), are stacked per layer here. Export writes the published form, which every
+transformers version reads.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from ..checkpoint import CheckpointError, check_shapes, find_checkpoint, read_meta, read_tensors, write_checkpoint
 from ..config import Config, ConfigError, ModelConfig, config_from_dict
-from .llama import Llama
+from .llama import Llama, full_shapes
 
 TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "head.weight": "lm_head.weight"}
@@ -27,7 +30,9 @@ LAYER_NAMES = {
     "mlp.w_gate.weight": "mlp.gate_proj.weight",
     "mlp.w_up.weight": "mlp.up_proj.weight",
     "mlp.w_down.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "block_sparse_moe.gate.weight",
 }
+EXPERTS = {"mlp.experts.w_gate": "w1", "mlp.experts.w_up": "w3", "mlp.experts.w_down": "w2"}
 HF_TOP = {v: k for k, v in TOP_NAMES.items()}
 HF_LAYER = {v: k for k, v in LAYER_NAMES.items()}
 
@@ -44,15 +49,37 @@ def sixfold_name(name: str) -> str:
     if name in HF_TOP:
         return HF_TOP[name]
     parts = name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in HF_LAYER:
-        return f"layers.{parts[2]}.{HF_LAYER[parts[3]]}"
+    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
+        rest = parts[3].replace("mlp.gate.weight", "block_sparse_moe.gate.weight")  # transformers 5 name
+        if rest in HF_LAYER:
+            return f"layers.{parts[2]}.{HF_LAYER[rest]}"
     return name
 
 
+def _stack_experts(tensors: dict[str, torch.Tensor], n_layers: int, n_experts: int) -> dict[str, torch.Tensor]:
+    """Mixtral's expert tensors, in either HF form, stacked per layer under sixfold names (others untouched)."""
+    out = dict(tensors)
+    for i in range(n_layers):
+        legacy = f"model.layers.{i}.block_sparse_moe.experts"
+        fused = f"model.layers.{i}.mlp.experts"
+        if f"{fused}.gate_up_proj" in out:
+            gate, up = out.pop(f"{fused}.gate_up_proj").chunk(2, dim=1)
+            out.update({f"layers.{i}.mlp.experts.w_gate": gate, f"layers.{i}.mlp.experts.w_up": up,
+                        f"layers.{i}.mlp.experts.w_down": out.pop(f"{fused}.down_proj")})
+        elif f"{legacy}.0.w1.weight" in out:
+            for ours, theirs in EXPERTS.items():
+                out[f"layers.{i}.{ours}"] = torch.stack([out.pop(f"{legacy}.{j}.{theirs}.weight")
+                                                          for j in range(n_experts)])
+    return out
+
+
 def model_config_from_hf(hf: dict) -> ModelConfig:
-    """A ModelConfig from a LlamaForCausalLM config.json; refuses what sixfold cannot represent."""
-    if hf.get("model_type") != "llama":
-        raise ConfigError(f"model_type={hf.get('model_type')!r}: only 'llama' models can be imported")
+    """A ModelConfig from a LlamaForCausalLM or MixtralForCausalLM config.json; refuses what sixfold cannot
+    represent."""
+    if hf.get("model_type") not in ("llama", "mixtral"):
+        raise ConfigError(f"model_type={hf.get('model_type')!r}: only 'llama' and 'mixtral' models can be imported")
+    if hf.get("sliding_window"):
+        raise ConfigError(f"sliding_window={hf['sliding_window']}: sixfold attends to the whole causal context")
     if hf.get("rope_scaling"):
         raise ConfigError(f"rope_scaling={hf['rope_scaling']!r}: sixfold supports only plain RoPE")
     rope = hf.get("rope_parameters") or {}
@@ -71,6 +98,9 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_seq_len=hf.get("max_position_embeddings", 2048), init_std=float(hf.get("initializer_range", 0.02)))
+        if hf["model_type"] == "mixtral":
+            cfg.moe_experts, cfg.moe_top_k = hf["num_local_experts"], hf["num_experts_per_tok"]
+            cfg.moe_aux_weight = float(hf.get("router_aux_loss_coef", cfg.moe_aux_weight))
     except KeyError as e:
         raise ConfigError(f"HF config has no {e.args[0]}") from None
     if hf.get("head_dim") not in (None, cfg.head_dim):
@@ -80,7 +110,14 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
 
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:
-    """config.json for a LlamaForCausalLM equal to a sixfold Llama."""
+    """config.json for a LlamaForCausalLM (or MixtralForCausalLM) equal to a sixfold Llama."""
+    if cfg.moe_experts and (cfg.moe_every != 1 or cfg.moe_shared_expert):
+        raise ConfigError("only MoE on every layer without a shared expert (Mixtral) can be exported: "
+                          f"model.moe_every={cfg.moe_every}, model.moe_shared_expert={cfg.moe_shared_expert}")
+    moe = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": cfg.moe_experts,
+           "num_experts_per_tok": cfg.moe_top_k, "router_aux_loss_coef": cfg.moe_aux_weight,
+           "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None} \
+        if cfg.moe_experts else {}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -102,12 +139,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         "attention_dropout": 0.0,
         "mlp_bias": False,
         "torch_dtype": "float32",
+        **moe,
     }
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
-    with torch.device("meta"):
-        return {k: v.shape for k, v in Llama(cfg).state_dict().items()}
 
 
 def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
@@ -142,11 +175,11 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     cfg = Config(model=model_cfg)
     cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
     config_from_dict(cfg.to_dict())  # validates the imported shape
-    tensors = {sixfold_name(k): v.float() for k, v in read_hf_weights(hf_dir).items()
-               if not k.endswith("rotary_emb.inv_freq")}
+    tensors = _stack_experts(read_hf_weights(hf_dir), model_cfg.n_layers, model_cfg.moe_experts)
+    tensors = {sixfold_name(k): v.float() for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if model_cfg.tie_embeddings:
         tensors.pop("head.weight", None)
-    check_shapes(expected_shapes(model_cfg), tensors, str(hf_dir))
+    check_shapes(full_shapes(model_cfg), tensors, str(hf_dir))
     meta = {"step": 0, "config": cfg.to_dict(), "source": f"import-hf {hf_dir}"}
     return write_checkpoint(out_dir, {"model.safetensors": tensors}, meta)
 
@@ -156,7 +189,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Ll
     path = find_checkpoint(path)
     cfg = config_from_dict(read_meta(path)["config"])
     tensors = read_tensors(path, "model.safetensors")
-    check_shapes(expected_shapes(cfg.model), tensors, str(path / "model.safetensors"))
+    check_shapes(full_shapes(cfg.model), tensors, str(path / "model.safetensors"))
     with torch.device("meta"):
         model = Llama(cfg.model)
     model.load_state_dict({k: v.float() for k, v in tensors.items()}, assign=True)
@@ -164,11 +197,19 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Ll
 
 
 def export_hf(path: str | Path, out_dir: str | Path) -> Path:
-    """Write a sixfold checkpoint as a LlamaForCausalLM directory (config.json, model.safetensors)."""
+    """Write a sixfold checkpoint as a LlamaForCausalLM or MixtralForCausalLM directory (config.json,
+    model.safetensors)."""
     model, cfg = load_model(path)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(hf_config_from_model(cfg.model), indent=2))
-    tensors = {hf_name(k): v.contiguous() for k, v in model.state_dict().items()}
+    tensors = {}
+    for k, v in model.state_dict().items():
+        layer, _, rest = k.removeprefix("layers.").partition(".")
+        if rest in EXPERTS:
+            tensors.update({f"model.layers.{layer}.block_sparse_moe.experts.{j}.{EXPERTS[rest]}.weight": w.contiguous()
+                            for j, w in enumerate(v)})
+        else:
+            tensors[hf_name(k)] = v.contiguous()
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .moe import MoE
 from ..parallel.context import ContextParallel
+from ..parallel.expert import ExpertParallel
 from ..parallel.pipeline.stages import Stage, whole
 from ..parallel.tensor import (Linear, Split, TensorParallel, VocabEmbedding, cross_entropy, gather_vocab,
                                linear)
@@ -123,13 +125,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel, cp: ContextParallel):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel, cp: ContextParallel, ep: ExpertParallel):
         super().__init__()
         norm_split = tp.split(0, cfg.dim, parts=1, partial_grad=tp.sequence)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, norm_split)
         self.attn = Attention(cfg, layer, tp, cp)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, norm_split)
-        self.mlp = MLP(cfg, tp)
+        if cfg.moe_experts and layer % cfg.moe_every == 0:
+            self.mlp = MoE(cfg, tp, ep, MLP(cfg, tp) if cfg.moe_shared_expert else None)
+        else:
+            self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, t: Tokens) -> torch.Tensor:
         """x: [tokens, dim], this rank's 1/tp of the tokens under sequence-TP."""
@@ -146,16 +151,17 @@ class Llama(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None, cp: ContextParallel | None = None,
-                 stages: list[Stage] | None = None):
+                 stages: list[Stage] | None = None, ep: ExpertParallel | None = None):
         super().__init__()
         self.cfg = cfg
         self.tp = tp = tp or TensorParallel()
         self.cp = cp = cp or ContextParallel()
+        ep = ep or ExpertParallel()
         self.stages = stages or [whole(cfg)]
         lookup, head = any(s.embed for s in self.stages), any(s.head for s in self.stages)
         # a tied head reads the embedding's rows, so the last stage holds them too
         self.embed = VocabEmbedding(tp, cfg.vocab_size, cfg.dim) if lookup or (head and cfg.tie_embeddings) else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i, tp, cp) for s in self.stages for i in s.layers})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, tp, cp, ep) for s in self.stages for i in s.layers})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, tp.split(0, cfg.dim, parts=1, partial_grad=tp.sequence)) \
             if head else None
         self.head = Linear(tp, cfg.dim, cfg.vocab_size, "column", tp.split(0, cfg.vocab_size, pad=True)) \
@@ -169,7 +175,8 @@ class Llama(nn.Module):
 
     def splits(self) -> dict[str, Split]:
         """Every parameter's global name -> how this rank's tensor is cut from the full one."""
-        return {f"{name}.weight": m.split for name, m in self.named_modules() if hasattr(m, "split")}
+        return {f"{name}.{p}": m.split for name, m in self.named_modules() if hasattr(m, "split")
+                for p, _ in m.named_parameters(recurse=False)}
 
     def tokens(self, b: int, s: int, device: torch.device, cache: KVCache | None = None) -> Tokens:
         """The description of a forward of tokens [b, s] (positions continue the cache, if any)."""
@@ -232,7 +239,7 @@ def param_seed(seed: int, name: str) -> int:
 
 
 def init_std(cfg: ModelConfig, name: str) -> float:
-    if name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+    if name.endswith(("attn.wo.weight", "mlp.w_down.weight", "mlp.experts.w_down", "mlp.shared.w_down.weight")):
         return cfg.init_std / math.sqrt(2 * cfg.n_layers)
     return cfg.init_std
 

@@ -99,19 +99,17 @@ class Unit:
         return out
 
 
-def build_units(model: nn.Module, shards: int, rank: int, dtype: torch.dtype) -> list[Unit]:
-    """The embedding, each block, and the final norm with the head (a tied head adds no parameter): those of
-    them that this rank's pipeline stages hold."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    groups = [[m] for m in [model.embed, *model.layers.values()] if m is not None]
+def unit_modules(model: nn.Module) -> list[tuple[list[nn.Module], bool]]:
+    """The modules of each unit, and whether it holds experts: the embedding, each block (its experts in a unit
+    of their own, after it), and the final norm with the head (a tied head adds no parameter); those of them
+    that this rank's pipeline stages hold."""
+    units = [([model.embed], False)] if model.embed is not None else []
+    for block in model.layers.values():
+        units.append(([block], False))
+        if hasattr(block.mlp, "experts"):
+            units.append(([block.mlp.experts], True))
     if model.norm is not None:
-        groups.append([model.norm] + ([model.head] if model.head is not None else []))
-    units = []
-    for i, modules in enumerate(groups):
-        named = [(names[id(p)], p) for m in modules for p in m.parameters() if id(p) in names]
-        for _, p in named:
-            names.pop(id(p))
-        units.append(Unit(i, modules, named, shards, rank, dtype))
+        units.append(([model.norm] + ([model.head] if model.head is not None else []), False))
     return units
 
 
@@ -136,10 +134,22 @@ class Sharded:
                  dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32):
         self.comm, self.reduce_dtype = comm, reduce_dtype
         ctx = comm.ctx
-        shards = ctx.size("fsdp") if zero else 1
-        self.zero = zero if shards > 1 else 0
-        self.units = build_units(model, shards, ctx.rank_in("fsdp") if self.zero else 0, dtype)
+        self.zero = zero if ctx.size("fsdp") > 1 else 0
         self.replicas = ctx.size("dp_replicate") if self.zero else 1
+        names = {id(p): n for n, p in model.named_parameters()}
+        plan = unit_modules(model)
+        experts = {id(p) for modules, expert in plan if expert for m in modules for p in m.parameters()}
+        self.units = []
+        for i, (modules, expert) in enumerate(plan):
+            named = [(names.pop(id(p)), p) for m in modules for p in m.parameters()
+                     if id(p) in names and (expert or id(p) not in experts)]
+            # experts are sharded and reduced over edp (the ep group holds different experts), the rest over fsdp
+            group = "edp" if expert else "fsdp"
+            shards = ctx.size(group) if self.zero else 1
+            unit = Unit(i, modules, named, shards, ctx.rank_in(group) if shards > 1 else 0, dtype)
+            unit.expert, unit.zero = expert, self.zero if shards > 1 else 0
+            unit.group = group if unit.zero else "edp" if expert else "loss"
+            self.units.append(unit)
         self.sync = False
         self._next = len(self.units) - 1
         self.tp, self.splits = model.tp, model.splits()
@@ -152,9 +162,9 @@ class Sharded:
         for unit in self.units:
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(lambda p, u=unit: self._on_grad(u))
-            if self.zero >= 2:
+            if unit.zero >= 2:
                 unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self._grad_buffer(u))
-            if self.zero == 3:
+            if unit.zero == 3:
                 # the last unit's backward follows its forward at once; a tied embedding serves the head too
                 last, tied_embedding = unit.index == len(self.units) - 1, tied and unit.modules[0] is model.embed
                 unit.keep_gathered = not reshard_after_forward or last or tied_embedding
@@ -166,7 +176,7 @@ class Sharded:
     # ZeRO-3: weights gathered just ahead of use -------------------------------------------------
     def _start_gather(self, unit: Unit) -> None:
         if unit.gather is None and _alloc(unit.full):
-            unit.gather = self.comm.all_gather(unit.full, unit.compute_shard, "fsdp", async_op=True,
+            unit.gather = self.comm.all_gather(unit.full, unit.compute_shard, unit.group, async_op=True,
                                                label=f"unit {unit.index}")
 
     def _wait_gather(self, unit: Unit) -> None:
@@ -177,10 +187,11 @@ class Sharded:
 
     def gather_all(self) -> None:
         """ZeRO-3: every unit's weights gathered now (pipelining keeps them for the step)."""
-        if self.zero == 3:
-            for unit in self.units:
+        for unit in self.units:
+            if unit.zero == 3:
                 self._start_gather(unit)
-            for unit in self.units:
+        for unit in self.units:
+            if unit.zero == 3:
                 self._wait_gather(unit)
 
     def alloc_grads(self) -> None:
@@ -216,7 +227,7 @@ class Sharded:
         if unit.ready < len(unit.params):
             return
         unit.ready = 0
-        if self.zero == 3 and not unit.keep_gathered:
+        if unit.zero == 3 and not unit.keep_gathered:
             _free(unit.full)
         if self.sync:
             unit.done = True
@@ -227,17 +238,17 @@ class Sharded:
     def launch(self, unit: Unit) -> None:
         """Start the unit's reduction (in reduce_dtype), once its gradients for the step are complete; in the
         same unit order on every rank of the group."""
-        if self.zero:
+        if unit.zero:
             src = unit.grad if unit.grad.dtype == self.reduce_dtype else unit.grad.to(self.reduce_dtype)
             out = unit.grad_shard if self.reduce_dtype == unit.grad_shard.dtype else \
                 torch.empty(unit.shard_size, dtype=self.reduce_dtype, device=src.device)
-            unit.reduce = self.comm.reduce_scatter(out, src, "fsdp", async_op=True, label=f"unit {unit.index}")
+            unit.reduce = self.comm.reduce_scatter(out, src, unit.group, async_op=True, label=f"unit {unit.index}")
         else:
             if unit.grad_shard is not unit.grad and unit.grad_shard.dtype == self.reduce_dtype:
                 out = unit.grad_shard.copy_(unit.grad)  # reduce in place in the fp32 shard, no temporary
             else:
                 out = unit.grad if unit.grad.dtype == self.reduce_dtype else unit.grad.to(self.reduce_dtype)
-            unit.reduce = self.comm.all_reduce(out, "loss", async_op=True, label=f"unit {unit.index}")
+            unit.reduce = self.comm.all_reduce(out, unit.group, async_op=True, label=f"unit {unit.index}")
         unit.reduced = out
 
     def finish(self) -> None:
@@ -252,15 +263,16 @@ class Sharded:
                 unit.grad_shard.copy_(unit.reduced)
             unit.reduce, unit.reduced, unit.done = None, None, False
         if self.replicas > 1:
-            for p in [self.comm.all_reduce(u.grad_shard, "dp_replicate", async_op=True) for u in self.units]:
+            for p in [self.comm.all_reduce(u.grad_shard, "dp_replicate", async_op=True)
+                      for u in self.units if not u.expert]:
                 p.wait()
         if self.tied_across_stages:
             self.comm.all_reduce(self.units[0].grad_shard, "pp_ends", label="tied embedding")
         self._sum_partial_grads()
         for unit in self.units:
-            if self.zero >= 2:
+            if unit.zero >= 2:
                 _free(unit.grad)
-            if self.zero == 3:
+            if unit.zero == 3:
                 _free(unit.full)
         self._next = len(self.units) - 1
         self.sync = False
@@ -274,7 +286,7 @@ class Sharded:
         segments = self._partial_segments()
         if not segments:
             return
-        slots = [(g, s.parts, s.index) for g, s in segments]
+        slots = [(g, s.tp_parts, s.tp_index) for g, s in segments]
         buf = torch.zeros(sum(g.numel() * parts for g, parts, _ in slots), dtype=segments[0][0].dtype,
                           device=segments[0][0].device)
         places, at = [], 0
@@ -287,23 +299,33 @@ class Sharded:
             g.copy_(place)
 
     def grad_norm_sq(self) -> float:
-        """Squared L2 norm of the reduced gradients: fp32 per shard, summed in fp64 over fsdp and tp.
+        """Squared L2 norm of the reduced gradients: fp32 per shard, summed in fp64 over the groups that hold
+        different parts (fsdp; ep and edp for experts; tp; pp).
 
         A piece replicated on several tp ranks counts once: each replica adds its share; so does a tied
         embedding held by the first and last pipeline stages.
         """
-        local = sum(float(u.grad_shard.norm()) ** 2 for u in self.units[1 if self.embed_copy else 0:])
-        for u in self.units:
+        dense = experts = 0.0
+        for u in self.units[1 if self.embed_copy else 0:]:
+            sq = float(u.grad_shard.norm()) ** 2
             for n, a, b in u.segments():
                 split = self.splits[n]
-                if split.parts < self.tp.size:
-                    local -= (1 - split.parts / self.tp.size) * float(u.grad_shard[a:b].norm()) ** 2
+                if split.tp_parts < self.tp.size:
+                    sq -= (1 - split.tp_parts / self.tp.size) * float(u.grad_shard[a:b].norm()) ** 2
+            if u.expert:
+                experts += sq
+            else:
+                dense += sq
         if self.zero:
-            (local,) = self.comm.sum_scalars([local], "fsdp")
+            (dense,) = self.comm.sum_scalars([dense], "fsdp")
+        if any(u.expert for u in self.units):
+            (experts,) = self.comm.sum_scalars([experts], "ep")
+            if any(u.expert and u.zero for u in self.units):
+                (experts,) = self.comm.sum_scalars([experts], "edp")
+        total = dense + experts
         for group in ("tp", "pp"):
-            if self.comm.ctx.size(group) > 1:
-                (local,) = self.comm.sum_scalars([local], group)
-        return local
+            (total,) = self.comm.sum_scalars([total], group)
+        return total
 
     def scale_grads(self, coef: float) -> None:
         for u in self.units:
@@ -315,32 +337,37 @@ class Sharded:
             if u.compute_shard is not u.master:
                 u.compute_shard.copy_(u.master)
         if self.zero in (1, 2):
-            for p in [self.comm.all_gather(u.full, u.compute_shard, "fsdp", async_op=True) for u in self.units]:
+            for p in [self.comm.all_gather(u.full, u.compute_shard, u.group, async_op=True)
+                      for u in self.units if u.zero]:
                 p.wait()
 
     def zero_grad(self) -> None:
-        if self.zero < 2:
-            for u in self.units:
+        for u in self.units:
+            if u.zero < 2:
                 u.grad.zero_()
 
     # whole tensors by global name (checkpoints) -------------------------------------------------
     def gather(self, unit: Unit, shard: torch.Tensor) -> torch.Tensor:
         """A unit-shaped flat tensor from every rank's shard of it."""
-        if not self.zero:
+        if not unit.zero:
             return shard
         full = torch.empty(unit.padded, dtype=shard.dtype, device=shard.device)
-        self.comm.all_gather(full, shard.contiguous(), "fsdp", label="checkpoint")
+        self.comm.all_gather(full, shard.contiguous(), unit.group, label="checkpoint")
         return full
 
     def join(self, tensors: dict[str, torch.Tensor], suffix: str = "") -> dict[str, torch.Tensor]:
-        """Full tensors from this tp rank's pieces, by global name (`name + suffix`; a collective over tp)."""
-        if self.tp.size == 1:
-            return tensors
+        """Full tensors from this rank's pieces, by global name (`name + suffix`; a collective over tp, and
+        over ep for experts)."""
         out = {}
         for name, t in tensors.items():
-            pieces = t.new_empty((self.tp.size * t.shape[0], *t.shape[1:]))
-            self.comm.all_gather(pieces, t.contiguous(), "tp", label="checkpoint")
-            out[name] = self.splits[name.removesuffix(suffix)].join(list(pieces.view(-1, *t.shape)), self.tp.size)
+            split = self.splits[name.removesuffix(suffix)]
+            size = self.comm.ctx.size(split.group)
+            if size == 1:
+                out[name] = t
+                continue
+            pieces = t.new_empty((size * t.shape[0], *t.shape[1:]))
+            self.comm.all_gather(pieces, t.contiguous(), split.group, label="checkpoint")
+            out[name] = split.join(list(pieces.view(-1, *t.shape)))
         return out
 
     def local(self, tensors: dict[str, torch.Tensor], suffix: str = "") -> dict[str, torch.Tensor]:
@@ -368,7 +395,7 @@ class Sharded:
         for u in self.units:
             flat = u.flatten(tensors)
             u.master.copy_(u.shard_of(flat))
-            if self.zero < 3:
+            if u.zero < 3:
                 u.full.copy_(flat)
             if u.compute_shard is not u.master and u.compute_shard is not u.full:
                 u.compute_shard.copy_(u.master)

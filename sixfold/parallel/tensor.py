@@ -29,6 +29,7 @@ class Split:
     `full` is the size along dim, `padded` that size rounded up to a multiple of parts (vocab rows).
     parts < tp means pieces are replicated on tp/parts ranks (norms: parts 1; kv heads fewer than tp).
     `partial_grad`: each of those replicas holds part of the gradient, to be summed over them.
+    `group`: the group the pieces are spread over: tp, or ep for experts (which are whole on every tp rank).
     """
     dim: int = 0
     parts: int = 1
@@ -36,6 +37,16 @@ class Split:
     full: int = 0
     padded: int = 0
     partial_grad: bool = False
+    group: str = "tp"
+
+    @property
+    def tp_parts(self) -> int:
+        """Into how many pieces the tp group cuts the tensor (1: whole on every tp rank)."""
+        return self.parts if self.group == "tp" else 1
+
+    @property
+    def tp_index(self) -> int:
+        return self.index if self.group == "tp" else 0
 
     @property
     def size(self) -> int:
@@ -57,11 +68,11 @@ class Split:
             full = F.pad(full, pad)
         return full.narrow(self.dim, self.index * self.size, self.size)
 
-    def join(self, gathered: list[torch.Tensor], tp: int) -> torch.Tensor:
-        """The full tensor from every tp rank's piece (piece k is read from the first rank holding it)."""
+    def join(self, gathered: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every group rank's piece (piece k is read from the first rank holding it)."""
         if self.parts == 1:
             return gathered[0]
-        pieces = [gathered[k * tp // self.parts] for k in range(self.parts)]
+        pieces = [gathered[k * len(gathered) // self.parts] for k in range(self.parts)]
         return torch.cat(pieces, self.dim).narrow(self.dim, 0, self.full)
 
 

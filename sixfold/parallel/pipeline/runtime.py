@@ -48,6 +48,10 @@ class Pipeline:
         for i, a in enumerate(self.actions):
             if a.kind in (B, W):
                 finals[a.stage] = i
+        layer_of = {}
+        for i, block in model.layers.items():
+            layer_of[id(block)] = layer_of[id(block.mlp)] = int(i)
+            layer_of.update({id(m): int(i) for m in block.mlp.children()})
         out = defaultdict(list)
         for unit in self.sharded.units:
             m = unit.modules[0]
@@ -56,7 +60,7 @@ class Pipeline:
             elif m is model.norm:
                 touching = [s for s in self.stages.values() if s.head]
             else:
-                touching = [s for s in self.stages.values() if m.attn.layer in s.layers]
+                touching = [s for s in self.stages.values() if layer_of[id(m)] in s.layers]
             out[max(finals[s.index] for s in touching)].append(unit)
         return out
 

@@ -1,0 +1,106 @@
+"""Mixture of experts (Mixtral-style): a top-k softmax router, SwiGLU experts run grouped per rank, an optional
+shared expert, and dropless dispatch (every token reaches its k experts; nothing depends on how tokens split).
+
+The load-balancing loss (Switch / Mixtral: E * sum_e f_e * P_e) takes its expert counts f over all the tokens
+of the step's micro-batch on every data, context (and, under sequence-TP, tensor) parallel rank, so with one
+micro-batch it is the single-process value in every layout; each micro-batch counts 1/micro_batches. It and
+the router z-loss enter backward where the layer's output is (their gradient is added there), so pipeline
+stages need not carry them to the loss.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel.expert import ExpertParallel
+from ..parallel.tensor import Split, TensorParallel
+
+
+class _WithLoss(torch.autograd.Function):
+    """Identity on x whose backward also gives `loss` the gradient 1, as if it were added to the training loss."""
+
+    @staticmethod
+    def forward(ctx, x, loss):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.ones((), dtype=torch.float32, device=grad.device)
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.split = Split(partial_grad=tp.sequence)  # whole on every tp rank; its tokens differ under sequence-TP
+        self.weight = nn.Parameter(torch.empty(cfg.moe_experts, cfg.dim))
+
+
+class Experts(nn.Module):
+    """This ep rank's experts, whole on every tp rank: weights [local experts, out, in]."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, ep: ExpertParallel):
+        super().__init__()
+        n, local = cfg.moe_experts, cfg.moe_experts // ep.size
+        self.split = Split(0, ep.size, ep.rank, n, partial_grad=tp.sequence, group="ep") if ep.size > 1 else \
+            Split(partial_grad=tp.sequence)
+        self.w_gate = nn.Parameter(torch.empty(local, cfg.ffn_dim, cfg.dim))
+        self.w_up = nn.Parameter(torch.empty(local, cfg.ffn_dim, cfg.dim))
+        self.w_down = nn.Parameter(torch.empty(local, cfg.dim, cfg.ffn_dim))
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows [n, dim] sorted by local expert, counts[j] of them for expert j."""
+        out = []
+        for j, piece in enumerate(rows.split(counts)):
+            h = F.silu(piece @ self.w_gate[j].t()) * (piece @ self.w_up[j].t())
+            out.append(h @ self.w_down[j].t())
+        return torch.cat(out)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, ep: ExpertParallel, shared: nn.Module | None):
+        super().__init__()
+        self.cfg, self.tp, self.ep = cfg, tp, ep
+        self.router = Router(cfg, tp)
+        self.experts = Experts(cfg, tp, ep)
+        self.shared = shared
+        self.micro_batches = 1  # set by the trainer: each micro-batch's balancing loss counts 1/micro_batches
+        self.counts = torch.zeros(cfg.moe_experts, dtype=torch.float64)  # rows per expert since the last read
+        self.aux = torch.zeros((), dtype=torch.float64)  # balancing + z-loss since the last read
+
+    def _global(self, counts: torch.Tensor, sp: bool) -> torch.Tensor:
+        """Rows per expert over every rank holding other tokens of this micro-batch."""
+        counts = counts.to(torch.float64)
+        if self.tp.comm is not None:
+            self.tp.comm.all_reduce(counts, "loss", label="expert counts")
+            if sp:
+                self.tp.comm.all_reduce(counts, "tp", label="expert counts")
+        return counts
+
+    def forward(self, x: torch.Tensor, sp: bool) -> torch.Tensor:
+        """x [tokens, dim] -> [tokens, dim]."""
+        cfg, k = self.cfg, self.cfg.moe_top_k
+        logits = F.linear(x, self.router.weight).float()
+        probs = logits.softmax(-1)
+        top, chosen = probs.topk(k, dim=-1)
+        weights = top / top.sum(-1, keepdim=True)
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)  # rows sorted by expert; row r is token r // k
+        counts = torch.bincount(flat, minlength=cfg.moe_experts)
+        rows, local_counts, back = self.ep.dispatch(x[order // k], counts)
+        out = self.ep.combine(self.experts(rows, local_counts.tolist()), back)
+        y = torch.zeros_like(x).index_add(0, order // k, out * weights.flatten()[order, None].to(x.dtype))
+        if self.shared is not None:
+            y = y + self.shared(x, sp)
+        if not torch.is_grad_enabled():
+            return y
+        total = self._global(counts, sp)
+        tokens = float(total.sum()) / k
+        share = (total / tokens).to(probs.dtype)  # f: fraction of tokens sent to each expert (sums to k)
+        balance = cfg.moe_experts * (share * probs.sum(0)).sum() / tokens
+        z = logits.logsumexp(-1).pow(2).sum() / tokens
+        loss = (cfg.moe_aux_weight * balance + cfg.moe_z_weight * z) / self.micro_batches
+        self.counts = self.counts.to(total.device) + total
+        self.aux = self.aux.to(total.device) + loss.detach()
+        return _WithLoss.apply(y, loss)

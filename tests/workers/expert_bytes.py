@@ -1,0 +1,39 @@
+"""Under torchrun with ep ranks: the all-to-all bytes of one forward and backward, summed over the ep group,
+equal tokens * k * hidden * bytes per MoE layer for each of dispatch and combine, forward and backward (plus
+the exchanged expert counts), and the expert outputs equal one process's.
+
+    torchrun --nproc-per-node EP expert_bytes.py
+"""
+import os
+
+import torch
+
+from sixfold.comm import Comm
+from sixfold.config import ParallelConfig, load_config
+from sixfold.mesh import ParallelContext
+from sixfold.model.llama import Llama, init_weights
+from sixfold.parallel.expert import ExpertParallel
+from sixfold.parallel.tensor import TensorParallel
+from sixfold.trace import Tracer
+
+ep = int(os.environ["WORLD_SIZE"])
+cfg = load_config("configs/tiny.yaml", ["model.moe_experts=4", "model.moe_top_k=2"]).model
+ctx = ParallelContext.initialize(ParallelConfig(dp_shard=ep, ep=ep))
+comm = Comm(ctx, Tracer(False, ctx.rank))
+model = Llama(cfg, TensorParallel(comm), ep=ExpertParallel(comm))
+init_weights(model, 4)
+x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(ctx.rank))
+model.loss_sum(x, x).backward()
+
+rows = 2 * 16 * cfg.moe_top_k * cfg.n_layers  # this rank's routed rows over all MoE layers
+sent = torch.tensor([comm.ledger.total["ep", "all_to_all"], rows], dtype=torch.float64)
+torch.distributed.all_reduce(sent)
+counts = ep * cfg.n_layers * cfg.moe_experts * 8  # int64 rows per expert, exchanged before each dispatch
+assert sent[0] == 4 * sent[1] * cfg.dim * 4 + counts, (sent.tolist(), counts)
+
+whole = Llama(cfg)
+init_weights(whole, 4)
+with torch.no_grad():
+    assert torch.allclose(model(x), whole(x), atol=1e-5)
+print(f"rank {ctx.rank} expert bytes OK", flush=True)
+ctx.close()
