@@ -118,10 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
+    from .comm import CommError
     from .train import TrainingError
     try:
         return args.fn(args, argv)
-    except (*KNOWN_ERRORS, TrainingError) as e:
+    except (*KNOWN_ERRORS, TrainingError, CommError) as e:
         rank = os.environ.get("RANK")
         print(f"sixfold error{f' (rank {rank})' if rank else ''}: {e}", file=sys.stderr)
         return 2

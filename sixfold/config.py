@@ -114,6 +114,7 @@ class TrainConfig:
     eval_batches: int = 2
     precision: str = "fp32"
     grad_reduce: str = "fp32"
+    skip_nonfinite: int = 3  # steps with a NaN/Inf loss or gradient are skipped; stop after this many in a row
 
 
 @dataclass
@@ -324,6 +325,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                               "weights once per step; leave it unset or set it to false")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if t.skip_nonfinite < 0:
+        raise ConfigError(f"train.skip_nonfinite={t.skip_nonfinite} must be 0 (stop at the first) or more")
     if t.micro_batches < 1:
         raise ConfigError(f"train.micro_batches={t.micro_batches} must be at least 1")
     if t.global_batch % (p.dp * t.micro_batches):
