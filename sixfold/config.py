@@ -39,6 +39,7 @@ class ModelConfig:
     moe_shared_expert: bool = False  # a dense SwiGLU beside the routed experts
     moe_aux_weight: float = 0.01  # load-balancing loss
     moe_z_weight: float = 0.001  # router z-loss
+    recompute: str = "none"  # activations recomputed in backward: none | selective (attention core) | full
 
     @property
     def head_dim(self) -> int:
@@ -283,6 +284,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if (p.dp_shard * p.cp) % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide parallel.dp_shard*parallel.cp={p.dp_shard * p.cp} "
                           f"(expert parallel borrows those ranks); change parallel.ep or parallel.dp_shard")
+    if m.recompute not in ("none", "selective", "full"):
+        raise ConfigError(f"model.recompute={m.recompute!r}: choose none, selective (the attention core) or full "
+                          "(every sub-layer from its input)")
     if m.moe_experts < 0 or m.moe_every < 1:
         raise ConfigError("model.moe_experts must be 0 or more and model.moe_every at least 1")
     if m.dim % m.n_heads:
