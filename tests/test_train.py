@@ -175,3 +175,9 @@ def test_a_killed_rank_restarts_the_job_which_resumes_and_ends_as_if_never_stopp
     steps = read_metrics(run)  # steps after the last checkpoint may appear twice
     assert sorted({m["step"] for m in steps}) == list(range(1, 31))
     assert steps[-1]["loss"] == read_metrics(tmp_path / "whole")[-1]["loss"]
+
+
+def test_nproc_starts_the_ranks(tmp_path):
+    proc = _train(tmp_path / "run", "parallel.dp_replicate=2", "train.steps=2", nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(read_metrics(tmp_path / "run")) == 2
