@@ -20,6 +20,19 @@ def _split(items: list[str]) -> tuple[str | None, list[str]]:
     return None, items
 
 
+def _without_nproc(argv: list[str]) -> list[str]:
+    """argv without `--nproc N` or `--nproc=N` (the ranks started must not start ranks again)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
 def _relaunch(args, argv: list[str], world: int) -> int | None:
     """Outside torchrun, a multi-process layout starts its own ranks on this machine."""
     if under_torchrun():
@@ -42,7 +55,7 @@ def _config(args):
 
 def cmd_train(args, argv) -> int:
     cfg = _config(args)
-    code = _relaunch(args, [a for a in argv if not a.startswith("--nproc")], cfg.parallel.world_size)
+    code = _relaunch(args, _without_nproc(argv), cfg.parallel.world_size)
     if code is not None:
         return code
     from .train import train
@@ -118,10 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
+    from .comm import CommError
     from .train import TrainingError
     try:
         return args.fn(args, argv)
-    except (*KNOWN_ERRORS, TrainingError) as e:
+    except (*KNOWN_ERRORS, TrainingError, CommError) as e:
         rank = os.environ.get("RANK")
         print(f"sixfold error{f' (rank {rank})' if rank else ''}: {e}", file=sys.stderr)
         return 2

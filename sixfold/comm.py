@@ -36,16 +36,27 @@ class Ledger:
         return {f"{g}/{op}": {"bytes": b, "calls": self.calls[g, op]} for (g, op), b in sorted(self.total.items())}
 
 
+class CommError(RuntimeError):
+    """A collective that failed or timed out; the message names its group and what to check."""
+
+    def __init__(self, name: str, ranks: tuple[int, ...], error: Exception):
+        super().__init__(f"{name} over ranks {list(ranks)} failed: {error}. A rank of that group crashed or did not "
+                         f"reach the same collective within parallel.timeout_s; see its log")
+
+
 class Pending:
     """An asynchronous collective; wait() completes it and closes its trace span."""
 
-    def __init__(self, work, tracer: Tracer, name: str, start: float, args: dict):
-        self.work, self.tracer, self.name, self.start, self.args = work, tracer, name, start, args
+    def __init__(self, work, tracer: Tracer, name: str, start: float, args: dict, ranks: tuple[int, ...] = ()):
+        self.work, self.tracer, self.name, self.start, self.args, self.ranks = work, tracer, name, start, args, ranks
 
     def wait(self) -> None:
         if self.work is not None:
-            for work in self.work if isinstance(self.work, list) else [self.work]:
-                work.wait()
+            try:
+                for work in self.work if isinstance(self.work, list) else [self.work]:
+                    work.wait()
+            except RuntimeError as e:
+                raise CommError(self.name, self.ranks, e) from None
             self.work = None
             self.tracer.add(self.name, "comm", self.start, now_us(), **self.args)
 
@@ -59,10 +70,14 @@ class Comm:
         self.ledger.record(group, op, nbytes)
         name = f"{op} {group}{' ' + label if label else ''}"
         start = now_us()
-        work = call(self.ctx.groups[group], async_op)
+        try:
+            work = call(self.ctx.groups[group], async_op)
+        except RuntimeError as e:
+            raise CommError(name, self.ctx.members(group), e) from None
         if not async_op:
             self.tracer.add(name, "comm", start, now_us(), bytes=nbytes)
-        return Pending(work if async_op else None, self.tracer, name, start, {"bytes": nbytes})
+        return Pending(work if async_op else None, self.tracer, name, start, {"bytes": nbytes},
+                       self.ctx.members(group))
 
     def all_reduce(self, t: torch.Tensor, group: str, async_op: bool = False, label: str = "",
                    op=dist.ReduceOp.SUM) -> Pending | None:

@@ -39,6 +39,7 @@ class ModelConfig:
     moe_shared_expert: bool = False  # a dense SwiGLU beside the routed experts
     moe_aux_weight: float = 0.01  # load-balancing loss
     moe_z_weight: float = 0.001  # router z-loss
+    recompute: str = "none"  # activations recomputed in backward: none | selective (attention core) | full
 
     @property
     def head_dim(self) -> int:
@@ -114,6 +115,7 @@ class TrainConfig:
     eval_batches: int = 2
     precision: str = "fp32"
     grad_reduce: str = "fp32"
+    skip_nonfinite: int = 3  # steps with a NaN/Inf loss or gradient are skipped; stop after this many in a row
 
 
 @dataclass
@@ -282,6 +284,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if (p.dp_shard * p.cp) % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide parallel.dp_shard*parallel.cp={p.dp_shard * p.cp} "
                           f"(expert parallel borrows those ranks); change parallel.ep or parallel.dp_shard")
+    if m.recompute not in ("none", "selective", "full"):
+        raise ConfigError(f"model.recompute={m.recompute!r}: choose none, selective (the attention core) or full "
+                          "(every sub-layer from its input)")
     if m.moe_experts < 0 or m.moe_every < 1:
         raise ConfigError("model.moe_experts must be 0 or more and model.moe_every at least 1")
     if m.dim % m.n_heads:
@@ -324,6 +329,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                               "weights once per step; leave it unset or set it to false")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if t.skip_nonfinite < 0:
+        raise ConfigError(f"train.skip_nonfinite={t.skip_nonfinite} must be 0 (stop at the first) or more")
     if t.micro_batches < 1:
         raise ConfigError(f"train.micro_batches={t.micro_batches} must be at least 1")
     if t.global_batch % (p.dp * t.micro_batches):

@@ -121,6 +121,15 @@ def pick_device() -> tuple[str, torch.device]:
     return "gloo", torch.device("cpu")
 
 
+def _store(rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """The job's rendezvous store, with keys of their own for each torchrun restart: a restarted job must not
+    read the addresses that the ranks it replaces left there."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent, timeout=timeout)
+    return dist.PrefixStore(f"sixfold/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 class ParallelContext:
     """Ranks, named process groups and the device of one process; built once and passed around."""
 
@@ -147,8 +156,9 @@ class ParallelContext:
             return cls.single(dims)
         backend, device = pick_device()
         rank = int(os.environ["RANK"])
-        dist.init_process_group(backend, timeout=timedelta(seconds=parallel.timeout_s),
-                                device_id=device if backend == "nccl" else None)
+        timeout = timedelta(seconds=parallel.timeout_s)
+        dist.init_process_group(backend, store=_store(rank, world, timeout), rank=rank, world_size=world,
+                                timeout=timeout, device_id=device if backend == "nccl" else None)
         made: dict[tuple[int, ...], dist.ProcessGroup | None] = {tuple(range(world)): dist.group.WORLD}
         for name in GROUP_NAMES:
             for ranks in dims.all_groups(name):

@@ -26,13 +26,14 @@ from .parallel.pipeline.runtime import Pipeline
 from .parallel.pipeline.stages import split_stages
 from .parallel.sharding import Sharded
 from .parallel.tensor import IGNORE_INDEX, TensorParallel
-from .trace import Tracer, draw_timeline, write_chrome_trace
+from .parallel.pipeline.simulate import Costs, simulate
+from .trace import Tracer, draw_timeline, schedule_events, write_chrome_trace
 
 TRACE_STEPS = 3
 
 
 class TrainingError(RuntimeError):
-    """Training cannot go on (a non-finite loss); the message says what to change."""
+    """Training cannot go on (non-finite losses); the message says what to change."""
 
 
 class Trainer:
@@ -61,7 +62,7 @@ class Trainer:
         self.optim = AdamW(self.sharded, t, no_decay)
         self.loader = BatchLoader(self.data.train, t.seq_len, t.global_batch, t.seed,
                                   ctx.batch_index, ctx.size("batch"))
-        self.step = 0
+        self.step = self.skipped = 0
         resume = cfg.checkpoint.resume
         if resume == "auto":  # the run directory's latest checkpoint, if it has one
             resume = str(self.run_dir) if (self.run_dir / "checkpoints" / "latest").is_file() else ""
@@ -107,19 +108,27 @@ class Trainer:
                 loss_sum += loss.detach()
         self.sharded.finish()
         loss_value = self._total(float(loss_sum))
-        if not math.isfinite(loss_value):
-            raise TrainingError(f"loss is {loss_value} at step {self.step + 1}; weights were not updated. "
-                                f"Lower train.lr or check the data, then resume from the last checkpoint")
         with self.tracer.span("optimizer", "optim"):
             grad_norm = clip_grad_norm(self.sharded, t.grad_clip)
             lr = learning_rate(t, self.step)
-            self.optim.step(lr)
-            self.sharded.after_step()
+            skip = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
+            if not skip:
+                self.optim.step(lr)
+                self.sharded.after_step()
             self.sharded.zero_grad()
         self.step += 1
+        self.skipped = self.skipped + 1 if skip else 0
+        if self.skipped > t.skip_nonfinite:
+            raise TrainingError(f"loss {loss_value}, gradient norm {grad_norm} at step {self.step}: not finite for "
+                                f"{self.skipped} step(s) in a row (train.skip_nonfinite={t.skip_nonfinite}); the "
+                                f"weights of the last good step were kept. Lower train.lr or check the data, then "
+                                f"resume from the last checkpoint")
+        if skip and self.ctx.is_main:
+            warnings.warn(f"step {self.step}: loss {loss_value}, gradient norm {grad_norm}; step skipped, weights "
+                          f"unchanged ({self.skipped} of at most train.skip_nonfinite={t.skip_nonfinite} in a row)")
         self.loader.load_state_dict({**self.loader.state_dict(), "next_step": self.step})
         elapsed = time.perf_counter() - start
-        return {"step": self.step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
+        return {"step": self.step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": skip,
                 "tokens_per_s": t.global_batch * t.seq_len / elapsed, "step_s": elapsed,
                 "comm_bytes": sum(self.comm.ledger.end_step().values()), **self._expert_load()}
 
@@ -234,6 +243,13 @@ class Trainer:
                           f"sixfold {self.cfg.parallel.describe()}: last {TRACE_STEPS} steps")
             (self.run_dir / "comm_ledger.json").write_text(json.dumps(self.comm.ledger.summary(), indent=1))
             log.print(f"trace: {self.run_dir / 'trace.json'} and {self.run_dir / 'timeline.png'}")
+            if self.pipeline:
+                s = self.pipeline.schedule
+                plan = simulate(s, Costs(f=1.0, b=1.0, w=1.0))
+                draw_timeline(schedule_events(plan), self.run_dir / "schedule.png",
+                              f"{s.name} pp={s.pp} v={s.v} m={s.m}, as planned (simulator; bubble {plan.bubble:.0%})",
+                              "time (F = B = W = 1 unit)")
+                log.print(f"planned schedule: {self.run_dir / 'schedule.png'}")
 
 
 def prepare_run_dir(cfg: Config, ctx: ParallelContext) -> None:

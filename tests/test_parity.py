@@ -70,6 +70,11 @@ LAYOUTS["ep2xcp2"] = [*MOE, "parallel.cp=2", "parallel.ep=2"]
 LAYOUTS["ep2-shared-every2-zero1"] = [*MOE, "model.moe_shared_expert=true", "model.moe_every=2", "parallel.dp_shard=2",
                                       "parallel.ep=2", "parallel.zero=1"]
 
+LAYOUTS["dp_shard2-zero3-recompute-full"] = ["parallel.dp_shard=2", "parallel.zero=3", "model.recompute=full", *ACCUM]
+LAYOUTS["pp2xtp2-zb-v-recompute-full"] = ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=zb-v",
+                                          "parallel.pp_virtual_stages=2", "train.micro_batches=4", "model.recompute=full"]
+LAYOUTS["cp2-recompute-selective"] = ["parallel.cp=2", "model.recompute=selective"]
+
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_parity(name, tmp_path):

@@ -9,6 +9,7 @@ from sixfold.config import ConfigError
 from sixfold.parallel.pipeline.schedules import (
     B, COMPUTE, F, RECV_B, RECV_F, SCHEDULES, SEND_F, W, Action, Schedule, build, placement)
 from sixfold.parallel.pipeline.simulate import Costs, ScheduleError, simulate
+from sixfold.trace import draw_timeline, schedule_events
 
 SPLIT = ("zb-h1", "zb-v")  # schedules with a W for every B
 
@@ -221,3 +222,11 @@ def test_checker_finds_broken_schedules():
     zb = build("zb-h1", 1, 1, 1)
     with pytest.raises(ScheduleError, match=r"W\(s0,m0\): runs before B\(s0,m0\)"):
         simulate(_replace(zb, 0, [Action(F, 0, 0), Action(W, 0, 0), Action(B, 0, 0)]))
+
+
+def test_the_plan_is_drawn_with_every_action(tmp_path):
+    plan = simulate(build("zb-v", 2, 2, 4))
+    events = schedule_events(plan)
+    assert sum(e["cat"] == "compute" for e in events) == 2 * 2 * 4 * 3  # F, B and W of each stage and micro-batch
+    draw_timeline(events, tmp_path / "plan.png", "zb-v", "time (units)")
+    assert (tmp_path / "plan.png").stat().st_size > 10_000

@@ -1,11 +1,17 @@
 """The trainer end to end: run output, exact resume, checkpoint safety, clear errors."""
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from sixfold.logs import read_metrics
-from helpers import TINY, sixfold
+from helpers import ROOT, TINY, sixfold, torchrun
 
 
 def _train(run_dir, *overrides, nproc=None):
@@ -92,11 +98,11 @@ def test_bad_checkpoints(tmp_path):
     assert bad.returncode == 2 and "model.safetensors is corrupt" in bad.stderr
 
 
-def test_nan_loss_stops_with_a_clear_error(tmp_path):
+def test_nan_loss_stops_at_once_when_asked(tmp_path):
     proc = _train(tmp_path / "run", "train.lr=1e30", "train.grad_clip=0", "train.warmup_steps=0",
-                  "train.steps=6", "checkpoint.save_final=false")
+                  "train.steps=6", "train.skip_nonfinite=0", "checkpoint.save_final=false")
     assert proc.returncode == 2
-    assert "weights were not updated" in proc.stderr and "train.lr" in proc.stderr
+    assert "weights of the last good step were kept" in proc.stderr and "train.lr" in proc.stderr
 
 
 def test_layout_errors_before_any_process_starts(tmp_path):
@@ -118,3 +124,60 @@ def test_check_command_prints_one_verdict(tmp_path):
     proc = sixfold("check", TINY, "parallel.dp_replicate=2", "--steps", "2", "--workdir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("parity OK: dp_replicate2, 2 steps")
+
+
+def test_a_hung_peer_ends_the_collective_with_an_error_naming_its_group():
+    proc = torchrun("hang.py", 2)
+    assert "rank 0 stopped: all_reduce dp_replicate grads over ranks [0, 1] failed" in proc.stdout, proc.stderr[-2000:]
+    assert "parallel.timeout_s" in proc.stdout
+
+
+def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
+    proc = _train(tmp_path / "run", "train.lr=1e30", "train.grad_clip=0", "train.warmup_steps=0", "train.steps=8",
+                  "train.skip_nonfinite=2", "checkpoint.save_final=false")
+    assert proc.returncode == 2
+    assert "not finite for 3 step(s) in a row (train.skip_nonfinite=2)" in proc.stderr and "train.lr" in proc.stderr
+    skipped = [m["skipped"] for m in read_metrics(tmp_path / "run")]
+    assert skipped[-2:] == [True, True] and not skipped[0]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_a_killed_rank_restarts_the_job_which_resumes_and_ends_as_if_never_stopped(tmp_path):
+    """torchrun --max-restarts: SIGKILL one rank mid-run; the restarted job resumes from the latest checkpoint
+    and ends with the uninterrupted run's final loss."""
+    common = ["train.steps=30", "checkpoint.every=3", "parallel.dp_replicate=2"]
+    assert _train(tmp_path / "whole", *common).returncode == 0
+    run = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}", "checkpoint.resume=auto", *common]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    while job.poll() is None and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 5):
+        time.sleep(0.05)
+    workers = _children(job.pid)
+    assert job.poll() is None and len(workers) == 2, "the run ended before a rank could be killed"
+    os.kill(max(workers), signal.SIGKILL)
+    out, err = job.communicate(timeout=300)
+    assert job.returncode == 0, err[-3000:]
+    assert "exitcode: -9" in err  # torchrun saw the kill and restarted the job
+    steps = read_metrics(run)  # steps after the last checkpoint may appear twice
+    assert sorted({m["step"] for m in steps}) == list(range(1, 31))
+    assert steps[-1]["loss"] == read_metrics(tmp_path / "whole")[-1]["loss"]
+
+
+def test_nproc_starts_the_ranks(tmp_path):
+    proc = _train(tmp_path / "run", "parallel.dp_replicate=2", "train.steps=2", nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(read_metrics(tmp_path / "run")) == 2

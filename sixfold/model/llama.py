@@ -7,10 +7,12 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from .moe import MoE
@@ -79,7 +81,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel, cp: ContextParallel):
         super().__init__()
-        self.layer, self.tp, self.cp, self.head_dim = layer, tp, cp, cfg.head_dim
+        self.layer, self.tp, self.cp, self.head_dim, self.recompute = layer, tp, cp, cfg.head_dim, cfg.recompute
         kv_parts = min(cfg.n_kv_heads, tp.size)
         self.n_heads, self.n_kv_heads = cfg.n_heads // tp.size, cfg.n_kv_heads // kv_parts
         q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -96,7 +98,11 @@ class Attention(nn.Module):
         k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, t.cos, t.sin), apply_rope(k, t.cos, t.sin)
-        out = self.cp.attention(q, k, v) if t.context else self._local_attention(q, k, v, t.cache)
+        attend = self.cp.attention if t.context else partial(self._local_attention, cache=t.cache)
+        if self.recompute == "selective" and torch.is_grad_enabled() and t.cache is None:
+            out = checkpoint(attend, q, k, v, use_reentrant=False)  # the core again in backward, not its saves
+        else:
+            out = attend(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b * s, -1), sp)
 
     def _local_attention(self, q, k, v, cache: KVCache | None) -> torch.Tensor:
@@ -127,6 +133,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel, cp: ContextParallel, ep: ExpertParallel):
         super().__init__()
+        self.recompute = cfg.recompute
         norm_split = tp.split(0, cfg.dim, parts=1, partial_grad=tp.sequence)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, norm_split)
         self.attn = Attention(cfg, layer, tp, cp)
@@ -136,10 +143,21 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(cfg, tp)
 
-    def forward(self, x: torch.Tensor, t: Tokens) -> torch.Tensor:
-        """x: [tokens, dim], this rank's 1/tp of the tokens under sequence-TP."""
-        x = x + self.attn(self.attn_norm(x), t)
+    def _attend(self, x: torch.Tensor, t: Tokens) -> torch.Tensor:
+        return x + self.attn(self.attn_norm(x), t)
+
+    def _ffn(self, x: torch.Tensor, t: Tokens) -> torch.Tensor:
         return x + self.mlp(self.mlp_norm(x), t.sequence_tp)
+
+    def forward(self, x: torch.Tensor, t: Tokens) -> torch.Tensor:
+        """x: [tokens, dim], this rank's 1/tp of the tokens under sequence-TP. With full recomputation each
+        sub-layer keeps only its input and runs again in backward (not an MoE layer: its routing statistics
+        are counted once)."""
+        full = self.recompute == "full" and torch.is_grad_enabled()
+        x = checkpoint(self._attend, x, t, use_reentrant=False) if full else self._attend(x, t)
+        if full and not isinstance(self.mlp, MoE):
+            return checkpoint(self._ffn, x, t, use_reentrant=False)
+        return self._ffn(x, t)
 
 
 class Llama(nn.Module):

@@ -51,10 +51,10 @@ class Experts(nn.Module):
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows [n, dim] sorted by local expert, counts[j] of them for expert j."""
-        out = []
-        for j, piece in enumerate(rows.split(counts)):
-            h = F.silu(piece @ self.w_gate[j].t()) * (piece @ self.w_up[j].t())
-            out.append(h @ self.w_down[j].t())
+        out = []  # unbind once: indexing per expert would give each a whole zeroed gradient in backward
+        for piece, gate, up, down in zip(rows.split(counts), self.w_gate.unbind(), self.w_up.unbind(),
+                                         self.w_down.unbind()):
+            out.append((F.silu(piece @ gate.t()) * (piece @ up.t())) @ down.t())
         return torch.cat(out)
 
 
@@ -86,11 +86,12 @@ class MoE(nn.Module):
         top, chosen = probs.topk(k, dim=-1)
         weights = top / top.sum(-1, keepdim=True)
         flat = chosen.flatten()
-        order = torch.argsort(flat, stable=True)  # rows sorted by expert; row r is token r // k
+        order = torch.argsort(flat, stable=True)  # rows sorted by expert
+        token = order // k  # the token of each row
         counts = torch.bincount(flat, minlength=cfg.moe_experts)
-        rows, local_counts, back = self.ep.dispatch(x[order // k], counts)
+        rows, local_counts, back = self.ep.dispatch(x[token], counts)
         out = self.ep.combine(self.experts(rows, local_counts.tolist()), back)
-        y = torch.zeros_like(x).index_add(0, order // k, out * weights.flatten()[order, None].to(x.dtype))
+        y = torch.zeros_like(x).index_add(0, token, out * weights.flatten()[order, None].to(x.dtype))
         if self.shared is not None:
             y = y + self.shared(x, sp)
         if not torch.is_grad_enabled():

@@ -156,12 +156,13 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, tp: TensorParallel, mode: str, sp: bool, *weights):
-        ctx.tp, ctx.mode, ctx.sp = tp, mode, sp
+        # the weights themselves, not saved copies: deferred gradients and their hooks need the parameters
+        ctx.tp, ctx.mode, ctx.sp, ctx.weights = tp, mode, sp, weights
         if mode == "column":
             full, _ = tp.gather(x, sp)
-            ctx.save_for_backward(x, *weights)  # under sequence-TP the shard: gathered again in backward
+            ctx.save_for_backward(x)  # under sequence-TP the shard: gathered again in backward
             return tuple(F.linear(full, w) for w in weights)
-        ctx.save_for_backward(x, *weights)
+        ctx.save_for_backward(x)
         y = F.linear(x, weights[0])
         if mode == "row":
             y, _ = tp.reduce(y, sp)
@@ -170,7 +171,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         tp, mode, sp = ctx.tp, ctx.mode, ctx.sp
-        x, *weights = ctx.saved_tensors
+        (x,), weights = ctx.saved_tensors, ctx.weights
         if mode == "column":
             full, gathering = tp.gather(x, sp, async_op=True)
             dx = sum(dy @ w for dy, w in zip(grads, weights))
