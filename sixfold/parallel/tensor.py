@@ -80,11 +80,12 @@ class WeightGrads:
     """Weight gradients computed later than input gradients (zero-bubble pipelines' W actions).
 
     While `defer` is set, linear layers queue their weight-gradient work here; run() performs it,
-    accumulating into each weight's .grad and then calling on_grad(weight).
+    accumulating into each weight's .grad and then calling on_grad(weight). `used`: some backward may defer,
+    so every linear layer runs through the Function that can (autograd's own linear cannot).
     """
 
     def __init__(self):
-        self.defer = False
+        self.defer = self.used = False
         self.pending: list = []
         self.on_grad = None
 
@@ -200,7 +201,8 @@ def _weight_grad(tp: TensorParallel, weight: torch.Tensor, dy: torch.Tensor, x: 
 
 def linear(tp: TensorParallel, x: torch.Tensor, weights: list[torch.Tensor], mode: str, sp: bool):
     """Apply one or more weights to x in `mode` (plain, column or row); a tuple for column mode."""
-    if not tp.weight_grads.defer and (tp.size == 1 or mode == "plain"):  # autograd's own linear suffices
+    wg = tp.weight_grads
+    if not (wg.defer or wg.used) and (tp.size == 1 or mode == "plain"):  # autograd's own linear suffices
         out = tuple(F.linear(x, w) for w in weights)
         return out if mode == "column" else out[0]
     return _Linear.apply(x, tp, mode, sp and tp.size > 1, *weights)

@@ -1,5 +1,6 @@
 """Under torchrun with pp ranks, for each schedule: the runtime's gradients equal one process's, its peak of
-micro-batches in flight equals the simulator's, and the bytes it sends equal its SEND actions' payload.
+micro-batches in flight equals the simulator's, W actions compute the deferred weight gradients, and the bytes
+it sends equal its SEND actions' payload.
 
     torchrun --nproc-per-node PP pipeline_runtime.py MICRO_BATCHES
 """
@@ -51,6 +52,8 @@ for name, v in CASES:
         err = (p.grad - expected[n]).norm() / expected[n].norm()
         assert err < 1e-5, (name, n, float(err))
     assert pipeline.peak_in_flight == simulate(schedule).ranks[rank].peak_in_flight, (name, pipeline.peak_in_flight)
+    ws = sum(a.kind == schedules.W for a in schedule.ranks[rank])
+    assert (pipeline.deferred > 0) == (ws > 0), (name, pipeline.deferred)  # W actions do the weight gradients
     hidden = 2 * 16 * cfg.dim * 4
     sends = sum(a.kind in (schedules.SEND_F, schedules.SEND_B) for a in schedule.ranks[rank])
     assert comm.ledger.total["pp", "send_recv"] == sends * hidden, (name, dict(comm.ledger.total))

@@ -28,8 +28,10 @@ class Pipeline:
         self.last = schedule.stages - 1
         self.actions = schedule.ranks[self.rank]
         self.split = {(a.stage, a.micro) for a in self.actions if a.kind == W}
+        model.tp.weight_grads.used = bool(self.split)
         self.launch_after = self._launch_points()
         self.peak_in_flight = 0  # in the last step: most (stage, micro) pairs whose saved activations were alive
+        self.deferred = 0  # in the last step: weight gradients computed by W actions
 
     @property
     def cfg(self):
@@ -99,7 +101,7 @@ class Pipeline:
         model, wg = self.model, self.model.tp.weight_grads
         t = model.tokens(*micro[0][0].shape, micro[0][0].device)
         inputs, outputs, grads, outbox, deferred = {}, {}, {}, {}, {}
-        self.peak_in_flight = 0
+        self.peak_in_flight = self.deferred = 0
         loss = torch.zeros((), dtype=torch.float64, device=self.comm.ctx.device)
         batch = []
         for i, a in enumerate(self.actions):
@@ -136,7 +138,9 @@ class Pipeline:
                         else:
                             outbox[SEND_B, s, m] = grad
                 else:
-                    wg.run(deferred.pop(key))
+                    work = deferred.pop(key)
+                    self.deferred += len(work)
+                    wg.run(work)
             for unit in self.launch_after.get(i, []):
                 self.sharded.launch(unit)
         self._exchange(batch, t, outbox, inputs, grads)
