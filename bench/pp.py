@@ -1,0 +1,327 @@
+"""Pipeline parallel: each schedule's bubble (measured from sixfold's trace, simulated, theory), and sixfold's
+pipeline beside torch.distributed.pipelining on the same stages and data.
+
+    python bench/pp.py --runs 3 --micro 8 --pp4
+
+The workload is configs/bench.yaml with uniform stages: 8 blocks of dim 256, a 320-token vocabulary (the
+embedding and head cost about a tenth of a block), 8 sequences of 256 tokens per step, one per micro-batch.
+Each run is a torchrun job (OMP_NUM_THREADS=1 per rank, bench/common.py); at pp=2 sixfold and torch alternate
+per schedule, --runs times. sixfold's jobs trace their last 3 steps (by default the timed ones).
+
+Bubble: per rank, 1 - (its F, B and W spans) / (the step's makespan: first compute start to last compute end
+over all ranks), averaged over the traced steps, then the median over runs. The simulator gets the median F,
+B and W span of the same job (B and W apart where the schedule splits them, B alone holding both otherwise),
+and once more with the message latency measured in the trace and the runtime's way of waiting for messages.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from common import (ROOT, WARMUP, machine, mark_memory, peak_mb, revision, save_result, sixfold_worker, spread,
+                    torchrun, wait_quiet, write_doc)
+
+MODEL = ["model.vocab_size=320", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8"]
+# schedule -> (stages per rank, torch's class or None)
+SCHEDULES = {"gpipe": (1, "ScheduleGPipe"), "1f1b": (1, "Schedule1F1B"),
+             "interleaved": (2, "ScheduleInterleaved1F1B"), "breadth-first": (2, "ScheduleLoopedBFS"),
+             "zb-h1": (1, None), "zb-v": (2, "ScheduleZBVZeroBubble")}
+TRACED = 3  # steps sixfold's trainer traces (the last ones)
+COMPUTE = ("F", "B", "W")
+
+
+def config(args, world: int, run_dir: str):
+    from sixfold.config import load_config
+
+    v = SCHEDULES[args.schedule][0]
+    return load_config(args.config, MODEL + [
+        f"parallel.pp={world}", f"parallel.pp_schedule={args.schedule}", f"parallel.pp_virtual_stages={v}",
+        f"train.micro_batches={args.micro}", f"train.global_batch={args.micro}", f"train.steps={args.steps}",
+        f"log.run_dir={run_dir}", "log.trace=true", "log.progress=false", "log.tensorboard=false",
+        "checkpoint.save_final=false"])
+
+
+# ---- workers (one torchrun rank each) ----
+
+def sixfold_side(cfg) -> dict:
+    import sixfold.train as trainer
+
+    pipes = []
+
+    class Recorded(trainer.Pipeline):  # keeps the runtime, for its own count of micro-batches in flight
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            pipes.append(self)
+
+    trainer.Pipeline = Recorded
+    trainer.draw_timeline = lambda *a: None  # no picture: matplotlib would count in the peak memory
+    out = {**sixfold_worker(cfg), "peak_in_flight": pipes[0].peak_in_flight}
+    trace = Path(cfg.log.run_dir) / "trace.json"
+    if trace.exists():  # rank 0: every rank's compute spans (F, B or W) and batches of sends and receives
+        out["spans"] = [(e["pid"], e["args"]["step"], e["name"] if e["cat"] == "comm" else e["name"][0], e["ts"],
+                         e["dur"]) for e in json.loads(trace.read_text())["traceEvents"]
+                        if e.get("cat") == "compute" or e["name"].startswith("send_recv")]
+    return out
+
+
+def torch_side(cfg) -> dict:
+    """The same stages (sixfold's Llama cut by split_stages, placed as sixfold places them) run by torch's
+    PipelineStage and schedule classes; loss summed over tokens / the step's tokens, as in sixfold."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.pipelining as pipelining
+    from torch import nn
+
+    from sixfold.data import BatchLoader, load_data
+    from sixfold.model.llama import Llama, init_weights, no_decay
+    from sixfold.optim import learning_rate
+    from sixfold.parallel.pipeline.schedules import placement
+    from sixfold.parallel.pipeline.stages import split_stages
+    from sixfold.parallel.tensor import IGNORE_INDEX
+
+    t, p = cfg.train, cfg.parallel
+
+    class Piece(nn.Module):
+        def __init__(self, stage, rows: int):
+            super().__init__()
+            self.stage, self.llama = stage, Llama(cfg.model, stages=[stage])
+            init_weights(self.llama, t.seed)
+            self.tokens = self.llama.tokens(rows, t.seq_len, torch.device("cpu"))
+
+        def forward(self, x):
+            return self.llama.run(self.stage, x, self.tokens)
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    data = load_data(cfg.data)
+    base = mark_memory()
+    torch.manual_seed(t.seed)
+    stages = split_stages(cfg.model, p.pp * p.pp_virtual_stages, t.seq_len)
+    where = placement(p.pp, p.pp_virtual_stages, p.pp_schedule)
+    pieces = [Piece(s, t.global_batch // t.micro_batches) for s in stages if where[s.index] == rank]
+    first, last = any(s.stage.embed for s in pieces), next((s.llama for s in pieces if s.stage.head), None)
+    pipe = [pipelining.PipelineStage(s, s.stage.index, len(stages), torch.device("cpu")) for s in pieces]
+    step_tokens = [0.0]
+
+    def loss_fn(logits, labels):
+        return last.loss(logits, labels) / step_tokens[0]
+
+    cls = getattr(pipelining, SCHEDULES[p.pp_schedule][1])
+    schedule = cls(pipe if len(pipe) > 1 else pipe[0], t.micro_batches, loss_fn=loss_fn, scale_grads=False)
+    named = [(n, q) for s in pieces for n, q in s.named_parameters()]
+    params = [q for _, q in named]
+    groups = [{"params": [q for n, q in named if not no_decay(n)], "weight_decay": t.weight_decay},
+              {"params": [q for n, q in named if no_decay(n)], "weight_decay": 0.0}]
+    optim = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True)  # as sixfold
+    loader = BatchLoader(data.train, t.seq_len, t.global_batch, t.seed, 0, 1)
+    out = {"step_s": [], "loss": []}
+    for step in range(t.steps):
+        start = time.perf_counter()
+        x, y = loader.batch(step)
+        step_tokens[0] = float((y != IGNORE_INDEX).sum())
+        losses = []
+        schedule.step(*([x] if first else []), target=y if last else None, losses=losses)
+        # the gradient norm over every stage, as sixfold clips
+        norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None]).double() ** 2
+        total = torch.tensor([norm, sum(float(v.detach()) for v in losses)], dtype=torch.float64)
+        dist.all_reduce(total)
+        torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, total[0].sqrt())
+        for g in optim.param_groups:
+            g["lr"] = learning_rate(t, step)
+        optim.step()
+        optim.zero_grad()
+        out["step_s"].append(time.perf_counter() - start)
+        out["loss"].append(float(total[1]))
+    out["peak_mb"] = peak_mb(base)
+    dist.destroy_process_group()
+    return out
+
+
+def worker(args) -> None:
+    # both sides load torch's pipelining (and with it what a fused AdamW loads, ~70 MB of sympy and more)
+    # before their memory mark, so that neither counts the libraries
+    import torch.distributed.pipelining  # noqa: F401
+
+    world = int(os.environ["WORLD_SIZE"])
+    cfg = config(args, world, str(Path(args.out) / "run"))
+    save_result(args.out, sixfold_side(cfg) if args.worker == "sixfold" else torch_side(cfg))
+
+
+# ---- the bubble, measured and predicted ----
+
+def measured(spans: list, pp: int) -> dict:
+    """Per rank idle fraction of each traced step, averaged; the median F, B and W span and the message
+    latency (ms)."""
+    comm = [s for s in spans if s[2] not in COMPUTE]
+    spans = [s for s in spans if s[2] in COMPUTE]
+    idle = [[] for _ in range(pp)]
+    for step in sorted({s[1] for s in spans}):
+        mine = [s for s in spans if s[1] == step]
+        makespan = max(s[3] + s[4] for s in mine) - min(s[3] for s in mine)
+        for r in range(pp):
+            idle[r].append(1 - sum(s[4] for s in mine if s[0] == r) / makespan)
+    ms = {k: statistics.median(s[4] for s in spans if s[2] == k) / 1e3 for k in "FBW"
+          if any(s[2] == k for s in spans)}
+    return {"idle": [statistics.mean(i) for i in idle], "ms": {**ms, "comm": latency(comm)}}
+
+
+def latency(comm: list) -> float:
+    """The median span of the batches of receives alone whose messages had all been sent before the batch was
+    posted: how long the runtime takes to get a message that is already on its way (ms)."""
+    sent = {(step, a): ts for _, step, name, ts, _ in comm for a in name.split()[2:] if a.startswith("SEND")}
+
+    def source(recv: str) -> str:  # RECV_F(s2,m0) comes from SEND_F(s1,m0), RECV_B(s0,m3) from SEND_B(s1,m3)
+        kind, s, m = re.fullmatch(r"RECV_([FB])\(s(\d+),m(\d+)\)", recv).groups()
+        return f"SEND_{kind}(s{int(s) + (-1 if kind == 'F' else 1)},m{m})"
+
+    spans = [dur for _, step, name, ts, dur in comm
+             if all(a.startswith("RECV") and sent.get((step, source(a)), ts) < ts for a in name.split()[2:])]
+    return statistics.median(spans) / 1e3 if spans else 0.0
+
+
+def simulated(name: str, pp: int, m: int, ms: dict, as_run: bool = False):
+    """The simulator's run of the schedule with these costs; as_run: with the message latency, and each batch of
+    sends and receives done only once both ends have posted it, as the runtime waits for it."""
+    from sixfold.parallel.pipeline.schedules import build
+    from sixfold.parallel.pipeline.simulate import Costs, simulate
+
+    costs = Costs(ms["F"], ms["B"], ms.get("W", 0.0), ms["comm"] if as_run else 0.0)
+    return simulate(build(name, pp, SCHEDULES[name][0], m), costs, batched=as_run)
+
+
+def theory(name: str, p: int, v: int, m: int) -> float:
+    """Idle fraction of the makespan by the papers' formulas (F = B = W for the zero-bubble ones)."""
+    if name in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if name in ("interleaved", "breadth-first"):
+        return (p - 1) / v / (m + (p - 1) / v)
+    if name == "zb-h1":
+        return (p - 1) / (3 * m + p - 1)  # a third of 1F1B's idle time
+    return 0.0
+
+
+def per_rank(values, digits: int = 2) -> str:
+    return " / ".join(f"{x:.{digits}f}" for x in values)
+
+
+def bubble_row(name: str, pp: int, m: int, runs: list[dict]) -> tuple[str, str]:
+    """The table row, and for a zero-bubble schedule whose W spans were empty the simulator's bubble had B
+    and W been split (each half the measured B)."""
+    v = SCHEDULES[name][0]
+    stats = [measured(r[0]["spans"], pp) for r in runs]
+    idle = [statistics.median(s["idle"][k] for s in stats) for k in range(pp)]
+    ms = {k: statistics.median(s["ms"][k] for s in stats) for k in stats[0]["ms"]}
+    sim = simulated(name, pp, m, ms)
+    costs = " / ".join(f"{ms[k]:.1f}" if k in ms else "-" for k in ("F", "B", "W", "comm"))
+    row = (f"| {name} | {pp} | {v} | {per_rank(idle)} | **{statistics.mean(idle):.3f}** | "
+           f"{per_rank([r.bubble for r in sim.ranks])} | **{sim.bubble:.3f}** | "
+           f"{simulated(name, pp, m, ms, as_run=True).bubble:.3f} | {theory(name, pp, v, m):.3f} | "
+           f"{costs} | {per_rank([r.peak_in_flight for r in sim.ranks], 0)} | "
+           f"{per_rank([r['peak_in_flight'] for r in runs[0]], 0)} |")
+    note = ""
+    if "W" in ms and ms["W"] < 0.05 * ms["B"]:
+        split = simulated(name, pp, m, {**ms, "B": ms["B"] / 2, "W": ms["B"] / 2})
+        note = (f"{name} pp={pp}: W spans of {ms['W']:.2f} ms, so B computed the weight gradients too; with them "
+                f"split (B = W = {ms['B'] / 2:.0f} ms) the simulator gives {split.bubble:.3f}.")
+    return row, note
+
+
+# ---- driver ----
+
+def job(side: str, name: str, pp: int, args, log: list) -> list[dict]:
+    ranks, others = torchrun(__file__, pp, "--worker", side, "--schedule", name, "--micro", str(args.micro),
+                             "--steps", str(args.steps), "--config", args.config)
+    log.append(others)
+    r = ranks[0]
+    idle = f", idle {statistics.mean(measured(r['spans'], pp)['idle']):.3f}" if "spans" in r else ""
+    print(f"pp={pp} {name:13} {side:7}: {statistics.mean(r['step_s'][WARMUP:]):.3f} s/step{idle}, peak "
+          f"{max(x['peak_mb'] for x in ranks):.0f} MB, step-1 loss {r['loss'][0]:.6f}, other processes "
+          f"{others:.2f} cores", flush=True)
+    return ranks
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--runs", type=int, default=3, help="alternations (sixfold then torch) per schedule at pp=2")
+    p.add_argument("--micro", type=int, default=8, help="micro-batches per step (one sequence each)")
+    p.add_argument("--steps", type=int, default=WARMUP + TRACED, help=f"steps per job; the first {WARMUP} untimed")
+    p.add_argument("--pp4", action="store_true", help="also the bubble at pp=4 (4 ranks on the cores there are)")
+    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    p.add_argument("--config", default=str(ROOT / "configs" / "bench.yaml"))
+    p.add_argument("--worker", choices=("sixfold", "torch"), help="(internal) run one rank of one side")
+    p.add_argument("--schedule", choices=SCHEDULES, help="(internal) the worker's schedule")
+    p.add_argument("--out", help="(internal) where a worker writes its result")
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.steps < WARMUP + TRACED:
+        p.error(f"--steps must be at least {WARMUP + TRACED}: the traced steps are the last {TRACED}")
+    wait_quiet(120)
+    rev, load, others, began = revision(), os.getloadavg(), [], time.perf_counter()
+    runs = {(name, 2): [] for name in args.schedules}
+    torch_runs = {name: [] for name in args.schedules if SCHEDULES[name][1]}
+    for _ in range(args.runs):
+        for name in args.schedules:
+            runs[name, 2].append(job("sixfold", name, 2, args, others))
+            if name in torch_runs:
+                torch_runs[name].append(job("torch", name, 2, args, others))
+    if args.pp4:
+        for name in args.schedules:
+            runs[name, 4] = [job("sixfold", name, 4, args, others)]
+    if revision() != rev:
+        rev += f", then {revision()} before the last run ended"
+
+    bubble = ["| schedule | pp | v | measured idle per rank | mean | simulated per rank | mean | simulated as run | "
+              "theory | F / B / W / latency ms | in flight per rank (simulator) | runtime's peak |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [bubble_row(name, pp, args.micro, rs) for (name, pp), rs in runs.items()]
+    notes = [note for _, note in rows if note]
+    bubble += [row for row, _ in rows] + ([""] + notes if notes else [])
+    versus = ["| schedule | sixfold s/step | torch s/step | time ratio | sixfold peak MB | torch peak MB | "
+              "memory ratio | step-1 loss sixfold / torch |", "|---|---|---|---|---|---|---|---|"]
+    for name, theirs in torch_runs.items():
+        ours = runs[name, 2]
+        st = [[statistics.mean(r[0]["step_s"][WARMUP:]) for r in side] for side in (ours, theirs)]
+        mem = [[max(x["peak_mb"] for x in r) for r in side] for side in (ours, theirs)]
+        loss = [ours[0][0]["loss"][0], theirs[0][0]["loss"][0]]
+        flag = "" if abs(loss[0] - loss[1]) <= 1e-5 * abs(loss[0]) else " **differ**"
+        versus.append(f"| {name} | {spread(st[0], 3)} | {spread(st[1], 3)} | "
+                      f"**{statistics.median(st[0]) / statistics.median(st[1]):.3f}** | {spread(mem[0], 0)} | "
+                      f"{spread(mem[1], 0)} | **{statistics.median(mem[0]) / statistics.median(mem[1]):.3f}** | "
+                      f"{loss[0]:.6f} / {loss[1]:.6f}{flag} |")
+    busy = max(others)
+    body = "\n".join([
+        f"Command: `python bench/pp.py {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}  ", f"sixfold: {rev}  ",
+        f"Date: {time.strftime('%Y-%m-%d')}; m={args.micro} micro-batches; {args.runs} alternating run(s) per "
+        f"schedule at pp=2, steps {WARMUP + 1}-{args.steps} timed, the last {TRACED} traced. Other processes kept "
+        f"{statistics.median(others):.2f} cores busy in the median job, {busy:.2f} at most; load average (1 min) "
+        f"{load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; {(time.perf_counter() - began) / 60:.0f} "
+        "minutes in all"
+        + (": a shared machine, read the times as rough." if busy > 0.5 else "."),
+        "", "### Bubble: idle fraction of the step", "",
+        "Per rank (rank 0 / rank 1 / ...) and the mean over ranks. Simulated: sixfold's simulator on the schedule's "
+        "lists with the job's median F, B and W spans (B holds W where the schedule does not split them), messages "
+        "instant. As run: with the measured message latency (median span of the batches of receives whose messages "
+        "were already sent), and each batch of sends and receives done only once both ends have posted it, as the "
+        "runtime waits for the whole batch before its next compute. Theory: (p-1)/(m+p-1) for "
+        "GPipe and 1F1B, ((p-1)/v)/(m+(p-1)/v) for interleaved and breadth-first, (p-1)/(3m+p-1) for ZB-H1 (a third "
+        "of 1F1B's idle time at F = B = W), 0 for ZB-V. In flight: the most micro-batches whose activations a rank "
+        "holds at once."
+        + (" pp=4 runs 4 ranks on the 2 cores (OMP_NUM_THREADS=1): spans stretch while more than 2 ranks compute, "
+           "so its rows show each schedule's shape more than its cost." if args.pp4 else ""), "", *bubble,
+        "", "### sixfold vs torch.distributed.pipelining (pp=2)", "",
+        "Times are s/step and memory MB (peak RSS above the mark before the model, max over ranks): median over "
+        "runs (range).", "", *versus])
+    print(body)
+    write_doc("pp", "Pipeline bubble: measured, simulated, theory; sixfold vs torch.distributed.pipelining", body)
+    print(f"wrote {Path('docs/benchmarks.md')}")
+
+
+if __name__ == "__main__":
+    main()
