@@ -60,6 +60,7 @@ LAYOUTS["pp2-zb-v-tied-xtp2"] = ["parallel.pp=2", "parallel.pp_schedule=zb-v", "
 MOE = ["model.moe_experts=4", "model.moe_top_k=2"]
 LAYOUTS["ep2"] = [*MOE, "parallel.dp_shard=2", "parallel.ep=2"]
 LAYOUTS["ep4"] = [*MOE, "parallel.dp_shard=4", "parallel.ep=4"]
+LAYOUTS["ep2xdp_shard2-zero3"] = [*MOE, "parallel.dp_shard=2", "parallel.ep=2", "parallel.zero=3"]
 LAYOUTS["ep2xdp_shard4-zero3"] = [*MOE, "parallel.dp_shard=4", "parallel.ep=2", "parallel.zero=3", *ACCUM]
 LAYOUTS["ep2xhsdp2x2-zero2"] = [*MOE, "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2",
                                 "parallel.zero=2"]
