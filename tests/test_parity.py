@@ -77,10 +77,13 @@ LAYOUTS["pp2xtp2-zb-v-recompute-full"] = ["parallel.pp=2", "parallel.tp=2", "par
 LAYOUTS["cp2-recompute-selective"] = ["parallel.cp=2", "model.recompute=selective"]
 
 
+REFERENCES = {}  # reference runs shared by the layouts of the same model and batch
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_parity(name, tmp_path):
     cfg = load_config(TINY, LAYOUTS[name])
-    result = check(cfg, steps=4, workdir=str(tmp_path))
+    result = check(cfg, steps=4, workdir=str(tmp_path), references=REFERENCES)
     print(result.line())
     assert result.loss_rel <= LOSS_RTOL and result.weight_rel <= WEIGHT_RTOL, result.line()
 
