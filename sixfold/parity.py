@@ -79,8 +79,9 @@ def compare(layout_dir: Path, reference_dir: Path, layout: str) -> ParityResult:
     return ParityResult(layout, len(a), loss_rel, weight_rel, worst)
 
 
-def check(cfg: Config, steps: int, workdir: str | None = None) -> ParityResult:
-    """Run the layout under torchrun and the reference in this process; compare the two."""
+def check(cfg: Config, steps: int, workdir: str | None = None, references: dict | None = None) -> ParityResult:
+    """Run the layout under torchrun and the reference in this process; compare the two. `references` maps a
+    reference run's config to its directory: runs of the same reference are made once."""
     root = Path(workdir or tempfile.mkdtemp(prefix="sixfold-check-"))
     layout_cfg = _with(cfg, root / "layout", steps)
     root.mkdir(parents=True, exist_ok=True)
@@ -92,5 +93,14 @@ def check(cfg: Config, steps: int, workdir: str | None = None) -> ParityResult:
                                f"\n{proc.stderr[-4000:]}")
     else:
         train(layout_cfg)
-    train(reference_config(cfg, root / "reference", steps))
-    return compare(root / "layout", root / "reference", cfg.parallel.describe())
+    ref = reference_config(cfg, root / "reference", steps)
+    key = dataclasses.replace(ref.log, run_dir="")  # the run, wherever it is written
+    key = repr((ref.model, ref.parallel, ref.train, ref.data, ref.checkpoint, key))
+    ref_dir = root / "reference"
+    if references is not None and key in references:
+        ref_dir = references[key]
+    else:
+        train(ref)
+        if references is not None:
+            references[key] = ref_dir
+    return compare(root / "layout", ref_dir, cfg.parallel.describe())

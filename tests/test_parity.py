@@ -60,6 +60,7 @@ LAYOUTS["pp2-zb-v-tied-xtp2"] = ["parallel.pp=2", "parallel.pp_schedule=zb-v", "
 MOE = ["model.moe_experts=4", "model.moe_top_k=2"]
 LAYOUTS["ep2"] = [*MOE, "parallel.dp_shard=2", "parallel.ep=2"]
 LAYOUTS["ep4"] = [*MOE, "parallel.dp_shard=4", "parallel.ep=4"]
+LAYOUTS["ep2xdp_shard2-zero3"] = [*MOE, "parallel.dp_shard=2", "parallel.ep=2", "parallel.zero=3"]
 LAYOUTS["ep2xdp_shard4-zero3"] = [*MOE, "parallel.dp_shard=4", "parallel.ep=2", "parallel.zero=3", *ACCUM]
 LAYOUTS["ep2xhsdp2x2-zero2"] = [*MOE, "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2",
                                 "parallel.zero=2"]
@@ -76,10 +77,13 @@ LAYOUTS["pp2xtp2-zb-v-recompute-full"] = ["parallel.pp=2", "parallel.tp=2", "par
 LAYOUTS["cp2-recompute-selective"] = ["parallel.cp=2", "model.recompute=selective"]
 
 
+REFERENCES = {}  # reference runs shared by the layouts of the same model and batch
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_parity(name, tmp_path):
     cfg = load_config(TINY, LAYOUTS[name])
-    result = check(cfg, steps=4, workdir=str(tmp_path))
+    result = check(cfg, steps=4, workdir=str(tmp_path), references=REFERENCES)
     print(result.line())
     assert result.loss_rel <= LOSS_RTOL and result.weight_rel <= WEIGHT_RTOL, result.line()
 

@@ -1,8 +1,9 @@
 """Runs a pipeline schedule on this rank: the forwards, backwards and deferred weight gradients of the stages it
 holds, in the schedule's order, with activations and their gradients passed between ranks.
 
-Each run of sends and receives between two computes is posted as one batch_isend_irecv and completed before
-the next compute (the simulator proves every schedule deadlock-free so). Shapes are known ahead: every
+Each run of sends and receives between two computes is posted at once: the receives are completed before the
+next compute, the sends only at the end of the step (the simulator proves every schedule deadlock-free with
+sends that do not wait for their receives). Shapes are known ahead: every
 micro-batch has the same [tokens, dim] hidden state (this rank's cp and sequence-TP part), so no metadata
 travels. A stage's gradient reduction starts right after its last backward or weight-gradient action of the
 step; with ZeRO-3 the weights are gathered once per step.
@@ -73,8 +74,8 @@ class Pipeline:
         return torch.empty(tokens, self.model.cfg.dim, dtype=self.sharded.units[0].full.dtype,
                            device=self.comm.ctx.device)
 
-    def _exchange(self, batch: list, t, outbox: dict, inputs: dict, grads: dict) -> None:
-        """Post a run of sends and receives as one batch and complete it."""
+    def _exchange(self, batch: list, t, outbox: dict, inputs: dict, grads: dict, sending: list) -> None:
+        """Post a run of sends and receives; complete the receives, and add the sends to `sending`."""
         if not batch:
             return
         sends, recvs, landed = [], [], []
@@ -86,7 +87,11 @@ class Pipeline:
                 buf = self._hidden(t)
                 recvs.append((buf, peer))
                 landed.append((a.kind, key, buf))
-        self.comm.exchange(sends, recvs, "pp", label=" ".join(map(repr, batch))).wait()
+        label = " ".join(map(repr, batch))
+        if sends:
+            sending.append(self.comm.exchange(sends, [], "pp", label=label))
+        if recvs:
+            self.comm.exchange([], recvs, "pp", label=label).wait()
         for kind, key, buf in landed:
             if kind == RECV_F:
                 inputs[key] = buf.requires_grad_()
@@ -100,7 +105,7 @@ class Pipeline:
         self.sharded.alloc_grads()
         model, wg = self.model, self.model.tp.weight_grads
         t = model.tokens(*micro[0][0].shape, micro[0][0].device)
-        inputs, outputs, grads, outbox, deferred = {}, {}, {}, {}, {}
+        inputs, outputs, grads, outbox, deferred, sending = {}, {}, {}, {}, {}, []
         self.peak_in_flight = self.deferred = 0
         loss = torch.zeros((), dtype=torch.float64, device=self.comm.ctx.device)
         batch = []
@@ -108,7 +113,7 @@ class Pipeline:
             if a.kind not in COMPUTE:
                 batch.append(a)
                 continue
-            self._exchange(batch, t, outbox, inputs, grads)
+            self._exchange(batch, t, outbox, inputs, grads, sending)
             batch = []
             s, m = key = (a.stage, a.micro)
             stage = self.stages[s]
@@ -143,7 +148,9 @@ class Pipeline:
                     wg.run(work)
             for unit in self.launch_after.get(i, []):
                 self.sharded.launch(unit)
-        self._exchange(batch, t, outbox, inputs, grads)
+        self._exchange(batch, t, outbox, inputs, grads, sending)
+        for pending in sending:
+            pending.wait()
         return loss
 
     @torch.no_grad()
