@@ -94,8 +94,7 @@ def check(cfg: Config, steps: int, workdir: str | None = None, references: dict 
     else:
         train(layout_cfg)
     ref = reference_config(cfg, root / "reference", steps)
-    key = dataclasses.replace(ref.log, run_dir="")  # the run, wherever it is written
-    key = repr((ref.model, ref.parallel, ref.train, ref.data, ref.checkpoint, key))
+    key = repr(dataclasses.replace(ref, log=dataclasses.replace(ref.log, run_dir="")))  # wherever it is written
     ref_dir = root / "reference"
     if references is not None and key in references:
         ref_dir = references[key]

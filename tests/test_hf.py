@@ -13,16 +13,20 @@ from sixfold.model.llama import Llama, init_weights
 TOL = 1e-5
 
 
+def perturbed(model):
+    """The model with its weights moved off their init (norms by more), so mismatched names or layouts show."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+    return model
+
+
 def hf_model(tied: bool, **extra) -> LlamaForCausalLM:
     cfg = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=320, rope_theta=500000.0, rms_norm_eps=1e-5,
                       max_position_embeddings=128, tie_word_embeddings=tied, attn_implementation="eager", **extra)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
-    return model
+    return perturbed(LlamaForCausalLM(cfg).float().eval())
 
 
 def tokens() -> torch.Tensor:
@@ -52,9 +56,7 @@ def test_export_loads_in_transformers(tmp_path, tied):
     cfg = Config(model=ModelConfig(tie_embeddings=tied, rope_theta=500000.0, max_seq_len=128))
     model = Llama(cfg.model)
     init_weights(model, seed=3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+    perturbed(model)
     write_checkpoint(tmp_path / "ckpt", {"model.safetensors": model.state_dict()}, {"step": 7, "config": cfg.to_dict()})
     export_hf(tmp_path / "ckpt", tmp_path / "hf")
     hf, info = LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager",
@@ -122,11 +124,7 @@ def hf_mixtral():
                         max_position_embeddings=128, rms_norm_eps=1e-5, sliding_window=None,
                         attn_implementation="eager")
     torch.manual_seed(0)
-    model = MixtralForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
-    return model
+    return perturbed(MixtralForCausalLM(cfg).float().eval())
 
 
 def test_mixtral_import_and_export_match_transformers(tmp_path):

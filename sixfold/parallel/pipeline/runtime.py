@@ -51,19 +51,15 @@ class Pipeline:
         for i, a in enumerate(self.actions):
             if a.kind in (B, W):
                 finals[a.stage] = i
-        layer_of = {}
-        for i, block in model.layers.items():
-            layer_of[id(block)] = layer_of[id(block.mlp)] = int(i)
-            layer_of.update({id(m): int(i) for m in block.mlp.children()})
         out = defaultdict(list)
         for unit in self.sharded.units:
-            m = unit.modules[0]
-            if m is model.embed:
+            if unit.modules[0] is model.embed:
                 touching = [s for s in self.stages.values() if s.embed or (s.head and model.head is None)]
-            elif m is model.norm:
+            elif unit.modules[0] is model.norm:
                 touching = [s for s in self.stages.values() if s.head]
-            else:
-                touching = [s for s in self.stages.values() if layer_of[id(m)] in s.layers]
+            else:  # a block, or its experts: "layers.<i>...."
+                layer = int(unit.names[0].split(".")[1])
+                touching = [s for s in self.stages.values() if layer in s.layers]
             out[max(finals[s.index] for s in touching)].append(unit)
         return out
 
