@@ -1,11 +1,15 @@
-"""Checkpoints on disk: safetensors files of tensors by global name, a meta.json, checksums.
+"""Checkpoints on disk: safetensors files of tensor slices by global name, an index, checksums.
 
 A checkpoint is a directory:
-    model.safetensors   parameters by global name (fp32)
-    optim.safetensors   optimizer state, "<param>.exp_avg" and "<param>.exp_avg_sq" (training checkpoints)
-    meta.json           format, step, resolved config, loader and RNG state, sha256 of every file
-It is written to a temporary directory and renamed when complete; nothing is ever unpickled.
-A run directory keeps them under checkpoints/step_NNNNNNN with a `latest` pointer file.
+    model-RRRRR.safetensors   the parameter slices rank R wrote (fp32)
+    optim-RRRRR.safetensors   its optimizer state slices, "<param>.exp_avg" and "<param>.exp_avg_sq"
+    meta.json                 format, step, resolved config, loader state, the index (for each tensor: its
+                              shape and the slices that hold it, see slices.py) and the size and sha256 of
+                              every file
+Each slice is written by one rank (one replica of it); a checkpoint written in one layout loads in any
+other. It is staged in a hidden directory and renamed when complete, so a crash mid-save leaves the last good
+checkpoint; nothing is ever unpickled. A run directory keeps checkpoints under checkpoints/step_NNNNNNN with
+a `latest` pointer file.
 """
 from __future__ import annotations
 
@@ -16,11 +20,12 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
-FORMAT = "sixfold-checkpoint-1"
+FORMAT = "sixfold-checkpoint-2"
 META = "meta.json"
+KINDS = ("model", "optim")
 
 
 class CheckpointError(RuntimeError):
@@ -33,30 +38,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def write_checkpoint(path: str | Path, files: dict[str, dict[str, torch.Tensor]], meta: dict,
-                     blobs: dict[str, bytes] | None = None) -> Path:
-    """Write tensors, other files (`blobs`, e.g. a tokenizer) and meta to `path` atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    sums = {}
-    for fname, tensors in files.items():
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp / fname))
-        sums[fname] = {"sha256": _sha256(tmp / fname), "bytes": (tmp / fname).stat().st_size}
-    for fname, data in (blobs or {}).items():
-        (tmp / fname).write_bytes(data)
-        sums[fname] = {"sha256": _sha256(tmp / fname), "bytes": len(data)}
-    (tmp / META).write_text(json.dumps({**meta, "format": FORMAT, "files": sums}, indent=1))
-    old = path.parent / f".{path.name}.old-{os.getpid()}"
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
-    return path
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -86,44 +67,118 @@ def read_meta(path: str | Path) -> dict:
     return meta
 
 
-def _verified(path: str | Path, fname: str, verify: bool) -> Path:
-    """The path of one file of a checkpoint, after checking its size and sha256 against meta.json."""
-    path = find_checkpoint(path)
-    meta = read_meta(path)
-    entry = meta["files"].get(fname)
-    file = path / fname
-    if entry is None:
-        raise CheckpointError(f"{path} has no {fname} (its files: {', '.join(meta['files'])})")
-    if not file.is_file():
-        raise CheckpointError(f"{file} is missing")
-    if verify and (file.stat().st_size != entry["bytes"] or _sha256(file) != entry["sha256"]):
-        raise CheckpointError(f"{file} is corrupt: its checksum does not match {META}")
-    return file
+class Checkpoint:
+    """An opened checkpoint: meta.json, and its files, each checked against its size and sha256 when first
+    read (a rank reads only the files that hold slices it needs)."""
+
+    def __init__(self, path: str | Path):
+        self.path = find_checkpoint(path)
+        self.meta = read_meta(self.path)
+        self._open = {}
+
+    def index(self, kind: str) -> dict:
+        return self.meta.get("index", {}).get(kind, {})
+
+    def file(self, fname: str) -> Path:
+        entry, file = self.meta["files"].get(fname), self.path / fname
+        if entry is None:
+            raise CheckpointError(f"{self.path} has no {fname} (its files: {', '.join(self.meta['files'])})")
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing")
+        if file.stat().st_size != entry["bytes"] or _sha256(file) != entry["sha256"]:
+            raise CheckpointError(f"{file} is corrupt: its size or checksum does not match {META}")
+        return file
+
+    def tensor(self, fname: str, key: str) -> torch.Tensor:
+        if fname not in self._open:
+            file = self.file(fname)
+            try:
+                self._open[fname] = safe_open(str(file), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
+        try:
+            return self._open[fname].get_tensor(key)
+        except (SafetensorError, KeyError) as e:
+            raise CheckpointError(f"{self.path / fname} holds no tensor {key}, which the index of {META} "
+                                  f"names ({e})") from None
+
+    def blob(self, fname: str) -> bytes:
+        return self.file(fname).read_bytes()
 
 
-def read_tensors(path: str | Path, fname: str, verify: bool = True) -> dict[str, torch.Tensor]:
-    file = _verified(path, fname, verify)
-    try:
-        return load_file(str(file))
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
-
-
-def read_blob(path: str | Path, fname: str) -> bytes:
-    return _verified(path, fname, True).read_bytes()
-
-
-def check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Tensor], where: str) -> None:
+def check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Size], where: str, hint: str = "") -> None:
     """Refuse a checkpoint whose tensors do not match the model, naming the difference."""
+    hint = hint or "check model.* settings against the checkpoint's config"
     missing = sorted(set(expected) - set(found))
     extra = sorted(set(found) - set(expected))
     if missing or extra:
         raise CheckpointError(f"{where} does not match the model: missing {missing[:4]}, unexpected {extra[:4]}; "
-                              f"check model.* settings against the checkpoint's config")
+                              f"{hint}")
     for name, shape in expected.items():
-        if tuple(found[name].shape) != tuple(shape):
-            raise CheckpointError(f"{where}: {name} has shape {tuple(found[name].shape)}, the model expects "
-                                  f"{tuple(shape)}; check model.* settings against the checkpoint's config")
+        if tuple(found[name]) != tuple(shape):
+            raise CheckpointError(f"{where}: {name} has shape {tuple(found[name])}, the model expects "
+                                  f"{tuple(shape)}; {hint}")
+
+
+# writing ----------------------------------------------------------------------------------------
+def staging_dir(path: Path) -> Path:
+    return path.parent / f".{path.name}.tmp"
+
+
+def start_staging(path: Path) -> Path:
+    """An empty hidden directory beside `path` to write into (a failed save's leftover is removed)."""
+    tmp = staging_dir(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise CheckpointError(f"cannot write a checkpoint under {path.parent}: {e}; choose a writable "
+                              f"directory (log.run_dir, or the output path)") from None
+    return tmp
+
+
+def write_tensors(tmp: Path, fname: str, tensors: dict[str, torch.Tensor]) -> dict:
+    """One safetensors file; its size and sha256 for meta.json."""
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp / fname))
+    return {"sha256": _sha256(tmp / fname), "bytes": (tmp / fname).stat().st_size}
+
+
+def publish(path: Path, tmp: Path, meta: dict, files: dict, blobs: dict[str, bytes] | None = None) -> Path:
+    """Write the other files (`blobs`, e.g. a tokenizer) and meta.json into the staging directory, then move
+    it to `path` (replacing an older checkpoint of that name only once the new one is complete)."""
+    files = dict(files)
+    for fname, data in (blobs or {}).items():
+        (tmp / fname).write_bytes(data)
+        files[fname] = {"sha256": _sha256(tmp / fname), "bytes": len(data)}
+    (tmp / META).write_text(json.dumps({**meta, "format": FORMAT, "files": files}, indent=1))
+    old = path.parent / f".{path.name}.old-{os.getpid()}"
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def whole_slices(fname: str, tensors: dict[str, torch.Tensor]) -> dict:
+    """Index entries of tensors saved whole, each under its own name."""
+    return {n: {"shape": list(t.shape), "dtype": "float32",
+                "slices": [{"file": fname, "key": n, "cut": [0, 1, 0, 0], "start": 0, "stop": t.numel()}]}
+            for n, t in tensors.items()}
+
+
+def write_checkpoint(path: str | Path, tensors: dict[str, dict[str, torch.Tensor]], meta: dict,
+                     blobs: dict[str, bytes] | None = None) -> Path:
+    """Write whole tensors by kind ("model", "optim") from one process, in fp32."""
+    path = Path(path)
+    tmp = start_staging(path)
+    files, index = {}, {}
+    for kind, named in tensors.items():
+        fname = f"{kind}-00000.safetensors"
+        named = {n: t.detach().float() for n, t in named.items()}
+        files[fname] = write_tensors(tmp, fname, named)
+        index[kind] = whole_slices(fname, named)
+    return publish(path, tmp, {**meta, "index": index}, files, blobs)
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:

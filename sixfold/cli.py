@@ -7,7 +7,7 @@ import sys
 import warnings
 
 from .checkpoint import CheckpointError
-from .config import ConfigError, check_available, load_config, validate
+from .config import ConfigError, check_available, load_config, make_run_dir, validate
 from .launch import run_torchrun, under_torchrun
 
 KNOWN_ERRORS = (ValueError, CheckpointError)  # ConfigError and DataError are ValueErrors
@@ -55,6 +55,7 @@ def _config(args):
 
 def cmd_train(args, argv) -> int:
     cfg = _config(args)
+    make_run_dir(cfg)
     code = _relaunch(args, _without_nproc(argv), cfg.parallel.world_size)
     if code is not None:
         return code

@@ -137,6 +137,7 @@ class CheckpointConfig:
     keep: int = 2
     resume: str = ""  # a checkpoint or run directory, or "auto": this run directory's latest, if any
     save_final: bool = True
+    async_save: bool = False  # write in a background thread from a CPU copy while training goes on
 
 
 @dataclass
@@ -255,6 +256,20 @@ def check_world_size(p: ParallelConfig, world_size: int) -> None:
             f"world size {world_size} does not equal pp*dp_replicate*dp_shard*cp*tp = "
             f"{p.pp}*{p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp} = {p.world_size}; "
             f"change the parallel.* sizes or launch {p.world_size} processes (--nproc {p.world_size})")
+
+
+def make_run_dir(cfg: Config) -> Path:
+    """The run directory, created; refused early (before any process starts) if it cannot be written."""
+    run_dir = Path(cfg.log.run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{id(cfg)}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"log.run_dir={cfg.log.run_dir} cannot be written ({e.strerror or e}); "
+                          f"set log.run_dir to a writable directory") from None
+    return run_dir
 
 
 def check_available(cfg: Config) -> None:

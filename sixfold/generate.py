@@ -53,11 +53,12 @@ def sample_text(model: Llama | Pipeline, tokenizer, prompt: str, max_new_tokens:
 
 def checkpoint_tokenizer(path, cfg):
     """The tokenizer a checkpoint was trained with: its tokenizer.json, or the byte tokenizer."""
-    from .checkpoint import find_checkpoint, read_blob, read_meta
+    from .checkpoint import Checkpoint
     from .data import BPETokenizer, ByteTokenizer, DataError
-    path = find_checkpoint(path)
-    if "tokenizer.json" in read_meta(path)["files"]:
-        return BPETokenizer.from_json(read_blob(path, "tokenizer.json").decode(), str(path / "tokenizer.json"))
+    checkpoint = Checkpoint(path)
+    path = checkpoint.path
+    if "tokenizer.json" in checkpoint.meta["files"]:
+        return BPETokenizer.from_json(checkpoint.blob("tokenizer.json").decode(), str(path / "tokenizer.json"))
     if cfg.data.tokenizer == "byte":
         return ByteTokenizer()
     raise DataError(f"{path} holds no tokenizer.json and was not trained with the byte tokenizer")

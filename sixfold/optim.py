@@ -9,6 +9,9 @@ from .config import TrainConfig
 from .parallel.sharding import Sharded
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq")  # the optimizer state a checkpoint keeps per parameter
+
+
 class AdamW:
     """torch.optim.AdamW's fused kernel over this rank's shard of each unit, one segment per parameter.
 
@@ -21,7 +24,7 @@ class AdamW:
         groups = ([], [])
         for unit in sharded.units:
             self.segments.append([])
-            for name, a, b in unit.segments():
+            for name, a, b, _ in unit.segments():
                 view = unit.master[a:b]
                 view.grad = unit.grad_shard[a:b]
                 self.segments[-1].append((a, b, view))
@@ -41,38 +44,16 @@ class AdamW:
             group["lr"] = lr
         self.opt.step()
 
-    def _state(self, view: torch.Tensor) -> dict:
+    def state_of(self, view: torch.Tensor) -> dict:
         if view not in self.opt.state:
             self.opt.state[view] = {"step": torch.zeros((), dtype=torch.float32, device=view.device),
                                     "exp_avg": torch.zeros_like(view), "exp_avg_sq": torch.zeros_like(view)}
         return self.opt.state[view]
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Optimizer state by global parameter name, at full shapes, on the first rank of the pp group (a
-        collective under ZeRO, TP and PP)."""
-        out = {}
-        for key in ("exp_avg", "exp_avg_sq"):
-            pieces = {}
-            for unit, segments in zip(self.sharded.units, self.segments):
-                shard = torch.zeros_like(unit.master)
-                for a, b, view in segments:
-                    shard[a:b] = self._state(view)[key]
-                full = self.sharded.gather(unit, shard)
-                pieces.update({f"{n}.{key}": t for n, t in unit.views(full).items()})
-            out.update(self.sharded.join(pieces, f".{key}"))
-        return self.sharded.over_stages(out)
-
-    @torch.no_grad()
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor], step_count: int) -> None:
-        for key in ("exp_avg", "exp_avg_sq"):
-            local = self.sharded.local(tensors, f".{key}")
-            for unit, segments in zip(self.sharded.units, self.segments):
-                shard = unit.shard_of(unit.flatten(local))
-                for a, b, view in segments:
-                    self._state(view)[key].copy_(shard[a:b])
+    def set_step_count(self, count: int) -> None:
         for segments in self.segments:
             for _, _, view in segments:
-                self._state(view)["step"].fill_(step_count)
+                self.state_of(view)["step"].fill_(count)
 
 
 def clip_grad_norm(sharded: Sharded, max_norm: float) -> float:

@@ -12,10 +12,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import checkpoint as ckpt
+from .checkpoint import Checkpoint
 from .config import Config, ParallelConfig
 from .launch import run_torchrun
 from .logs import read_metrics
+from .slices import Reader
 from .train import train
 
 LOSS_RTOL = 1e-5
@@ -67,8 +68,8 @@ def compare(layout_dir: Path, reference_dir: Path, layout: str) -> ParityResult:
     if len(a) != len(b):
         raise RuntimeError(f"layout ran {len(a)} steps, reference {len(b)}")
     loss_rel = max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(a, b))
-    wa = ckpt.read_tensors(layout_dir, "model.safetensors")
-    wb = ckpt.read_tensors(reference_dir, "model.safetensors")
+    wa = Reader(Checkpoint(layout_dir), "model").all()
+    wb = Reader(Checkpoint(reference_dir), "model").all()
     worst, weight_rel = "", 0.0
     for name, ref in wb.items():
         diff = (wa[name].double() - ref.double()).pow(2).mean().sqrt() / ref.double().pow(2).mean().sqrt()

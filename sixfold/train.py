@@ -11,12 +11,13 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
+from . import train_state
 from .comm import Comm
-from .config import DTYPES, Config, ConfigError, check_available
+from .config import DTYPES, Config, ConfigError, check_available, make_run_dir
 from .data import BatchLoader, eval_batches, load_data
 from .logs import RunLog
 from .mesh import ParallelContext
-from .model.llama import Llama, full_shapes, init_weights, no_decay
+from .model.llama import Llama, init_weights, no_decay
 from .optim import AdamW, clip_grad_norm, learning_rate
 from .model.moe import MoE
 from .parallel.context import ContextParallel
@@ -63,6 +64,7 @@ class Trainer:
         self.loader = BatchLoader(self.data.train, t.seq_len, t.global_batch, t.seed,
                                   ctx.batch_index, ctx.size("batch"))
         self.step = self.skipped = 0
+        self.saver = train_state.Saver(ctx, self.comm, cfg)
         resume = cfg.checkpoint.resume
         if resume == "auto":  # the run directory's latest checkpoint, if it has one
             resume = str(self.run_dir) if (self.run_dir / "checkpoints" / "latest").is_file() else ""
@@ -172,31 +174,19 @@ class Trainer:
 
     # checkpoints ------------------------------------------------------------------------------
     def save(self) -> Path:
-        path = ckpt.step_dir(self.run_dir, self.step)
-        params, state = self.sharded.full_weights(), self.optim.state_tensors()
+        meta, blobs = {}, {}
         if self.ctx.is_main:
             meta = {"step": self.step, "config": self.cfg.to_dict(), "loader": self.loader.state_dict(),
-                    "optimizer_steps": self.optim.step_count}
+                    "optimizer_steps": self.optim.step_count, "layout": self.cfg.parallel.describe()}
             tok = self.data.tokenizer
             blobs = {"tokenizer.json": tok.to_json().encode()} if hasattr(tok, "to_json") else {}
-            ckpt.write_checkpoint(path, {"model.safetensors": params, "optim.safetensors": state}, meta, blobs)
-            ckpt.mark_latest(self.run_dir, path, self.cfg.checkpoint.keep)
-        self.ctx.barrier()
-        return path
+        return self.saver.save(self.step, train_state.pieces(self.sharded, self.optim), meta, blobs)
 
-    @torch.no_grad()
     def load(self, where: str) -> None:
-        path = ckpt.find_checkpoint(where)
-        meta = ckpt.read_meta(path)
-        shapes = full_shapes(self.cfg.model)
-        tensors = ckpt.read_tensors(path, "model.safetensors")
-        ckpt.check_shapes(shapes, tensors, str(path / "model.safetensors"))
-        self.sharded.load_weights(tensors)
-        if "optim.safetensors" in meta["files"]:
-            state = ckpt.read_tensors(path, "optim.safetensors")
-            ckpt.check_shapes({f"{n}.{k}": s for n, s in shapes.items() for k in ("exp_avg", "exp_avg_sq")},
-                              state, str(path / "optim.safetensors"))
-            self.optim.load_state_tensors(state, meta["optimizer_steps"])
+        checkpoint = ckpt.Checkpoint(where)
+        meta = checkpoint.meta
+        if train_state.load(checkpoint, self.sharded, self.optim, self.cfg):
+            self.optim.set_step_count(meta["optimizer_steps"])
             self.loader.load_state_dict(meta["loader"])
             self.step = meta["step"]
 
@@ -220,6 +210,7 @@ class Trainer:
             self.tracer.enabled = False
             if cfg.checkpoint.save_final:
                 log.print(f"checkpoint: {self.save()}")
+            self.saver.wait()
             self._write_trace(log)
             if cfg.log.sample_tokens:  # every rank: under ZeRO-3 each forward gathers weights from all
                 text = self.sample()
@@ -253,10 +244,8 @@ class Trainer:
 
 
 def prepare_run_dir(cfg: Config, ctx: ParallelContext) -> None:
-    run_dir = Path(cfg.log.run_dir)
     if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        (make_run_dir(cfg) / "config.yaml").write_text(cfg.to_yaml())
     ctx.barrier()
 
 

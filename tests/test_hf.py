@@ -57,7 +57,7 @@ def test_export_loads_in_transformers(tmp_path, tied):
     model = Llama(cfg.model)
     init_weights(model, seed=3)
     perturbed(model)
-    write_checkpoint(tmp_path / "ckpt", {"model.safetensors": model.state_dict()}, {"step": 7, "config": cfg.to_dict()})
+    write_checkpoint(tmp_path / "ckpt", {"model": model.state_dict()}, {"step": 7, "config": cfg.to_dict()})
     export_hf(tmp_path / "ckpt", tmp_path / "hf")
     hf, info = LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager",
                                                 output_loading_info=True)
@@ -111,7 +111,7 @@ def test_shape_mismatch_is_refused(tmp_path):
         import_hf(tmp_path / "hf", tmp_path / "ckpt")
 
     wrong = Llama(ModelConfig(vocab_size=256))
-    write_checkpoint(tmp_path / "ckpt", {"model.safetensors": wrong.state_dict()},
+    write_checkpoint(tmp_path / "ckpt", {"model": wrong.state_dict()},
                      {"step": 0, "config": Config().to_dict()})
     with pytest.raises(CheckpointError, match="embed.weight"):
         load_model(tmp_path / "ckpt")

@@ -14,7 +14,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..checkpoint import CheckpointError, check_shapes, find_checkpoint, read_meta, read_tensors, write_checkpoint
+from ..checkpoint import Checkpoint, CheckpointError, check_shapes, write_checkpoint
+from ..slices import Reader
 from ..config import Config, ConfigError, ModelConfig, config_from_dict
 from .llama import Llama, full_shapes
 
@@ -179,17 +180,18 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     tensors = {sixfold_name(k): v.float() for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if model_cfg.tie_embeddings:
         tensors.pop("head.weight", None)
-    check_shapes(full_shapes(model_cfg), tensors, str(hf_dir))
+    check_shapes(full_shapes(model_cfg), {k: v.shape for k, v in tensors.items()}, str(hf_dir))
     meta = {"step": 0, "config": cfg.to_dict(), "source": f"import-hf {hf_dir}"}
-    return write_checkpoint(out_dir, {"model.safetensors": tensors}, meta)
+    return write_checkpoint(out_dir, {"model": tensors}, meta)
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Llama, Config]:
     """A sixfold Llama (fp32) and its Config from a checkpoint or run directory."""
-    path = find_checkpoint(path)
-    cfg = config_from_dict(read_meta(path)["config"])
-    tensors = read_tensors(path, "model.safetensors")
-    check_shapes(full_shapes(cfg.model), tensors, str(path / "model.safetensors"))
+    checkpoint = Checkpoint(path)
+    cfg = config_from_dict(checkpoint.meta["config"])
+    weights = Reader(checkpoint, "model")
+    check_shapes(full_shapes(cfg.model), weights.shapes(), f"{checkpoint.path} (model)")
+    tensors = weights.all()
     with torch.device("meta"):
         model = Llama(cfg.model)
     model.load_state_dict({k: v.float() for k, v in tensors.items()}, assign=True)

@@ -88,14 +88,15 @@ class Unit:
         """This rank's slice of a unit-shaped flat tensor (all of it when unsharded)."""
         return flat[self.lo:self.lo + self.shard_size]
 
-    def segments(self) -> list[tuple[str, int, int]]:
-        """(name, start, end) of each parameter's part inside this rank's shard, in shard coordinates."""
+    def segments(self) -> list[tuple[str, int, int, int]]:
+        """(name, start, end, offset) of each parameter's part inside this rank's shard: start and end in shard
+        coordinates, offset where the part begins in the flattened parameter."""
         out = []
         hi = self.lo + self.shard_size
         for n, o, s in zip(self.names, self.offsets, self.sizes):
             a, b = max(o, self.lo), min(o + s, hi)
             if a < b:
-                out.append((n, a - self.lo, b - self.lo))
+                out.append((n, a - self.lo, b - self.lo, a - o))
         return out
 
 
@@ -278,7 +279,7 @@ class Sharded:
         self.sync = False
 
     def _partial_segments(self) -> list[tuple[torch.Tensor, Split]]:
-        return [(u.grad_shard[a:b], self.splits[n]) for u in self.units for n, a, b in u.segments()
+        return [(u.grad_shard[a:b], self.splits[n]) for u in self.units for n, a, b, _ in u.segments()
                 if self.splits[n].partial_grad]
 
     def _sum_partial_grads(self) -> None:
@@ -308,7 +309,7 @@ class Sharded:
         dense = experts = 0.0
         for u in self.units[1 if self.embed_copy else 0:]:
             sq = float(u.grad_shard.norm()) ** 2
-            for n, a, b in u.segments():
+            for n, a, b, _ in u.segments():
                 split = self.splits[n]
                 if split.tp_parts < self.tp.size:
                     sq -= (1 - split.tp_parts / self.tp.size) * float(u.grad_shard[a:b].norm()) ** 2
@@ -345,57 +346,3 @@ class Sharded:
         for u in self.units:
             if u.zero < 2:
                 u.grad.zero_()
-
-    # whole tensors by global name (checkpoints) -------------------------------------------------
-    def gather(self, unit: Unit, shard: torch.Tensor) -> torch.Tensor:
-        """A unit-shaped flat tensor from every rank's shard of it."""
-        if not unit.zero:
-            return shard
-        full = torch.empty(unit.padded, dtype=shard.dtype, device=shard.device)
-        self.comm.all_gather(full, shard.contiguous(), unit.group, label="checkpoint")
-        return full
-
-    def join(self, tensors: dict[str, torch.Tensor], suffix: str = "") -> dict[str, torch.Tensor]:
-        """Full tensors from this rank's pieces, by global name (`name + suffix`; a collective over tp, and
-        over ep for experts)."""
-        out = {}
-        for name, t in tensors.items():
-            split = self.splits[name.removesuffix(suffix)]
-            size = self.comm.ctx.size(split.group)
-            if size == 1:
-                out[name] = t
-                continue
-            pieces = t.new_empty((size * t.shape[0], *t.shape[1:]))
-            self.comm.all_gather(pieces, t.contiguous(), split.group, label="checkpoint")
-            out[name] = split.join(list(pieces.view(-1, *t.shape)))
-        return out
-
-    def local(self, tensors: dict[str, torch.Tensor], suffix: str = "") -> dict[str, torch.Tensor]:
-        """This tp rank's pieces of full tensors named `name + suffix`, keyed by parameter name."""
-        return {n: self.splits[n].local(tensors[n + suffix]) for n in self.splits}
-
-    def over_stages(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every pipeline stage's tensors, on the first rank of the pp group (a collective over pp)."""
-        out = {}
-        for part in self.comm.gather_objects(tensors, "pp"):
-            out.update(part)
-        return out
-
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """Every parameter by global name at its full shape, on the first rank of the pp group (a collective
-        under ZeRO, TP and PP)."""
-        out = {}
-        for u in self.units:
-            out.update(u.views(self.gather(u, u.master)))
-        return self.over_stages(self.join(out))
-
-    @torch.no_grad()
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        tensors = self.local(tensors)
-        for u in self.units:
-            flat = u.flatten(tensors)
-            u.master.copy_(u.shard_of(flat))
-            if u.zero < 3:
-                u.full.copy_(flat)
-            if u.compute_shard is not u.master and u.compute_shard is not u.full:
-                u.compute_shard.copy_(u.master)

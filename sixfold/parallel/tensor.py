@@ -68,13 +68,6 @@ class Split:
             full = F.pad(full, pad)
         return full.narrow(self.dim, self.index * self.size, self.size)
 
-    def join(self, gathered: list[torch.Tensor]) -> torch.Tensor:
-        """The full tensor from every group rank's piece (piece k is read from the first rank holding it)."""
-        if self.parts == 1:
-            return gathered[0]
-        pieces = [gathered[k * len(gathered) // self.parts] for k in range(self.parts)]
-        return torch.cat(pieces, self.dim).narrow(self.dim, 0, self.full)
-
 
 class WeightGrads:
     """Weight gradients computed later than input gradients (zero-bubble pipelines' W actions).

@@ -1,0 +1,209 @@
+"""This rank's part of a training checkpoint: the slices of weights and optimizer state it writes (one
+replica of each slice writes it), and the slices it reads back in whatever layout it now runs.
+
+Saving: every rank lists its slices; the lists are exchanged once, so each rank knows which slices it writes
+and rank 0 the index; each rank snapshots its slices to CPU and writes its files into the staging directory,
+then a small record of their checksums; rank 0 waits for every record, writes meta.json and renames the
+directory into place. With `checkpoint.async_save` the writing runs in a background thread while training
+goes on; the next save (and the end of the run) waits for it.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt
+from .checkpoint import Checkpoint, CheckpointError
+from .comm import Comm
+from .config import Config
+from .mesh import ParallelContext
+from .model.llama import full_shapes
+from .optim import MOMENTS, AdamW
+from .parallel.sharding import Sharded
+from .slices import Cut, Reader
+
+
+@dataclass
+class Piece:
+    kind: str  # "model" or "optim"
+    name: str
+    shape: tuple[int, ...]
+    cut: Cut
+    start: int
+    stop: int
+    tensor: torch.Tensor
+
+    @property
+    def key(self) -> tuple:
+        return self.kind, self.name, self.shape, tuple(self.cut.as_list()), self.start, self.stop
+
+
+def _slices(sharded: Sharded, optim: AdamW):
+    """(unit, shard range, name, shape, cut, range in the flattened piece, optimizer segment) of each
+    parameter's part in this rank's shards."""
+    for unit, segments in zip(sharded.units, optim.segments):
+        for (name, a, b, start), (_, _, view) in zip(unit.segments(), segments):
+            split = sharded.splits[name]
+            shape = tuple(split.full_shape(unit.params[unit.names.index(name)].shape))
+            yield unit, a, b, name, shape, Cut.of(split), start, start + b - a, view
+
+
+def pieces(sharded: Sharded, optim: AdamW) -> list[Piece]:
+    out = []
+    for unit, a, b, name, shape, cut, start, stop, view in _slices(sharded, optim):
+        out.append(Piece("model", name, shape, cut, start, stop, unit.master[a:b]))
+        state = optim.state_of(view)
+        out += [Piece("optim", f"{name}.{k}", shape, cut, start, stop, state[k]) for k in MOMENTS]
+    return out
+
+
+def slice_key(name: str, start: int, stop: int) -> str:
+    return f"{name}[{start}:{stop}]"
+
+
+def build_index(everyone: list[list[tuple]], writer: dict[tuple, int]) -> dict:
+    index = {kind: {} for kind in ckpt.KINDS}
+    for rank, keys in enumerate(everyone):
+        for key in keys:
+            if writer[key] != rank:
+                continue
+            kind, name, shape, cut, start, stop = key
+            entry = index[kind].setdefault(name, {"shape": list(shape), "dtype": "float32", "slices": []})
+            entry["slices"].append({"file": f"{kind}-{rank:05d}.safetensors", "key": slice_key(name, start, stop),
+                                    "cut": list(cut), "start": start, "stop": stop})
+    return index
+
+
+class Saver:
+    """Writes this rank's part of the run's checkpoints; in the background with checkpoint.async_save."""
+
+    def __init__(self, ctx: ParallelContext, comm: Comm, cfg: Config):
+        self.ctx, self.comm = ctx, comm
+        self.run_dir = Path(cfg.log.run_dir)
+        self.keep, self.background = cfg.checkpoint.keep, cfg.checkpoint.async_save
+        self.timeout_s = cfg.parallel.timeout_s
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, step: int, mine: list[Piece], meta: dict, blobs: dict[str, bytes]) -> Path:
+        """Write a checkpoint of step `step` (a collective over every rank); `meta` and `blobs` from rank 0."""
+        self.wait()
+        path = ckpt.step_dir(self.run_dir, step)
+        problem = ""
+        if self.ctx.is_main:
+            for old in path.parent.glob(".step_*.tmp"):  # left by a save that did not finish
+                if old != ckpt.staging_dir(path):
+                    shutil.rmtree(old, ignore_errors=True)
+            try:
+                ckpt.start_staging(path)
+            except CheckpointError as e:
+                problem = str(e)
+        everyone = self.comm.all_gather_objects(([p.key for p in mine], problem), "world")
+        if everyone[0][1]:
+            raise CheckpointError(everyone[0][1])
+        writer = {}
+        for rank, (keys, _) in enumerate(everyone):
+            for key in keys:
+                writer.setdefault(key, rank)
+        snapshot = [(p, p.tensor.detach().to("cpu", copy=True)) for p in mine if writer[p.key] == self.ctx.rank]
+        index = build_index([keys for keys, _ in everyone], writer) if self.ctx.is_main else None
+        args = (path, snapshot, index, meta, blobs)
+        if self.background:
+            self._thread = threading.Thread(target=self._run, args=args, daemon=True, name="checkpoint")
+            self._thread.start()
+        else:
+            self._write(*args)
+            self.ctx.barrier()
+        return path
+
+    def _run(self, *args) -> None:
+        try:
+            self._write(*args)
+        except BaseException as e:  # re-raised by wait(), in the training thread
+            self._error = e
+
+    def _write(self, path: Path, snapshot: list, index: dict | None, meta: dict, blobs: dict) -> None:
+        tmp, rank = ckpt.staging_dir(path), self.ctx.rank
+        files = {}
+        for kind in ckpt.KINDS:
+            tensors = {slice_key(p.name, p.start, p.stop): t for p, t in snapshot if p.kind == kind}
+            if tensors:
+                fname = f"{kind}-{rank:05d}.safetensors"
+                files[fname] = ckpt.write_tensors(tmp, fname, tensors)
+        record = tmp / f".files-{rank:05d}.json"
+        record.with_suffix(".part").write_text(json.dumps(files))
+        record.with_suffix(".part").rename(record)
+        if index is not None:
+            ckpt.publish(path, tmp, {**meta, "index": index}, self._collect(tmp), blobs)
+            ckpt.mark_latest(self.run_dir, path, self.keep)
+
+    def _collect(self, tmp: Path) -> dict:
+        """Rank 0: every rank's record of the files it wrote, once all are there (they are then removed)."""
+        records = [tmp / f".files-{r:05d}.json" for r in range(self.ctx.world_size)]
+        deadline = time.monotonic() + self.timeout_s
+        while not all(r.is_file() for r in records):
+            if time.monotonic() > deadline:
+                late = [r.name for r in records if not r.is_file()]
+                raise CheckpointError(f"checkpoint {tmp}: {len(late)} rank(s) did not finish writing within "
+                                      f"parallel.timeout_s={self.timeout_s} ({', '.join(late[:4])} missing)")
+            time.sleep(0.01)
+        files = {}
+        for r in records:
+            files.update(json.loads(r.read_text()))
+            r.unlink()
+        return files
+
+    def wait(self) -> None:
+        """Wait for a background save to finish; raise its error, if it had one."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"the background checkpoint save failed: {error}") from error
+
+
+FREE = ("max_seq_len", "init_std", "recompute")  # model settings a run may change when it resumes
+
+
+def model_differences(meta: dict, cfg: Config) -> dict[str, tuple]:
+    """model.* settings that differ between a checkpoint's config and `cfg`: key -> (saved, here)."""
+    now = cfg.to_dict()["model"]
+    return {k: (v, now.get(k)) for k, v in meta.get("config", {}).get("model", {}).items() if now.get(k) != v}
+
+
+@torch.no_grad()
+def load(checkpoint: Checkpoint, sharded: Sharded, optim: AdamW, cfg: Config) -> bool:
+    """Read this rank's slices of the weights (and of the optimizer state, if the checkpoint has it: returns
+    whether it had) from a checkpoint written in any layout. A training checkpoint (with optimizer state)
+    resumes only the same model: settings other than FREE must match."""
+    diffs = model_differences(checkpoint.meta, cfg)
+    named = ", ".join(f"model.{k}={a!r} (here {b!r})" for k, (a, b) in diffs.items())
+    hint = f"the checkpoint was written with {named}; set those to match" if diffs else \
+        "check model.* settings against the checkpoint's config"
+    expected = full_shapes(cfg.model)
+    weights = Reader(checkpoint, "model")
+    ckpt.check_shapes(expected, weights.shapes(), f"{checkpoint.path} (model)", hint)
+    state = Reader(checkpoint, "optim") if checkpoint.index("optim") else None
+    if state is not None:
+        ckpt.check_shapes({f"{n}.{k}": s for n, s in expected.items() for k in MOMENTS}, state.shapes(),
+                          f"{checkpoint.path} (optim)", hint)
+    if state is not None and any(k not in FREE for k in diffs):
+        raise CheckpointError(f"{checkpoint.path} is a training checkpoint of another model: {hint} to resume from it")
+    flats = [torch.zeros_like(u.master) for u in sharded.units]
+    for unit, a, b, name, _, cut, start, stop, view in _slices(sharded, optim):
+        flats[unit.index][a:b] = weights.read(name, cut, start, stop)
+        if state is not None:
+            for k, t in optim.state_of(view).items():
+                if k in MOMENTS:
+                    t.copy_(state.read(f"{name}.{k}", cut, start, stop))
+    for unit, flat in zip(sharded.units, flats):
+        unit.master.copy_(flat)
+    sharded.after_step()
+    return state is not None

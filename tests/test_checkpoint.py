@@ -1,0 +1,170 @@
+"""Checkpoint files: slices read back in any cut, one replica writing each slice, the staging directory, and
+the bad-input suite (each bad checkpoint gives a clear error and leaves every checkpoint on disk as it was).
+Resuming and resharding whole runs are in test_train.py."""
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from sixfold import cli
+from sixfold.checkpoint import Checkpoint, CheckpointError, publish, start_staging, write_tensors
+from sixfold.config import load_config
+from sixfold.logs import read_metrics
+from sixfold.mesh import ParallelContext
+from sixfold.parallel.tensor import Split
+from sixfold.slices import Cut, Reader
+from sixfold.train import Trainer, train
+from sixfold.train_state import build_index, slice_key
+from helpers import TINY, sixfold
+
+
+def _write(path: Path, name: str, t: torch.Tensor, ranks: list[tuple[Cut, int, int]]) -> Path:
+    """A checkpoint of one tensor as rank r of `ranks` would write slice r."""
+    tmp = start_staging(path)
+    pieces = {(c.parts, c.index): Split(0, c.parts, c.index, t.shape[0], c.padded).local(t).flatten()
+              for c, _, _ in ranks}
+    everyone = [[("model", name, tuple(t.shape), tuple(c.as_list()), a, b)] for c, a, b in ranks]
+    files = {}
+    for r, (c, a, b) in enumerate(ranks):
+        files[f"model-{r:05d}.safetensors"] = write_tensors(
+            tmp, f"model-{r:05d}.safetensors", {slice_key(name, a, b): pieces[c.parts, c.index][a:b].clone()})
+    index = build_index(everyone, {k[0]: r for r, k in enumerate(everyone)})
+    return publish(path, tmp, {"index": index}, files)
+
+
+def test_slices_saved_in_one_cut_read_back_in_any_other(tmp_path):
+    t = torch.randn(10, 6)  # 10 rows in 4 parts: padded to 12, pieces of 3 rows = 18 elements in 2 shards
+    ranks = [(Cut(0, 4, i, 12), a, a + 9) for i in range(4) for a in (0, 9)]
+    path = _write(tmp_path / "ckpt", "w", t, ranks)
+    weights = Reader(Checkpoint(path), "model")
+    assert torch.equal(weights.full("w"), t)
+    for parts, index in [(2, 0), (2, 1), (5, 3), (4, 3)]:
+        split = Split(0, parts, index, 10, -(-10 // parts) * parts)
+        piece = split.local(t).flatten()
+        assert torch.equal(weights.read("w", Cut.of(split), 2, len(piece)), piece[2:])
+    for r in (0, 1, 2, 3, 6, 7):  # the same cut reads only its own slices' files
+        (path / f"model-{r:05d}.safetensors").unlink()
+    again = Reader(Checkpoint(path), "model")
+    piece = Split(0, 4, 2, 10, 12).local(t).flatten()
+    assert torch.equal(again.read("w", Cut(0, 4, 2, 12), 4, 18), piece[4:])
+    with pytest.raises(CheckpointError, match="model-00000.safetensors is missing"):
+        again.full("w")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A training checkpoint written by 4 ranks: 2 replicas x tp 2."""
+    run = tmp_path_factory.mktemp("saved")
+    proc = sixfold("train", TINY, f"log.run_dir={run}", "train.steps=2", "parallel.dp_replicate=2", "parallel.tp=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run / "checkpoints" / "step_0000002"
+
+
+def test_each_slice_is_written_once_by_one_replica(saved):
+    """Ranks 0 and 1 (replica 0's tp pair) write everything; replica 1 writes nothing."""
+    meta = json.loads((saved / "meta.json").read_text())
+    cfg = load_config(TINY, [])
+    n = cfg.model.num_params()
+    for kind, per_param in (("model", 1), ("optim", 2)):
+        covered = 0
+        for name, entry in meta["index"][kind].items():
+            keys = [(s["cut"][2], s["start"]) for s in entry["slices"]]
+            assert len(keys) == len(set(keys)), name
+            covered += sum(s["stop"] - s["start"] for s in entry["slices"])
+        assert covered == per_param * n  # no padding in this model: every element once
+        written = sum(f.stat().st_size for f in saved.glob(f"{kind}-*.safetensors"))
+        assert per_param * 4 * n <= written < per_param * 4 * n * 1.1
+    assert {f.name.split("-")[1] for f in saved.glob("*.safetensors")} == {"00000.safetensors", "00001.safetensors"}
+
+
+def _fingerprint(root: Path) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def _meta(path: Path, change) -> None:
+    meta = json.loads((path / "meta.json").read_text())
+    change(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def _truncate(path):
+    f = path / "model-00000.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _to_fp16(path):
+    """A file rewritten in fp16, its checksum updated: the index says fp32."""
+    f = path / "model-00001.safetensors"
+    save_file({k: v.half() for k, v in load_file(str(f)).items()}, str(f))
+    _meta(path, lambda m: m["files"].update({f.name: {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(),
+                                                      "bytes": f.stat().st_size}}))
+
+
+def _drop_slice(meta):
+    meta["index"]["model"]["layers.0.attn.wq.weight"]["slices"].pop()
+
+
+def _rename_key(meta):
+    meta["index"]["optim"]["norm.weight.exp_avg"]["slices"][0]["key"] = "norm.weight.exp_avg[0:7]"
+
+
+BAD = {
+    "truncated file": (_truncate, [], "model-00000.safetensors is corrupt"),
+    "missing shard": (lambda p: (p / "optim-00001.safetensors").unlink(), [], "optim-00001.safetensors is missing"),
+    "index without a slice": (lambda p: _meta(p, _drop_slice), [],
+                              "no saved slice holds 2048 element.* of layers.0.attn.wq.weight"),
+    "index naming an absent tensor": (lambda p: _meta(p, _rename_key), [], "holds no tensor norm.weight.exp_avg"),
+    "index naming an absent file": (
+        lambda p: _meta(p, lambda m: m["index"]["model"]["norm.weight"]["slices"][0].update(file="model-00009.x")),
+        [], "has no model-00009.x"),
+    "model shapes": (lambda p: None, ["model.dim=128", "model.ffn_dim=352"],
+                     r"embed.weight has shape \(320, 64\), the model expects \(320, 128\); the checkpoint was written "
+                     r"with model.dim=64 \(here 128\), model.ffn_dim=176 \(here 352\)"),
+    "wrong dtype": (_to_fp16, [], "is torch.float16 with .* expects float32"),
+    "another model config": (lambda p: None, ["model.rope_theta=500000"],
+                             "training checkpoint of another model: .*model.rope_theta=10000.0 \\(here 500000"),
+    "unreadable meta.json": (lambda p: (p / "meta.json").write_text("{"), [], "meta.json is unreadable"),
+    "another format": (lambda p: _meta(p, lambda m: m.update(format="v0")), [], "has format 'v0'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_checkpoint_is_refused_by_name_and_nothing_on_disk_changes(saved, tmp_path, case):
+    spoil, overrides, message = BAD[case]
+    bad = tmp_path / "bad"
+    shutil.copytree(saved, bad)
+    spoil(bad)
+    before = _fingerprint(saved.parent.parent), _fingerprint(bad)
+    cfg = load_config(TINY, [f"checkpoint.resume={bad}", f"log.run_dir={tmp_path / 'run'}", *overrides])
+    with pytest.raises(CheckpointError, match=message):
+        Trainer(cfg, ParallelContext.single())
+    assert (_fingerprint(saved.parent.parent), _fingerprint(bad)) == before
+
+
+def test_an_unwritable_run_directory_is_refused_before_training(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert cli.main(["train", TINY, f"log.run_dir={tmp_path / 'file' / 'run'}"]) == 2
+    assert "log.run_dir=" in capsys.readouterr().err
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("")  # the checkpoints directory cannot be made
+    cfg = load_config(TINY, [f"log.run_dir={run}", "train.steps=1"])
+    with pytest.raises(CheckpointError, match="cannot write a checkpoint under .*checkpoints"):
+        train(cfg)
+
+
+def test_an_unfinished_save_is_ignored_and_cleared(tmp_path):
+    run = tmp_path / "run"
+    common = [f"log.run_dir={run}", "checkpoint.every=1", "checkpoint.resume=auto"]
+    train(load_config(TINY, [*common, "train.steps=2"]))
+    partial = run / "checkpoints" / ".step_0000003.tmp"  # a save that crashed midway
+    partial.mkdir()
+    (partial / "model-00000.safetensors").write_bytes(b"half")
+    train(load_config(TINY, [*common, "train.steps=3"]))
+    assert [m["step"] for m in read_metrics(run)][-1:] == [3]
+    assert not partial.exists() and (run / "checkpoints" / "latest").read_text() == "step_0000003"
