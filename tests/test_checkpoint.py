@@ -158,7 +158,7 @@ def test_an_unwritable_run_directory_is_refused_before_training(tmp_path, capsys
         train(cfg)
 
 
-def test_an_unfinished_save_is_ignored_and_cleared(tmp_path):
+def test_an_unfinished_save_is_ignored_and_cleared_and_the_last_k_are_kept(tmp_path):
     run = tmp_path / "run"
     common = [f"log.run_dir={run}", "checkpoint.every=1", "checkpoint.resume=auto"]
     train(load_config(TINY, [*common, "train.steps=2"]))
@@ -168,3 +168,4 @@ def test_an_unfinished_save_is_ignored_and_cleared(tmp_path):
     train(load_config(TINY, [*common, "train.steps=3"]))
     assert [m["step"] for m in read_metrics(run)][-1:] == [3]
     assert not partial.exists() and (run / "checkpoints" / "latest").read_text() == "step_0000003"
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000002", "step_0000003"]  # keep=2
