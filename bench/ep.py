@@ -8,7 +8,7 @@ log.trace=true; the layouts alternate within each run. Wall step times are rank 
 warm-up steps, pooled over runs; CPU s/step is each rank's process CPU time in the same steps, which other
 processes on a shared machine change far less than the wall time. From the trace (the last 3 steps, every
 rank) a rank's share is the summed duration of its "all_to_all ep ..." spans over its step (first event's start
-to last event's end), averaged over the traced steps of all runs. Bytes are rank 0's payload per step from
+to last event's end), averaged over the traced steps of all runs. Bytes are rank 0's payload per training step from
 comm_ledger.json (its whole send buffer, rows it keeps included).
 """
 from __future__ import annotations
@@ -52,6 +52,7 @@ def shares(events: list[dict]) -> list[tuple[int, float, float]]:
 def worker(args) -> None:
     """One rank: the trainer with each step's CPU time recorded; rank 0 adds the trace shares and the ledger."""
     import sixfold.train as trainer
+    from sixfold import ledger
     from sixfold.config import load_config
 
     ep, run_dir, cpu = int(os.environ["WORLD_SIZE"]), Path(args.out) / "run", []
@@ -71,9 +72,9 @@ def worker(args) -> None:
     result = {"step_s": [m["step_s"] for m in history[WARMUP:]], "cpu_s": cpu[WARMUP:]}
     if os.environ["RANK"] == "0":
         events = [e for e in json.loads((run_dir / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
-        ledger = json.loads((run_dir / "comm_ledger.json").read_text())
-        result |= {"shares": shares(events), "ep_bytes": ledger.get("ep/all_to_all", {"bytes": 0})["bytes"] / args.steps,
-                   "all_bytes": sum(v["bytes"] for v in ledger.values()) / args.steps}
+        per_step = ledger.mean_per_step(ledger.read(run_dir)["ranks"]["0"])
+        result |= {"shares": shares(events), "ep_bytes": per_step.get("ep/all_to_all", {"bytes": 0})["bytes"],
+                   "all_bytes": sum(v["bytes"] for v in per_step.values())}
     save_result(args.out, result)
 
 

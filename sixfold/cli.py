@@ -1,4 +1,4 @@
-"""sixfold train | check | generate | import-hf | export-hf"""
+"""sixfold train | check | trace | generate | import-hf | export-hf"""
 from __future__ import annotations
 
 import argparse
@@ -75,6 +75,22 @@ def cmd_check(args, argv) -> int:
     return 0 if result.ok else 1
 
 
+def cmd_trace(args, argv) -> int:
+    from pathlib import Path
+
+    from .pictures import draw_pictures
+    run = Path(args.run)
+    if not (run / "config.yaml").is_file():
+        raise ConfigError(f"{run} is not a run directory (it has no config.yaml)")
+    written = draw_pictures(run)
+    if not written:
+        raise ConfigError(f"{run} has no trace.json or comm_ledger.json to draw, and no pipeline (train it, with "
+                          f"log.trace=true for the timeline)")
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_generate(args, argv) -> int:
     from .generate import checkpoint_tokenizer, sample_text
     from .model.hf import load_model
@@ -109,6 +125,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=int, default=5)
     c.add_argument("--workdir", default=None, help="keep both runs here (default: a temporary directory)")
     c.set_defaults(fn=cmd_check)
+    r = sub.add_parser("trace", help="redraw a run directory's pictures from its trace.json, comm_ledger.json and "
+                                      "config.yaml")
+    r.add_argument("run")
+    r.set_defaults(fn=cmd_trace)
     g = sub.add_parser("generate", help="sample text from a checkpoint or run directory")
     g.add_argument("checkpoint")
     g.add_argument("--prompt", required=True)

@@ -1,39 +1,16 @@
 """Collectives over the named groups, each counted in the communication ledger and traced."""
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 import torch.distributed as dist
 
+from .ledger import Ledger
 from .mesh import ParallelContext
 from .trace import Tracer, now_us
 
 # torch 2.13 renamed these; 2.11 and 2.12 have only the old names
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class Ledger:
-    """Payload bytes per (group, op): for the current step and for the whole run."""
-
-    def __init__(self):
-        self.step: dict[tuple[str, str], int] = defaultdict(int)
-        self.total: dict[tuple[str, str], int] = defaultdict(int)
-        self.calls: dict[tuple[str, str], int] = defaultdict(int)
-
-    def record(self, group: str, op: str, nbytes: int) -> None:
-        self.step[group, op] += nbytes
-        self.total[group, op] += nbytes
-        self.calls[group, op] += 1
-
-    def end_step(self) -> dict[str, int]:
-        out = {f"{g}/{op}": b for (g, op), b in sorted(self.step.items())}
-        self.step.clear()
-        return out
-
-    def summary(self) -> dict[str, dict[str, int]]:
-        return {f"{g}/{op}": {"bytes": b, "calls": self.calls[g, op]} for (g, op), b in sorted(self.total.items())}
 
 
 class CommError(RuntimeError):
@@ -74,10 +51,10 @@ class Comm:
             work = call(self.ctx.groups[group], async_op)
         except RuntimeError as e:
             raise CommError(name, self.ctx.members(group), e) from None
+        args = {"group": group, "op": op, "bytes": nbytes}
         if not async_op:
-            self.tracer.add(name, "comm", start, now_us(), bytes=nbytes)
-        return Pending(work if async_op else None, self.tracer, name, start, {"bytes": nbytes},
-                       self.ctx.members(group))
+            self.tracer.add(name, "comm", start, now_us(), **args)
+        return Pending(work if async_op else None, self.tracer, name, start, args, self.ctx.members(group))
 
     def all_reduce(self, t: torch.Tensor, group: str, async_op: bool = False, label: str = "",
                    op=dist.ReduceOp.SUM) -> Pending | None:

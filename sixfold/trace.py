@@ -1,5 +1,4 @@
-"""Per-rank events (compute and communication spans) -> Chrome trace JSON and timeline pictures: the measured
-one, and a pipeline schedule's plan from the simulator."""
+"""Per-rank events (compute and communication spans) -> Chrome trace JSON (pictures of them: pictures.py)."""
 from __future__ import annotations
 
 import json
@@ -61,51 +60,6 @@ def write_chrome_trace(events: list[dict], path: Path) -> None:
     path.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}))
 
 
-COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2", "optim": "#C44E52", "comm": "#DD8452", "data": "#937860"}
-
-
-def _color(e: dict) -> str:
-    if e["cat"] == "comm":
-        return COLORS["comm"]
-    return COLORS.get(e["cat"], COLORS.get(e["name"][:1], "#999999"))
-
-
-def draw_timeline(events: list[dict], path: Path, title: str, xlabel: str = "time (ms)") -> None:
-    """Ranks x time: compute spans above, communication below, one lane each per rank."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    ranks = sorted({e["pid"] for e in events})
-    t0 = min(e["ts"] for e in events)
-    span = max(e["ts"] + e["dur"] for e in events) - t0
-    fig, ax = plt.subplots(figsize=(12, 0.9 * len(ranks) + 1.5))
-    for i, rank in enumerate(ranks):
-        for e in (e for e in events if e["pid"] == rank):
-            y = i + (0.05 if e["tid"] == 0 else -0.4)
-            ax.broken_barh([((e["ts"] - t0) / 1e3, max(e["dur"] / 1e3, 0.05))], (y, 0.35),
-                           facecolors=_color(e), edgecolors="white" if "mb" in e["args"] else "none", linewidth=0.5)
-            if "stage" in e["args"] and e["dur"] > span / 80:  # a pipeline action wide enough: its micro-batch
-                ax.text((e["ts"] - t0 + e["dur"] / 2) / 1e3, y + 0.175, str(e["args"]["mb"]), ha="center",
-                        va="center", fontsize=6, color="white")
-    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
-    ax.set_xlabel(xlabel)
-    ax.set_title(title)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper center",
-              bbox_to_anchor=(0.5, -0.12 - 0.2 / len(ranks)), ncol=6, fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def schedule_events(simulation) -> list[dict]:
-    """A simulated schedule's actions as events for draw_timeline (a time unit as 1000 of the trace's us)."""
-    out = []
-    for rank, stats in enumerate(simulation.ranks):
-        for start, end, a in stats.events:
-            compute = a.kind in ("F", "B", "W")
-            out.append({"name": a.kind if compute else "comm", "cat": "compute" if compute else "comm",
-                        "ts": start * 1e3, "dur": (end - start) * 1e3, "pid": rank, "tid": 0 if compute else 1,
-                        "args": {"mb": a.micro, "stage": a.stage}})
-    return out
+def read_chrome_trace(path: Path) -> list[dict]:
+    """The events of a trace.json written above."""
+    return [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]

@@ -1,7 +1,6 @@
 """The trainer loop: one global batch per step, micro-batches, data-parallel reduction, AdamW."""
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
-from . import train_state
+from . import ledger, train_state
 from .comm import Comm
 from .config import DTYPES, Config, ConfigError, check_available, make_run_dir
 from .data import BatchLoader, eval_batches, load_data
@@ -27,8 +26,8 @@ from .parallel.pipeline.runtime import Pipeline
 from .parallel.pipeline.stages import split_stages
 from .parallel.sharding import Sharded
 from .parallel.tensor import IGNORE_INDEX, TensorParallel
-from .parallel.pipeline.simulate import Costs, simulate
-from .trace import Tracer, draw_timeline, schedule_events, write_chrome_trace
+from .pictures import draw_pictures
+from .trace import Tracer, write_chrome_trace
 
 TRACE_STEPS = 3
 
@@ -130,9 +129,10 @@ class Trainer:
                           f"unchanged ({self.skipped} of at most train.skip_nonfinite={t.skip_nonfinite} in a row)")
         self.loader.load_state_dict({**self.loader.state_dict(), "next_step": self.step})
         elapsed = time.perf_counter() - start
+        expert_load = self._expert_load()
         return {"step": self.step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": skip,
                 "tokens_per_s": t.global_batch * t.seq_len / elapsed, "step_s": elapsed,
-                "comm_bytes": sum(self.comm.ledger.end_step().values()), **self._expert_load()}
+                "comm_bytes": self.comm.ledger.end_step(self.step), **expert_load}
 
     def _expert_load(self) -> dict:
         """The step's MoE losses (balancing + z, summed over layers) and each layer's least and most loaded
@@ -199,10 +199,12 @@ class Trainer:
             while self.step < t.steps:
                 self.tracer.enabled = cfg.log.trace and self.step >= t.steps - TRACE_STEPS
                 self.tracer.step = self.step + 1
+                self.comm.ledger.close("other")  # since the last step: checkpoints, loading, setting up
                 m = self.train_step()
                 m["elapsed_s"] = time.perf_counter() - began
                 if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
                     m["val_loss"] = self.evaluate()
+                    self.comm.ledger.close("eval")
                 history.append(m)
                 log.step(m, show=self.step % cfg.log.every == 0 or self.step == t.steps)
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < t.steps:
@@ -211,10 +213,11 @@ class Trainer:
             if cfg.checkpoint.save_final:
                 log.print(f"checkpoint: {self.save()}")
             self.saver.wait()
-            self._write_trace(log)
             if cfg.log.sample_tokens:  # every rank: under ZeRO-3 each forward gathers weights from all
                 text = self.sample()
                 log.print("sample:\n" + text)
+                self.comm.ledger.close("sample")
+            self._write_outputs(log)
         finally:
             log.close()
         return history
@@ -224,23 +227,21 @@ class Trainer:
         return sample_text(self.pipeline or self.model, self.data.tokenizer, self.cfg.log.sample_prompt, self.cfg.log.sample_tokens,
                            seed=self.cfg.train.seed)
 
-    def _write_trace(self, log: RunLog) -> None:
+    def _write_outputs(self, log: RunLog) -> None:
+        """Every rank's ledger in comm_ledger.json and its summary printed; with log.trace, every rank's events in
+        trace.json, and the pictures."""
+        self.comm.ledger.close("other")
+        parts = self.comm.gather_objects(self.comm.ledger.summary(), "world")
+        if self.ctx.is_main:
+            data = ledger.write(self.run_dir / "comm_ledger.json", parts, self.cfg.parallel.describe())
+            log.print(f"{ledger.table(data)}\nledger: {self.run_dir / 'comm_ledger.json'}")
         if not self.cfg.log.trace:
             return
         events = self.tracer.gather()
         if self.ctx.is_main and events:
             write_chrome_trace(events, self.run_dir / "trace.json")
-            draw_timeline(events, self.run_dir / "timeline.png",
-                          f"sixfold {self.cfg.parallel.describe()}: last {TRACE_STEPS} steps")
-            (self.run_dir / "comm_ledger.json").write_text(json.dumps(self.comm.ledger.summary(), indent=1))
-            log.print(f"trace: {self.run_dir / 'trace.json'} and {self.run_dir / 'timeline.png'}")
-            if self.pipeline:
-                s = self.pipeline.schedule
-                plan = simulate(s, Costs(f=1.0, b=1.0, w=1.0))
-                draw_timeline(schedule_events(plan), self.run_dir / "schedule.png",
-                              f"{s.name} pp={s.pp} v={s.v} m={s.m}, as planned (simulator; bubble {plan.bubble:.0%})",
-                              "time (F = B = W = 1 unit)")
-                log.print(f"planned schedule: {self.run_dir / 'schedule.png'}")
+            pictures = draw_pictures(self.run_dir, self.cfg)
+            log.print(f"trace: {self.run_dir / 'trace.json'}; pictures: {', '.join(map(str, pictures))}")
 
 
 def prepare_run_dir(cfg: Config, ctx: ParallelContext) -> None:

@@ -9,7 +9,7 @@ from sixfold.config import ConfigError
 from sixfold.parallel.pipeline.schedules import (
     B, COMPUTE, F, RECV_B, RECV_F, SCHEDULES, SEND_F, W, Action, Schedule, build, placement)
 from sixfold.parallel.pipeline.simulate import Costs, ScheduleError, simulate
-from sixfold.trace import draw_timeline, schedule_events
+from sixfold.pictures import draw_timeline, schedule_events
 
 SPLIT = ("zb-h1", "zb-v")  # schedules with a W for every B
 

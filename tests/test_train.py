@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from sixfold import ledger
 from sixfold.checkpoint import Checkpoint
 from sixfold.logs import read_metrics
 from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
@@ -40,7 +41,8 @@ def test_run_outputs(tmp_path):
     trace = json.loads((run / "trace.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
     assert any(e.get("cat") == "comm" for e in trace["traceEvents"])
-    assert (run / "timeline.png").stat().st_size > 10_000
+    assert (run / "timeline.png").stat().st_size > 10_000 and (run / "mesh.png").stat().st_size > 10_000
+    assert sorted(ledger.read(run)["ranks"]) == ["0", "1"]
     gen = sixfold("generate", str(run), "--prompt", "import ", "--max-new-tokens", "10")
     assert gen.returncode == 0 and gen.stdout.startswith("import "), gen.stderr[-2000:]
 
@@ -62,6 +64,8 @@ def test_resume_is_bit_exact(tmp_path, layout):
     assert [m["step"] for m in b] == [4, 5, 6]
     assert [m["loss"] for m in a] == [m["loss"] for m in b]
     assert [m["grad_norm"] for m in a] == [m["grad_norm"] for m in b]
+    steps = ledger.read(resumed)["ranks"]["0"]["steps"]  # written without log.trace, for the steps run
+    assert (steps[0]["first"], steps[-1]["last"]) == (4, 6)
 
 
 def _weights(run: Path) -> dict:

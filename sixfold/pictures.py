@@ -1,0 +1,182 @@
+"""A run's pictures, drawn from its directory: the measured timeline (trace.json), the planned pipeline schedule
+(config.yaml, through the simulator) and the mesh with each group's traffic (comm_ledger.json)."""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from . import ledger
+from .config import Config, load_config
+from .mesh import GROUP_DIMS, GROUP_NAMES, ORDER, ParallelDims
+from .parallel.pipeline import schedules
+from .parallel.pipeline.simulate import Costs, simulate
+from .trace import read_chrome_trace
+
+COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2", "optim": "#C44E52", "comm": "#DD8452", "data": "#937860"}
+GAP = 0.6  # between blocks of the mesh grid, in rank boxes
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def draw_pictures(run_dir: str | Path, cfg: Config | None = None) -> list[Path]:
+    """Every picture the run directory has the files for; returns the paths written."""
+    run_dir = Path(run_dir)
+    cfg = cfg or load_config(run_dir / "config.yaml")
+    p, written = cfg.parallel, []
+    events = read_chrome_trace(run_dir / "trace.json") if (run_dir / "trace.json").is_file() else []
+    if events:
+        steps = sorted({e["args"]["step"] for e in events})
+        written.append(draw_timeline(events, run_dir / "timeline.png",
+                                     f"sixfold {p.describe()}: steps {steps[0]}-{steps[-1]} of {cfg.train.steps}"))
+    if p.pp > 1:
+        s = schedules.build(p.pp_schedule, p.pp, p.pp_virtual_stages, cfg.train.micro_batches)
+        plan = simulate(s, Costs(f=1.0, b=1.0, w=1.0))
+        written.append(draw_timeline(schedule_events(plan), run_dir / "schedule.png",
+                                     f"{s.name} pp={s.pp} v={s.v} m={s.m}, as planned (simulator; bubble "
+                                     f"{plan.bubble:.0%})", "time (F = B = W = 1 unit)"))
+    if (run_dir / "comm_ledger.json").is_file():
+        written.append(draw_mesh(ParallelDims.from_config(p), ledger.read(run_dir), run_dir / "mesh.png",
+                                 f"sixfold {p.describe()}"))
+    return written
+
+
+# the timeline -----------------------------------------------------------------------------------
+
+def _color(e: dict) -> str:
+    if e["cat"] == "comm":
+        return COLORS["comm"]
+    return COLORS.get(e["cat"], COLORS.get(e["name"][:1], "#999999"))
+
+
+def draw_timeline(events: list[dict], path: Path, title: str, xlabel: str = "time (ms)") -> Path:
+    """Ranks x time: compute spans above, communication below, one lane each per rank."""
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+
+    ranks = sorted({e["pid"] for e in events})
+    t0 = min(e["ts"] for e in events)
+    span = max(e["ts"] + e["dur"] for e in events) - t0
+    fig, ax = plt.subplots(figsize=(12, 0.9 * len(ranks) + 1.5))
+    bars = defaultdict(list)  # (lane, colour, edge) -> spans: one collection each, drawn much faster
+    for e in events:
+        y = ranks.index(e["pid"]) + (0.05 if e["tid"] == 0 else -0.4)
+        bars[y, _color(e), "white" if "mb" in e["args"] else "none"].append(
+            ((e["ts"] - t0) / 1e3, max(e["dur"] / 1e3, 0.05)))
+        if "stage" in e["args"] and e["dur"] > span / 80:  # a pipeline action wide enough: its micro-batch
+            ax.text((e["ts"] - t0 + e["dur"] / 2) / 1e3, y + 0.175, str(e["args"]["mb"]), ha="center",
+                    va="center", fontsize=6, color="white")
+    for (y, colour, edge), spans in bars.items():
+        ax.broken_barh(spans, (y, 0.35), facecolors=colour, edgecolors=edge, linewidth=0.5)
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper center",
+              bbox_to_anchor=(0.5, -0.12 - 0.2 / len(ranks)), ncol=6, fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def schedule_events(simulation) -> list[dict]:
+    """A simulated schedule's actions as events for draw_timeline (a time unit as 1000 of the trace's us)."""
+    out = []
+    for rank, stats in enumerate(simulation.ranks):
+        for start, end, a in stats.events:
+            compute = a.kind in ("F", "B", "W")
+            out.append({"name": a.kind if compute else "comm", "cat": "compute" if compute else "comm",
+                        "ts": start * 1e3, "dur": (end - start) * 1e3, "pid": rank, "tid": 0 if compute else 1,
+                        "args": {"mb": a.micro, "stage": a.stage}})
+    return out
+
+
+# the mesh ---------------------------------------------------------------------------------------
+
+def grid(dims: ParallelDims) -> tuple[dict[int, tuple[float, float]], str]:
+    """Each rank's place in the picture, and a caption. The dimensions of size > 1, innermost (tp) first, go
+    alternately across and down; each outer one repeats the block of the inner ones, with a gap."""
+    active = [d for d in ORDER if getattr(dims, d) > 1]
+    axes = active[0::2], active[1::2]
+    places = {}
+    for rank in range(dims.world_size):
+        c, xy = dims.coords(rank), []
+        for names in axes:
+            at, span = 0.0, 1.0
+            for d in names:
+                at += c[d] * span
+                span = span * getattr(dims, d) + GAP
+            xy.append(at)
+        places[rank] = (xy[0], -xy[1])
+    caption = f"across: {', then '.join(axes[0]) or '-'};  down: {', then '.join(axes[1]) or '-'}"
+    return places, caption
+
+
+def _size(b: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if b < 1024 or unit == "GiB":
+            return f"{b:,.0f} {unit}" if unit == "B" else f"{b:,.1f} {unit}"
+        b /= 1024
+
+
+def draw_mesh(dims: ParallelDims, data: dict, path: Path, title: str) -> Path:
+    """One panel per kind of group that carried traffic: the ranks on the grid, each group in its own colour,
+    its members joined by a line as thick as its bytes per training step; each rank shows its own."""
+    plt = _pyplot()
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Rectangle
+
+    places, caption = grid(dims)
+    per_step = {int(r): ledger.mean_per_step(part) for r, part in data["ranks"].items()}
+
+    def sent(rank: int, kind: str) -> float:
+        return sum(t["bytes"] for key, t in per_step.get(rank, {}).items() if key.split("/")[0] == kind)
+
+    kinds = [k for k in GROUP_NAMES if any(sent(r, k) for r in places)]
+    groups = {k: [g for g in dims.all_groups(k) if len(g) > 1] for k in kinds}
+    heaviest = max((sum(sent(r, k) for r in g) for k in kinds for g in groups[k]), default=0) or 1
+    xs, ys = [x for x, _ in places.values()], [y for _, y in places.values()]
+    w, h = max(xs) - min(xs) + 1.2, max(ys) - min(ys) + 1.2
+    panel_w, panel_h = max(3.2, 0.95 * w), max(1.6, 0.95 * h) + 1.6  # the legend below
+    cols = max(1, min(len(kinds), 3, int(20 // panel_w)))
+    rows = max(1, math.ceil(len(kinds) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * panel_w, rows * panel_h), squeeze=False, layout="constrained")
+    for ax in axes.flat:
+        ax.set_axis_off()
+    for ax, kind in zip(axes.flat, kinds):
+        colour = {}
+        handles = []
+        for i, g in enumerate(groups[kind]):
+            c, b = plt.cm.tab10(i % 10), sum(sent(r, kind) for r in g)
+            colour.update({r: c for r in g})
+            for a, z in zip(g, g[1:]):
+                ax.annotate("", places[z], places[a], arrowprops=dict(arrowstyle="-", color=c, alpha=0.8,
+                            lw=1 + 7 * b / heaviest, connectionstyle="arc3,rad=0.3", shrinkA=0, shrinkB=0))
+            handles.append(Line2D([], [], color=c, lw=3, label=f"ranks {','.join(map(str, g))}: {_size(b)}"))
+        for r, (x, y) in places.items():
+            ax.add_patch(Rectangle((x - 0.35, y - 0.35), 0.7, 0.7, facecolor=colour.get(r, "#dddddd"), alpha=0.9,
+                                   edgecolor="black", linewidth=0.6, zorder=3))
+            ax.text(x, y + 0.12, str(r), ha="center", va="center", fontsize=9, weight="bold", zorder=4)
+            ax.text(x, y - 0.18, _size(sent(r, kind)) if r in colour else "", ha="center", va="center",
+                    fontsize=6, zorder=4)
+        ops = sorted({key.split("/")[1] for part in per_step.values() for key in part if key.split("/")[0] == kind})
+        within = f" ({' x '.join(GROUP_DIMS[kind])})" if kind in GROUP_DIMS and len(GROUP_DIMS[kind]) > 1 else ""
+        ax.set_title(f"{kind}{within}: {', '.join(ops)}", fontsize=9)
+        ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
+        ax.set_ylim(min(ys) - 0.7, max(ys) + 0.7)
+        ax.set_aspect("equal")
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0), fontsize=6.5, frameon=False,
+                  ncol=2 if len(handles) > 4 else 1, title="bytes per step, summed over a group's ranks",
+                  title_fontsize=6.5)
+    if not kinds:
+        axes[0, 0].text(0.5, 0.5, "no communication", ha="center", va="center", transform=axes[0, 0].transAxes)
+    fig.suptitle(f"{title}: each group's bytes per training step (ledger)\nranks {caption}. A box: a rank and its "
+                 f"bytes in that kind of group; a line: a group, as thick as its bytes", fontsize=9)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path

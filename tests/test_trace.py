@@ -1,0 +1,99 @@
+"""One traced pp2 x tp2 run (4 ranks, 1F1B over 4 micro-batches, 3 steps, evaluation at steps 2 and 3): its
+trace.json is Chrome trace format with one track per rank, its pictures are drawn and `sixfold trace` redraws
+them, and every rank's ledger gives each training step the bytes of the formulas in docs/guide."""
+import json
+
+import pytest
+from PIL import Image
+
+from sixfold import ledger
+from sixfold.cli import main
+from sixfold.config import load_config
+from sixfold.logs import read_metrics
+from helpers import TINY, sixfold
+
+STEPS, MICRO, PP, TP = 3, 4, 2, 2
+PICTURES = ("timeline.png", "schedule.png", "mesh.png")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("traced") / "run"
+    proc = sixfold("train", TINY, f"parallel.pp={PP}", f"parallel.tp={TP}", f"train.micro_batches={MICRO}",
+                   f"train.steps={STEPS}", "train.eval_every=2", "log.trace=true", f"log.run_dir={run_dir}",
+                   "checkpoint.save_final=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, proc.stdout + proc.stderr
+
+
+def test_trace_is_chrome_format_with_a_track_per_rank(run):
+    trace = json.loads((run[0] / "trace.json").read_text())
+    events = trace["traceEvents"]
+    assert isinstance(events, list)
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(isinstance(e["name"], str) and e["ts"] >= 0 and e["dur"] >= 0 and e["tid"] in (0, 1) for e in spans)
+    names = [(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "process_name"]
+    assert sorted(names) == [(r, f"rank {r}") for r in range(PP * TP)]
+    assert {e["pid"] for e in events} == set(range(PP * TP))
+    assert {e["args"]["step"] for e in spans} == set(range(1, STEPS + 1))
+    comm = [e for e in spans if e["cat"] == "comm"]
+    assert comm and all({"group", "op", "bytes"} <= e["args"].keys() for e in comm)
+    assert {e["args"]["group"] for e in comm} >= {"tp", "pp"}
+
+
+def test_pictures_are_drawn_and_redrawn(run, capsys):
+    run_dir = run[0]
+    sizes = {}
+    for name in PICTURES:
+        path = run_dir / name
+        assert path.stat().st_size > 10_000, name
+        with Image.open(path) as image:
+            sizes[name] = image.size
+        assert sizes[name][0] >= 500 and sizes[name][1] >= 300, (name, sizes[name])
+        path.unlink()
+    assert main(["trace", str(run_dir)]) == 0  # in this process: a new one would spend seconds importing torch
+    out = capsys.readouterr().out
+    for name in PICTURES:
+        assert f"wrote {run_dir / name}" in out
+        with Image.open(run_dir / name) as image:
+            assert image.size == sizes[name], name
+
+
+def test_trace_command_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
+    assert main(["trace", str(tmp_path)]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+
+
+def test_ledger_steps_match_the_formulas(run):
+    """Per rank and training step (docs/guide/tensor-parallel.md, pipeline-parallel.md), with T the tokens of a
+    micro-batch, h the width, a = 4 T h the bytes of its hidden state: stage 0 (embedding, block 0) all-gathers
+    7a and reduce-scatters 5a per micro-batch over tp, stage 1 (block 1, norm, head, loss) 8a and 5a and
+    all-reduces 3 fp32 per token for the loss; once a step tp all-reduces the norm weights' gradients (2 norms
+    on stage 0, 3 on stage 1) and the 8-byte squared gradient norm. Each stage sends one [T / tp, h] message
+    per micro-batch, and pp sums two 8-byte scalars. Evaluation is counted apart from the steps."""
+    run_dir, output = run
+    model, train = load_config(TINY).model, load_config(TINY).train
+    tokens, h = train.global_batch // MICRO * train.seq_len, model.dim
+    a = 4 * tokens * h
+    data = ledger.read(run_dir)
+    assert sorted(data["ranks"]) == [str(r) for r in range(PP * TP)]
+    for rank, part in data["ranks"].items():
+        last = int(rank) // TP == PP - 1
+        expected = {
+            "tp/all_gather": {"bytes": (8 if last else 7) * a * MICRO},
+            "tp/reduce_scatter": {"bytes": 5 * a * MICRO},
+            "tp/all_reduce": {"bytes": (12 * tokens * MICRO if last else 0) + 4 * h * (3 if last else 2) + 8},
+            "pp/send_recv": {"bytes": MICRO * tokens // TP * h * 4},
+            "pp/all_reduce": {"bytes": 16},
+        }
+        assert [(r["first"], r["last"]) for r in part["steps"]] == [(1, STEPS)], rank  # every step the same
+        for step in range(1, STEPS + 1):
+            got = ledger.step_traffic(part, step)
+            assert {k: {"bytes": t["bytes"]} for k, t in got.items()} == expected, (rank, step)
+        assert part["phases"]["eval"]["pp/send_recv"]["calls"] > 0  # the evaluations' forwards, apart
+        for key, t in part["total"].items():
+            assert t["bytes"] == sum(p.get(key, {"bytes": 0})["bytes"] for p in part["phases"].values()), key
+    rank0 = ledger.step_traffic(data["ranks"]["0"], 1)
+    assert [m["comm_bytes"] for m in read_metrics(run_dir)] == [sum(t["bytes"] for t in rank0.values())] * STEPS
+    assert "communication ledger, 4 rank(s) summed" in output
+    assert f"{'tp':<14}{'reduce_scatter':<16}{4 * 5 * a * MICRO:>16,}" in output
