@@ -21,7 +21,7 @@ class SavedTensors:
     """
 
     def __init__(self, model: nn.Module):
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.params = list(model.parameters())
         self.seen: set[int] = set()
         self.saved: list[Saved] = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -29,7 +29,8 @@ class SavedTensors:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr not in self.params and ptr not in self.seen:
+        # parameters' storages looked up now: ZeRO-3 gives them storage only while gathered
+        if ptr not in self.seen and all(p.untyped_storage().data_ptr() != ptr for p in self.params):
             self.seen.add(ptr)
             self.saved.append(Saved(tuple(t.shape), t.dtype, storage.nbytes()))
         return t

@@ -91,6 +91,23 @@ def cmd_trace(args, argv) -> int:
     return 0
 
 
+def cmd_plan(args, argv) -> int:
+    from .planner.devices import DEVICES
+    from .planner.plan import plan, search
+    from .planner.report import describe, ranking
+    path, overrides = _split(args.config)
+    cfg = load_config(path, overrides)
+    if args.gpus % args.nodes:
+        raise ConfigError(f"--gpus {args.gpus} must be divisible by --nodes {args.nodes}")
+    device, per_node = DEVICES[args.gpu], args.gpus // args.nodes
+    if args.search:
+        print(ranking(search(cfg, args.gpus, device, per_node)))
+        return 0
+    validate(cfg, world_size=args.gpus)
+    print(describe(plan(cfg, device, per_node), args.gpu, args.gpus, args.nodes))
+    return 0
+
+
 def cmd_generate(args, argv) -> int:
     from .generate import checkpoint_tokenizer, sample_text
     from .model.hf import load_model
@@ -129,6 +146,14 @@ def parser() -> argparse.ArgumentParser:
                                       "config.yaml")
     r.add_argument("run")
     r.set_defaults(fn=cmd_trace)
+    pl = sub.add_parser("plan", help="memory per rank and estimated step time of a layout on a cluster, or "
+                                     "--search: every layout ranked")
+    pl.add_argument("config", nargs="*", help="a YAML file, then section.key=value overrides")
+    pl.add_argument("--gpus", type=int, required=True)
+    pl.add_argument("--gpu", choices=["h100", "h200", "a100"], default="h100")
+    pl.add_argument("--nodes", type=int, default=1)
+    pl.add_argument("--search", action="store_true", help="rank every layout of --gpus GPUs that fits")
+    pl.set_defaults(fn=cmd_plan)
     g = sub.add_parser("generate", help="sample text from a checkpoint or run directory")
     g.add_argument("checkpoint")
     g.add_argument("--prompt", required=True)

@@ -66,7 +66,7 @@ class ContextParallel:
         return self._ulysses(q, k, v)
 
     def comm_bytes(self, batch: int, heads: int, kv_heads: int, local: int, head_dim: int,
-                   itemsize: int = 4) -> dict[str, int]:
+                   itemsize: int = 4, forward_only: bool = False) -> dict[str, int]:
         """Bytes over the cp group for one attention forward and backward, by op.
 
         With kv = the bytes of this rank's keys and values (2 * batch * kv_heads * local * head_dim * itemsize):
@@ -74,17 +74,18 @@ class ContextParallel:
           allgather  an all-gather of cp*kv forward, a reduce-scatter of cp*kv backward;
           ulysses    all-to-alls of q, k, v and the output forward, the same backward (kv heads fewer than cp
                      are first repeated to cp).
+        With `forward_only`, the forward's part (what recomputation runs again).
         """
         if self.size == 1:
             return {}
         kv = 2 * batch * kv_heads * local * head_dim * itemsize
         if self.mode == "ring":
-            return {"send_recv": (3 * self.size - 2) * kv}
+            return {"send_recv": (self.size - 1 if forward_only else 3 * self.size - 2) * kv}
         if self.mode == "allgather":
-            return {"all_gather": self.size * kv, "reduce_scatter": self.size * kv}
+            return {"all_gather": self.size * kv, **({} if forward_only else {"reduce_scatter": self.size * kv})}
         q = batch * heads * local * head_dim * itemsize
         kv = kv * max(self.size // kv_heads, 1) if kv_heads % self.size else kv
-        return {"all_to_all": 2 * (2 * q + kv)}
+        return {"all_to_all": (1 if forward_only else 2) * (2 * q + kv)}
 
     # all-gather KV --------------------------------------------------------------------------------
     def _allgather(self, q, k, v):

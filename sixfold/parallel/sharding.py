@@ -114,6 +114,16 @@ def unit_modules(model: nn.Module) -> list[tuple[list[nn.Module], bool]]:
     return units
 
 
+def unit_params(model: nn.Module) -> list[tuple[list[nn.Module], list[tuple[str, nn.Parameter]], bool]]:
+    """Each unit's modules, its parameters by global name (each parameter in one unit; experts in theirs), and
+    whether it holds experts."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    plan = unit_modules(model)
+    experts = {id(p) for modules, expert in plan if expert for m in modules for p in m.parameters()}
+    return [(modules, [(names.pop(id(p)), p) for m in modules for p in m.parameters()
+                       if id(p) in names and (expert or id(p) not in experts)], expert) for modules, expert in plan]
+
+
 class _GatherForBackward(torch.autograd.Function):
     """Identity on a unit's output whose backward gathers the unit's weights before its own backward runs."""
 
@@ -137,13 +147,8 @@ class Sharded:
         ctx = comm.ctx
         self.zero = zero if ctx.size("fsdp") > 1 else 0
         self.replicas = ctx.size("dp_replicate") if self.zero else 1
-        names = {id(p): n for n, p in model.named_parameters()}
-        plan = unit_modules(model)
-        experts = {id(p) for modules, expert in plan if expert for m in modules for p in m.parameters()}
         self.units = []
-        for i, (modules, expert) in enumerate(plan):
-            named = [(names.pop(id(p)), p) for m in modules for p in m.parameters()
-                     if id(p) in names and (expert or id(p) not in experts)]
+        for i, (modules, named, expert) in enumerate(unit_params(model)):
             # experts are sharded and reduced over edp (the ep group holds different experts), the rest over fsdp
             group = "edp" if expert else "fsdp"
             shards = ctx.size(group) if self.zero else 1

@@ -310,19 +310,36 @@ def gather_vocab(tp: TensorParallel, logits: torch.Tensor, vocab_size: int) -> t
     return pieces.view(tp.size, *logits.shape).permute(1, 0, 2).flatten(1)[:, :vocab_size]
 
 
-def comm_bytes(n_layers: int, tokens: int, dim: int, tp: int, sequence: bool, itemsize: int = 4) -> dict[str, int]:
-    """Bytes over the tp group for one forward and backward of the model on `tokens` tokens, by op.
+def block_bytes(a: int, sequence: bool, forward_only: bool = False) -> dict[str, int]:
+    """Bytes over the tp group for one block's forward and backward, a = tokens * dim * itemsize (all-gathers
+    count their output, reduce-scatters their input): without sequence-TP, 4 all-reduces of a (after wo and
+    w_down forward, before qkv and gate/up backward); with it, the same volume as 2 all-gathers and 2
+    reduce-scatters each way, plus 2 all-gathers in backward that gather the qkv and gate/up inputs again
+    (only shards are saved). With `forward_only`, the forward's part (what full recomputation runs again)."""
+    if forward_only:
+        return {"all_gather": 2 * a, "reduce_scatter": 2 * a} if sequence else {"all_reduce": 2 * a}
+    return {"all_gather": 6 * a, "reduce_scatter": 4 * a} if sequence else {"all_reduce": 4 * a}
 
-    Per block, with a = tokens * dim * itemsize (all-gathers count their output, reduce-scatters their input):
-      without sequence-TP  4 all-reduces of a: after wo and w_down forward, before qkv and gate/up backward;
-      with sequence-TP     the same volume as 2 all-gathers and 2 reduce-scatters each way, plus 2 all-gathers
-                           in backward, which gather the qkv and gate/up inputs again (only shards are saved).
-    The embedding adds a reduce (and its dual in backward), the head a column-parallel layer's collectives;
-    the vocab-parallel loss all-reduces 3 floats per token (max, sum of exponentials, target logit).
-    """
+
+def embedding_bytes(a: int, sequence: bool) -> dict[str, int]:
+    """The vocab-parallel lookup's reduce (a reduce-scatter under sequence-TP) and its dual in backward."""
+    return {"reduce_scatter": a, "all_gather": a} if sequence else {"all_reduce": a}
+
+
+def head_bytes(a: int, tokens: int, sequence: bool) -> dict[str, int]:
+    """The column-parallel head's collectives, and the vocab-parallel loss's all-reduce of 3 fp32 per token
+    (max, sum of exponentials, target logit)."""
+    loss = 3 * tokens * 4
+    return {"all_gather": 2 * a, "reduce_scatter": a, "all_reduce": loss} if sequence else {"all_reduce": a + loss}
+
+
+def comm_bytes(n_layers: int, tokens: int, dim: int, tp: int, sequence: bool, itemsize: int = 4) -> dict[str, int]:
+    """Bytes over the tp group for one forward and backward of the whole model on `tokens` tokens, by op."""
     if tp == 1:
         return {}
-    a, loss = tokens * dim * itemsize, {"all_reduce": 3 * tokens * 4}
-    if not sequence:
-        return {"all_reduce": (4 * n_layers + 2) * a + loss["all_reduce"]}
-    return {"all_gather": (6 * n_layers + 3) * a, "reduce_scatter": (4 * n_layers + 2) * a, **loss}
+    a, out = tokens * dim * itemsize, {}
+    parts = [embedding_bytes(a, sequence), head_bytes(a, tokens, sequence)] + [block_bytes(a, sequence)] * n_layers
+    for part in parts:
+        for op, v in part.items():
+            out[op] = out.get(op, 0) + v
+    return out

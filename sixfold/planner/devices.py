@@ -1,0 +1,21 @@
+"""Accelerators the planner knows: dense bf16 peak, memory, and the links between them (vendor data sheets;
+per direction, per GPU)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_flops: float  # dense bf16, per second
+    memory: float  # bytes
+    intra_bw: float  # bytes/s to a GPU of the same node (NVLink)
+    inter_bw: float  # bytes/s to a GPU of another node (one InfiniBand NIC per GPU)
+
+
+DEVICES = {
+    "h100": Device("h100", 989e12, 80e9, 450e9, 50e9),  # SXM, NVLink 4, 400 Gb/s NDR
+    "h200": Device("h200", 989e12, 141e9, 450e9, 50e9),
+    "a100": Device("a100", 312e12, 80e9, 300e9, 25e9),  # SXM 80GB, NVLink 3, 200 Gb/s HDR
+}

@@ -1,0 +1,83 @@
+"""Memory of one rank, from the layout alone.
+
+Persistent (between steps): for each FSDP unit of `padded` elements sharded over n ranks (n = 1 without
+ZeRO), with b bytes per compute element:
+  parameters  b * padded compute weights (not under ZeRO-3, which gathers them for use), 4 * padded / n of
+              fp32 master shard when sharded or in bf16, and b * padded / n of bf16 shard to gather from
+  gradients   b * padded full gradients (ZeRO-0/1; ZeRO-2/3 free them between steps), 4 * padded / n of
+              fp32 reduced shard when sharded or in bf16
+  optimizer   8 bytes (AdamW's two moments) per parameter element of the shard
+Activations (saved for backward, per micro-batch; a per-layer count in the manner of Korthikanti et al. 2022,
+for this model: RMSNorm, SwiGLU, rotary embeddings, fused attention that keeps its log-sum-exp), with T tokens
+on the rank, T_h the hidden rows (T / tp under sequence-TP), and per tp rank q_dim and kv_dim the query and
+key/value widths, a the heads, f the ffn width:
+  per block   b * (6 * T_h * dim            each norm's input, normalised input and output (the linear's input)
+                   + 2 * T * q_dim          q after rotation, the attention output (the wo input)
+                   + 2 * T * kv_dim         k after rotation, v
+                   + 4 * T * f)             gate, silu(gate), up, the w_down input
+              + 4 * (2 * T_h + T * a)       norm statistics, the attention log-sum-exp
+  recompute   full: each sub-layer's input only (2 * b * T_h * dim) plus one block rebuilt in backward;
+              selective: the attention output and log-sum-exp are rebuilt
+  context     all-gather KV keeps the gathered keys and values (cp times this rank's); Ulysses the query and
+              output at both head splits
+  ends        the final norm (3 * b * T_h * dim and its statistics), the logits (4 * T * vocab / tp), token ids
+              and labels (16 * T), the rotary tables
+A pipeline rank keeps its stages' activations for the (stage, micro-batch) pairs in flight (the simulator's
+peak).
+"""
+from __future__ import annotations
+
+from .rank import Rank
+
+
+def persistent(rank: Rank) -> dict[str, int]:
+    b, out = rank.compute_bytes, {"parameters": 0, "gradients": 0, "optimizer": 0}
+    for u in rank.sharded.units:
+        n = rank.ctx.size(u.group) if u.zero else 1
+        own_master = n > 1 or b == 2
+        out["parameters"] += (b * u.padded if u.zero < 3 else 0) + (4 * u.shard_size if own_master else 0) + \
+            (b * u.shard_size if b == 2 and n > 1 else 0)
+        out["gradients"] += (b * u.padded if u.zero < 2 else 0) + (4 * u.shard_size if own_master else 0)
+        out["optimizer"] += 8 * sum(end - start for _, start, end, _ in u.segments())
+    return out
+
+
+def block_activations(rank: Rank, layer: int, recompute: str) -> int:
+    """Bytes one block saves for backward on one micro-batch."""
+    cfg, b = rank.cfg.model, rank.compute_bytes
+    attn = rank.model.layers[str(layer)].attn
+    t, th = rank.micro_tokens, rank.hidden_tokens
+    q, kv = attn.n_heads * cfg.head_dim, attn.n_kv_heads * cfg.head_dim
+    ffn = rank.model.layers[str(layer)].mlp.w_gate.weight.shape[0]
+    if recompute == "full":
+        return 2 * b * th * cfg.dim
+    core = 0 if recompute == "selective" else b * t * q + 4 * t * attn.n_heads
+    saved = b * (6 * th * cfg.dim + t * q + 2 * t * kv + 4 * t * ffn) + core + 4 * 2 * th
+    cp = rank.model.cp
+    if cp.size > 1 and cp.mode == "allgather":
+        saved += b * 2 * (cp.size - 1) * t * kv
+    if cp.size > 1 and cp.mode == "ulysses":
+        saved += 2 * b * t * q
+    return saved
+
+
+def activations(rank: Rank) -> dict[str, int]:
+    """Bytes saved for backward on this rank at the peak: its stages' blocks and ends, times the (stage,
+    micro-batch) pairs in flight over its stages ("saved"), and under full recomputation the one block rebuilt
+    in backward ("rebuilt")."""
+    cfg, b, t = rank.cfg.model, rank.compute_bytes, rank.micro_tokens
+    per_micro = sum(block_activations(rank, layer, cfg.recompute) for layer in rank.blocks)
+    if rank.model.norm is not None:
+        vocab = (rank.model.head or rank.model.embed).weight.shape[0]
+        per_micro += b * 3 * rank.hidden_tokens * cfg.dim + 4 * rank.hidden_tokens + 4 * t * vocab + 16 * t
+    if rank.blocks:
+        per_micro += 2 * 4 * rank.cfg.train.seq_len // rank.model.cp.size * cfg.head_dim
+    rebuilt = max(block_activations(rank, layer, "none") for layer in rank.blocks) \
+        if cfg.recompute == "full" and rank.blocks else 0
+    return {"saved": per_micro * in_flight(rank) // len(rank.model.stages), "rebuilt": rebuilt}
+
+
+def in_flight(rank: Rank) -> int:
+    """(stage, micro-batch) pairs whose activations are alive at once on this rank (without pipelining, one:
+    each backward follows its forward)."""
+    return rank.pipeline.peak_in_flight if rank.pipeline else 1

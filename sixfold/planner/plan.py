@@ -1,0 +1,103 @@
+"""The plan of a layout on a cluster: each pipeline stage's memory per rank and the step's estimated time;
+and the search over every layout of the world size, ranked by estimated throughput among those that fit."""
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass
+
+from ..config import Config, ConfigError, validate
+from .devices import Device
+from .memory import activations, persistent
+from .rank import Rank, build_rank
+from .timing import Estimate, estimate, flops
+
+RESERVE = 0.9  # of device memory usable by the model (the rest: allocator, kernels' workspace, NCCL)
+
+
+@dataclass
+class StagePlan:
+    rank: int
+    memory: dict[str, int]  # parameters, gradients, optimizer, activations, rebuilt, transient, peak
+    estimate: Estimate
+
+
+@dataclass
+class Plan:
+    cfg: Config
+    stages: list[StagePlan]
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    fits: bool
+
+
+def transient(rank: Rank) -> int:
+    """Buffers alive during a step only: ZeRO-2/3 full gradients (each unit's from its first forward to the
+    step's end), ZeRO-3 gathered weights (all of the rank's under pipelining or kept gathered; else a unit and
+    the next one, prefetched)."""
+    b, units = rank.compute_bytes, rank.sharded.units
+    grads = sum(b * u.padded for u in units if u.zero >= 2)
+    gathered = [b * u.padded for u in units if u.zero == 3]
+    if rank.schedule is None and not all(u.keep_gathered for u in units if u.zero == 3):
+        gathered = sorted(gathered)[-2:]
+    return grads + sum(gathered)
+
+
+def plan(cfg: Config, device: Device, per_node: int, ends_only: bool = False) -> Plan:
+    """Every pipeline stage's first rank planned (with `ends_only`, the first and last stage's: the others
+    hold blocks only, as the first stage does besides the embedding)."""
+    p = cfg.parallel
+    world = p.world_size
+    stride = world // p.pp  # pp is the outermost mesh dimension
+    chosen = sorted({0, p.pp - 1}) if ends_only else range(p.pp)
+    stages, work = [], 0.0
+    for stage in chosen:
+        rank = build_rank(cfg, stage * stride)
+        memory = {**persistent(rank), **activations(rank), "transient": transient(rank)}
+        memory["peak"] = sum(memory.values())
+        stages.append(StagePlan(stage * stride, memory, estimate(rank, device, per_node)))
+        work += flops(rank)
+    step = max(s.estimate.step_s for s in stages)
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    model_flops = work / len(chosen) * world
+    return Plan(cfg, stages, step, tokens / step, model_flops / (step * world * device.peak_flops),
+                all(s.memory["peak"] <= RESERVE * device.memory for s in stages))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(cfg: Config, world: int, per_node: int):
+    """Every layout of `world` ranks for cfg's model and global batch: tp within a node, zero 1 or 3 when
+    sharded, 1F1B with one sequence per micro-batch under pipelining, each recomputation mode."""
+    m, t = cfg.model, cfg.train
+    for tp, cp, pp in itertools.product(_divisors(min(world, per_node)), _divisors(world), _divisors(world)):
+        rest = world // (tp * cp * pp) if world % (tp * cp * pp) == 0 else 0
+        if not rest or m.n_heads % tp or pp > m.n_layers:
+            continue
+        for replicate in _divisors(rest):
+            shard = rest // replicate
+            dp = replicate * shard
+            if t.global_batch % dp:
+                continue
+            for zero, recompute in itertools.product((1, 3) if shard * cp > 1 else (0,), ("none", "selective", "full")):
+                c = copy.deepcopy(cfg)
+                c.parallel.dp_replicate, c.parallel.dp_shard, c.parallel.tp, c.parallel.cp = replicate, shard, tp, cp
+                c.parallel.pp, c.parallel.zero, c.parallel.ep = pp, zero, 1
+                c.parallel.pp_schedule, c.parallel.pp_virtual_stages = "1f1b", 1
+                c.parallel.reshard_after_forward = None
+                c.model.recompute = recompute
+                c.train.micro_batches = t.global_batch // dp if pp > 1 else 1
+                try:
+                    validate(c, world_size=world)
+                except ConfigError:
+                    continue
+                yield c
+
+
+def search(cfg: Config, world: int, device: Device, per_node: int) -> list[Plan]:
+    """Plans of every layout that fits, fastest first."""
+    plans = [plan(c, device, per_node, ends_only=True) for c in layouts(cfg, world, per_node)]
+    return sorted((p for p in plans if p.fits), key=lambda p: p.step_s)

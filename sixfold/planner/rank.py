@@ -1,0 +1,88 @@
+"""One rank of a layout, built without running it: its model on the meta device (its pipeline stages and its
+tp and ep pieces, with shapes and no memory) and the FSDP units the trainer would make of it."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..comm import Comm
+from ..config import Config
+from ..mesh import ParallelContext, ParallelDims
+from ..model.llama import Llama
+from ..parallel.context import ContextParallel
+from ..parallel.expert import ExpertParallel
+from ..parallel.pipeline import schedules
+from ..parallel.pipeline.schedules import Schedule
+from ..parallel.pipeline.simulate import Costs, RankStats, simulate
+from ..parallel.pipeline.stages import split_stages
+from ..parallel.sharding import Sharded
+from ..parallel.tensor import TensorParallel
+from ..trace import Tracer
+
+
+@dataclass
+class Rank:
+    cfg: Config
+    ctx: ParallelContext  # sizes and coordinates only: no process groups
+    model: Llama
+    sharded: Sharded
+    schedule: Schedule | None
+
+    @property
+    def compute_bytes(self) -> int:
+        return 2 if self.cfg.train.precision == "bf16" else 4
+
+    @property
+    def reduce_bytes(self) -> int:
+        return 2 if self.cfg.train.grad_reduce == "bf16" else 4
+
+    @property
+    def micro_tokens(self) -> int:
+        """Tokens of one micro-batch on this rank (its cp part of each sequence; before sequence-TP's split)."""
+        t, ctx = self.cfg.train, self.ctx
+        return t.global_batch // ctx.size("batch") // t.micro_batches * t.seq_len // ctx.size("cp")
+
+    @property
+    def hidden_tokens(self) -> int:
+        """Rows of the hidden state between sub-layers: split over tp under sequence-TP."""
+        return self.micro_tokens // self.model.tp.size if self.model.tp.sequence else self.micro_tokens
+
+    @property
+    def pipeline(self) -> RankStats | None:
+        """This rank's line of the simulated schedule (unit costs): its bubble and peak in flight."""
+        if self.schedule is None:
+            return None
+        p = self.cfg.parallel
+        return _simulation(p.pp_schedule, p.pp, p.pp_virtual_stages, self.cfg.train.micro_batches).ranks[
+            self.ctx.rank_in("pp")]
+
+    @property
+    def blocks(self) -> list[int]:
+        return [int(k) for k in self.model.layers.keys()]
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(name: str, pp: int, v: int, m: int) -> Schedule:
+    return schedules.build(name, pp, v, m)
+
+
+@functools.lru_cache(maxsize=256)
+def _simulation(name: str, pp: int, v: int, m: int):
+    return simulate(_schedule(name, pp, v, m), Costs(f=1.0, b=1.0, w=1.0))
+
+
+def build_rank(cfg: Config, rank: int) -> Rank:
+    p, t = cfg.parallel, cfg.train
+    ctx = ParallelContext(ParallelDims.from_config(p), rank, "gloo", torch.device("meta"), {})
+    comm = Comm(ctx, Tracer(False, rank))
+    stages = split_stages(cfg.model, p.pp * p.pp_virtual_stages, t.seq_len)
+    schedule = _schedule(p.pp_schedule, p.pp, p.pp_virtual_stages, t.micro_batches) if p.pp > 1 else None
+    mine = [s for s in stages if schedule is None or schedule.placement[s.index] == ctx.rank_in("pp")]
+    with torch.device("meta"):
+        model = Llama(cfg.model, TensorParallel(comm, p.sequence_parallel), ContextParallel(comm, p.cp_mode,
+                      p.cp_zigzag), mine, ExpertParallel(comm))
+    dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+    sharded = Sharded(model, comm, p.zero, p.reshard, dtype)
+    return Rank(cfg, ctx, model, sharded, schedule)

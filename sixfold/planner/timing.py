@@ -1,0 +1,63 @@
+"""A step's estimated time on a cluster: compute at a fraction of the peak, each group's traffic over the
+links it crosses (NVLink inside a node, the network between nodes, ring algorithms' factors), the pipeline
+bubble from the simulator, and the data-parallel traffic hidden behind backward compute.
+
+    step = compute / (1 - bubble) + exposed tp, cp and pp traffic + max(0, dp traffic - backward compute)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .devices import Device
+from .rank import Rank
+from .traffic import step_bytes
+
+EFFICIENCY = 0.5  # the fraction of the dense peak that a training step's kernels reach
+WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+        "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "send_recv": lambda n: 1.0}
+HIDDEN = ("fsdp", "loss", "dp_replicate", "edp", "pp_ends")  # reduced or gathered while other units compute
+
+
+@dataclass
+class Estimate:
+    compute_s: float
+    comm_s: dict[str, float]  # per group, the time its traffic takes on the wire
+    bubble: float
+    step_s: float
+
+
+def flops(rank: Rank) -> float:
+    """Training FLOPs of one step on this rank: 6 per parameter per token for its stages' dense weights (2 in
+    forward, 4 in backward), causal attention's 6 * seq * dim per token per block, a forward more for what
+    recomputation rebuilds; under tp each rank does 1/tp, under cp each its tokens."""
+    cfg, t = rank.cfg.model, rank.cfg.train
+    tokens = rank.micro_tokens * t.micro_batches
+    params = sum(u.padded for u in rank.sharded.units if not u.expert) * rank.model.tp.size
+    experts = sum(u.padded for u in rank.sharded.units if u.expert)
+    if experts:  # each token visits top_k of the experts
+        params += experts * rank.model.tp.size * cfg.moe_top_k * rank.ctx.size("ep") / max(cfg.moe_experts, 1)
+    matmul = 6 * params * tokens / rank.model.tp.size
+    attention = 6 * t.seq_len * cfg.dim * tokens * len(rank.blocks) / rank.model.tp.size
+    extra = {"full": matmul / 3 + attention / 3, "selective": attention / 3}.get(cfg.recompute, 0.0)
+    return matmul + attention + extra
+
+
+def _spans_nodes(rank: Rank, group: str, per_node: int) -> bool:
+    members = rank.ctx.members(group)
+    return len({r // per_node for r in members}) > 1
+
+
+def estimate(rank: Rank, device: Device, per_node: int) -> Estimate:
+    """`per_node`: GPUs per node; ranks fill nodes in order (tp innermost)."""
+    compute = flops(rank) / (device.peak_flops * EFFICIENCY)
+    comm: dict[str, float] = {}
+    for key, nbytes in step_bytes(rank).items():
+        group, op = key.split("/")
+        n = rank.ctx.size(group)
+        bw = device.inter_bw if _spans_nodes(rank, group, per_node) else device.intra_bw
+        comm[group] = comm.get(group, 0.0) + nbytes * WIRE[op](n) / bw
+    bubble = rank.pipeline.bubble if rank.pipeline else 0.0
+    hidden = sum(v for g, v in comm.items() if g in HIDDEN)
+    exposed = sum(v for g, v in comm.items() if g not in HIDDEN)
+    step = compute / (1 - bubble) + exposed + max(0.0, hidden - compute * 2 / 3)
+    return Estimate(compute, comm, bubble, step)

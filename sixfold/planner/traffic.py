@@ -1,0 +1,111 @@
+"""The bytes one rank sends per training step, by (group, op), in the ledger's terms (all-gathers count their
+output, reduce-scatters their input, sends their payload), from the layout alone.
+
+Per step: each unit's gradient reduction (all-reduce over the loss group, or ZeRO's reduce-scatter over fsdp,
+then across replicas under HSDP) and ZeRO-1/2's weight all-gather; ZeRO-3's gathers (once per step per unit
+kept gathered or under pipelining, otherwise before each forward and each backward that reads the weights);
+the tied embedding's sum over the pipeline ends; the tp sum of gradients each tp replica holds part of; the
+scalars (token count, loss, gradient norm). Per micro-batch: tensor-parallel collectives per block and at the
+ends (parallel/tensor.py), context-parallel ones per block (ContextParallel.comm_bytes), again
+for what recomputation reruns; per step, the pipeline sends of the schedule. Experts' all-to-alls depend on
+the routing and are not predicted.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from ..parallel.pipeline.schedules import SEND_B, SEND_F
+from ..parallel.tensor import block_bytes, embedding_bytes, head_bytes
+from .rank import Rank
+
+SCALAR = 8  # sum_scalars sends fp64
+
+
+def step_bytes(rank: Rank) -> dict[str, int]:
+    """'group/op' -> bytes this rank sends in one training step."""
+    out: Counter = Counter()
+    _gradients(rank, out)
+    _scalars(rank, out)
+    for _ in range(rank.cfg.train.micro_batches):
+        _tensor(rank, out)
+        _context(rank, out)
+    _pipeline(rank, out)
+    return {k: v for k, v in out.items() if v}
+
+
+def _add(rank: Rank, out: Counter, group: str, op: str, nbytes: int) -> None:
+    if rank.ctx.size(group) > 1:
+        out[f"{group}/{op}"] += nbytes
+
+
+def _gradients(rank: Rank, out: Counter) -> None:
+    sharded, b, r = rank.sharded, rank.compute_bytes, rank.reduce_bytes
+    m = rank.cfg.train.micro_batches
+    for u in sharded.units:
+        if u.zero:
+            _add(rank, out, u.group, "reduce_scatter", r * u.padded)
+            if not u.expert and sharded.replicas > 1:
+                _add(rank, out, "dp_replicate", "all_reduce", 4 * u.shard_size)
+        else:
+            _add(rank, out, u.group, "all_reduce", r * u.padded)
+        if u.zero in (1, 2):
+            _add(rank, out, u.group, "all_gather", b * u.padded)
+        if u.zero == 3:
+            once = rank.schedule is not None or u.keep_gathered
+            gathers = 1 if once else m * (1 + u.backward_reads_weights)
+            _add(rank, out, u.group, "all_gather", gathers * b * u.padded)
+    if sharded.tied_across_stages:
+        _add(rank, out, "pp_ends", "all_reduce", 4 * sharded.units[0].shard_size)
+    partial = sum((end - start) * sharded.splits[n].tp_parts for u in sharded.units
+                  for n, start, end, _ in u.segments() if sharded.splits[n].partial_grad)
+    _add(rank, out, "tp", "all_reduce", 4 * partial)
+
+
+def _scalars(rank: Rank, out: Counter) -> None:
+    _add(rank, out, "loss", "all_reduce", 2 * SCALAR)  # tokens, loss
+    _add(rank, out, "pp", "all_reduce", 2 * SCALAR)  # loss, gradient norm
+    if rank.sharded.zero:
+        _add(rank, out, "fsdp", "all_reduce", SCALAR)  # gradient norm
+    _add(rank, out, "tp", "all_reduce", SCALAR)
+
+
+def _tensor(rank: Rank, out: Counter) -> None:
+    """One micro-batch's tp collectives: each block (full recomputation runs its forward's again), the
+    embedding lookup and the head with the loss on the stages that hold them."""
+    tp, t = rank.model.tp, rank.micro_tokens
+    if tp.size == 1:
+        return
+    a = t * rank.cfg.model.dim * rank.compute_bytes
+    parts = [block_bytes(a, tp.sequence)] * len(rank.blocks)
+    if rank.cfg.model.recompute == "full":
+        parts += [block_bytes(a, tp.sequence, forward_only=True)] * len(rank.blocks)
+    if any(s.embed for s in rank.model.stages):
+        parts.append(embedding_bytes(a, tp.sequence))
+    if any(s.head for s in rank.model.stages):
+        parts.append(head_bytes(a, t, tp.sequence))
+    for part in parts:
+        for op, v in part.items():
+            _add(rank, out, "tp", op, v)
+
+
+def _context(rank: Rank, out: Counter) -> None:
+    cp, cfg = rank.model.cp, rank.cfg
+    if cp.size == 1 or not rank.blocks:
+        return
+    attn = next(iter(rank.model.layers.values())).attn
+    sequences = cfg.train.global_batch // rank.ctx.size("batch") // cfg.train.micro_batches
+    shape = (sequences, attn.n_heads, attn.n_kv_heads, cfg.train.seq_len // cp.size, cfg.model.head_dim,
+             rank.compute_bytes)
+    parts = [cp.comm_bytes(*shape)]
+    if cfg.model.recompute != "none":  # both modes run attention's forward again
+        parts.append(cp.comm_bytes(*shape, forward_only=True))
+    for part in parts:
+        for op, v in part.items():
+            _add(rank, out, "cp", op, len(rank.blocks) * v)
+
+
+def _pipeline(rank: Rank, out: Counter) -> None:
+    if rank.schedule is None:
+        return
+    sends = sum(a.kind in (SEND_F, SEND_B) for a in rank.schedule.ranks[rank.ctx.rank_in("pp")])
+    _add(rank, out, "pp", "send_recv", sends * rank.hidden_tokens * rank.cfg.model.dim * rank.compute_bytes)

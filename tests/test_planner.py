@@ -1,0 +1,57 @@
+"""The planner against real runs: for each layout, every rank's persistent memory and the bytes it sends in a
+training step equal the planner's prediction exactly, and the bytes saved for backward by one micro-batch are
+within 15% of its activation count. And `sixfold plan` prints a plan and a ranking."""
+import json
+
+import pytest
+
+from sixfold import cli
+from sixfold.config import load_config
+from sixfold.planner.memory import activations, persistent
+from sixfold.planner.rank import build_rank
+from sixfold.planner.traffic import step_bytes
+from helpers import TINY, torchrun
+
+LAYOUTS = {
+    "dp2": ["parallel.dp_replicate=2"],
+    "dp_shard2-zero3-accum": ["parallel.dp_shard=2", "parallel.zero=3", "train.micro_batches=2"],
+    "hsdp2x2-zero2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=2"],
+    "dp_shard2-zero1-bf16": ["parallel.dp_shard=2", "parallel.zero=1", "train.precision=bf16"],
+    "tp2": ["parallel.tp=2"],
+    "tp2-no-sequence-tp-recompute-full": ["parallel.tp=2", "parallel.sequence_parallel=false", "model.recompute=full"],
+    "cp2-ring-recompute-selective": ["parallel.cp=2", "model.recompute=selective"],
+    "cp2-allgather": ["parallel.cp=2", "parallel.cp_mode=allgather"],
+    "cp2-ulysses-tp2": ["parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.tp=2"],
+    "pp2-1f1b": ["parallel.pp=2", "train.micro_batches=4"],
+    "pp2-interleaved-tied": ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2",
+                             "train.micro_batches=4", "model.tie_embeddings=true", "model.n_layers=4"],
+    "pp2xdp_shard2-zero1": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero=1", "train.micro_batches=2"],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_predictions_equal_what_a_run_held_and_sent(tmp_path, layout):
+    cfg = load_config(TINY, LAYOUTS[layout])
+    proc = torchrun("plan_check.py", cfg.parallel.world_size, str(tmp_path), *LAYOUTS[layout])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(cfg.parallel.world_size):
+        measured = json.loads((tmp_path / f"rank{r}.json").read_text())
+        rank = build_rank(cfg, r)
+        assert persistent(rank) == measured["held"], r
+        assert step_bytes(rank) == measured["sent"], r
+        if measured["saved"] is not None:  # one micro-batch's forward (not run under pipelining)
+            predicted = activations(rank)["saved"]
+            assert abs(predicted - measured["saved"]) <= 0.15 * measured["saved"], (r, predicted, measured["saved"])
+
+
+def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
+    args = ["configs/llama3-8b.yaml", "train.precision=bf16", "--gpus", "16", "--nodes", "2"]
+    assert cli.main(["plan", *args[:2], "parallel.tp=8", "parallel.dp_shard=2", "parallel.zero=3", *args[2:]]) == 0
+    out = capsys.readouterr().out
+    assert "memory per rank (GB)" in out and "estimated step" in out and "fits in memory" in out
+    assert cli.main(["plan", *args, "--search"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("layout") and "layouts fit; fastest first" in table[-1]
+    steps = [float(line.split()[-3]) for line in table[1:-1]]
+    assert steps == sorted(steps) and len(steps) == 10
+    assert cli.main(["plan", *args[:2], "parallel.tp=3", *args[2:]]) == 2  # an impossible layout is refused
