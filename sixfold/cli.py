@@ -1,10 +1,11 @@
-"""sixfold train | check | trace | generate | import-hf | export-hf"""
+"""sixfold train | check | matrix | plan | trace | generate | import-hf | export-hf"""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 import warnings
+from pathlib import Path
 
 from .checkpoint import CheckpointError
 from .config import ConfigError, check_available, load_config, make_run_dir, validate
@@ -76,8 +77,6 @@ def cmd_check(args, argv) -> int:
 
 
 def cmd_trace(args, argv) -> int:
-    from pathlib import Path
-
     from .pictures import draw_pictures
     run = Path(args.run)
     if not (run / "config.yaml").is_file():
@@ -106,6 +105,21 @@ def cmd_plan(args, argv) -> int:
     validate(cfg, world_size=args.gpus)
     print(describe(plan(cfg, device, per_node), args.gpu, args.gpus, args.nodes))
     return 0
+
+
+def cmd_matrix(args, argv) -> int:
+    from . import matrix
+    path, overrides = _split(args.config)
+    load_config(path, overrides)  # refused here, before any process starts
+    report = matrix.run(path, overrides, args.workdir, args.only)
+    for row in report.rows:
+        print(row.line())
+    if args.table:
+        Path(args.table).write_text(report.table())
+    failed = [row.layout.name for row in report.rows if not row.ok]
+    print(f"parity matrix: {len(report.rows) - len(failed)} of {len(report.rows)} layouts OK in {report.seconds:.0f}s"
+          + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 def cmd_generate(args, argv) -> int:
@@ -154,6 +168,12 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--nodes", type=int, default=1)
     pl.add_argument("--search", action="store_true", help="rank every layout of --gpus GPUs that fits")
     pl.set_defaults(fn=cmd_plan)
+    m = sub.add_parser("matrix", help="every layout of the parity matrix against the single process, in one job")
+    m.add_argument("config", nargs="*", help="the base config (configs/tiny.yaml), then section.key=value overrides")
+    m.add_argument("--only", nargs="+", default=None, help="these layouts (and those they resume from)")
+    m.add_argument("--workdir", default=None, help="keep every run here (default: a temporary directory)")
+    m.add_argument("--table", default=None, help="write the table here (docs/parity.md)")
+    m.set_defaults(fn=cmd_matrix)
     g = sub.add_parser("generate", help="sample text from a checkpoint or run directory")
     g.add_argument("checkpoint")
     g.add_argument("--prompt", required=True)

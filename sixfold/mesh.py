@@ -130,6 +130,36 @@ def _store(rank: int, world: int, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"sixfold/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+def join_job(timeout: timedelta) -> int:
+    """Join the torchrun job (its world group); returns this process's rank."""
+    backend, device = pick_device()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend, store=_store(rank, world, timeout), rank=rank, world_size=world,
+                            timeout=timeout, device_id=device if backend == "nccl" else None)
+    return rank
+
+
+class Groups:
+    """The process groups of a running job by their ranks, each rank set made once. dist.new_group must be
+    called by every rank of the job for every group, members or not, in the same order: so every rank asks
+    for the same layouts in the same order."""
+
+    def __init__(self, timeout: timedelta, made: dict[tuple[int, ...], dist.ProcessGroup] | None = None):
+        self.timeout = timeout
+        self.made = dict(made or {})
+
+    def make(self, dims: ParallelDims) -> None:
+        """Every group of `dims` on the job's first dims.world_size ranks, made if new."""
+        for name in GROUP_NAMES:
+            for ranks in dims.all_groups(name):
+                if len(ranks) > 1 and ranks not in self.made:
+                    self.made[ranks] = dist.new_group(list(ranks), timeout=self.timeout)
+
+    def named(self, dims: ParallelDims, rank: int) -> dict[str, dist.ProcessGroup | None]:
+        """The named groups that hold `rank` (None for a group of one); make(dims) first."""
+        return {name: self.made.get(dims.group_ranks(name, rank)) for name in GROUP_NAMES}
+
+
 class ParallelContext:
     """Ranks, named process groups and the device of one process; built once and passed around."""
 
@@ -154,21 +184,24 @@ class ParallelContext:
         check_world_size(parallel, world)
         if world == 1:
             return cls.single(dims)
-        backend, device = pick_device()
-        rank = int(os.environ["RANK"])
         timeout = timedelta(seconds=parallel.timeout_s)
-        dist.init_process_group(backend, store=_store(rank, world, timeout), rank=rank, world_size=world,
-                                timeout=timeout, device_id=device if backend == "nccl" else None)
-        made: dict[tuple[int, ...], dist.ProcessGroup | None] = {tuple(range(world)): dist.group.WORLD}
-        for name in GROUP_NAMES:
-            for ranks in dims.all_groups(name):
-                if len(ranks) > 1 and ranks not in made:
-                    made[ranks] = dist.new_group(list(ranks), timeout=timedelta(seconds=parallel.timeout_s))
-        groups = {}
-        for name in GROUP_NAMES:
-            ranks = dims.group_ranks(name, rank)
-            groups[name] = made[ranks] if len(ranks) > 1 else None
-        return cls(dims, rank, backend, device, groups)
+        rank = join_job(timeout)
+        backend, device = pick_device()
+        groups = Groups(timeout, {tuple(range(world)): dist.group.WORLD})
+        groups.make(dims)
+        return cls(dims, rank, backend, device, groups.named(dims, rank))
+
+    @classmethod
+    def inside(cls, dims: ParallelDims, groups: Groups) -> "ParallelContext | None":
+        """A layout on the first dims.world_size ranks of a running job, its groups sub-groups of the job
+        (made by `groups`, once per rank set). Every rank of the job calls it, in the same order; a rank outside
+        the layout gets None. Layout ranks are job ranks, so point-to-point peers need no translation."""
+        groups.make(dims)
+        rank = dist.get_rank()
+        if rank >= dims.world_size:
+            return None
+        backend, device = pick_device()
+        return cls(dims, rank, backend, device, groups.named(dims, rank))
 
     @property
     def world_size(self) -> int:
@@ -194,7 +227,7 @@ class ParallelContext:
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier()
+            dist.barrier(group=self.groups["world"])
 
     def close(self) -> None:
         """Destroy the process groups and drop our references, so none is left for interpreter teardown."""

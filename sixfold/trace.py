@@ -39,12 +39,12 @@ class Tracer:
     def span(self, name: str, cat: str = "compute", **args):
         return self._span(name, cat, args) if self.enabled else nullcontext()
 
-    def gather(self) -> list[dict]:
-        """All ranks' events on rank 0 (an empty list elsewhere)."""
-        if not dist.is_initialized():
+    def gather(self, world: dist.ProcessGroup | None) -> list[dict]:
+        """All the events of the run's ranks (`world`; None: this rank alone) on rank 0, an empty list elsewhere."""
+        if world is None:
             return list(self.events)
-        out = [None] * dist.get_world_size() if self.rank == 0 else None
-        dist.gather_object(self.events, out, dst=0)
+        out = [None] * dist.get_world_size(world) if self.rank == 0 else None
+        dist.gather_object(self.events, out, dst=0, group=world)
         return [e for part in out for e in part] if self.rank == 0 else []
 
 

@@ -13,7 +13,7 @@ from . import checkpoint as ckpt
 from . import ledger, train_state
 from .comm import Comm
 from .config import DTYPES, Config, ConfigError, check_available, make_run_dir
-from .data import BatchLoader, eval_batches, load_data
+from .data import BatchLoader, TokenData, eval_batches, load_data
 from .logs import RunLog
 from .mesh import ParallelContext
 from .model.llama import Llama, init_weights, no_decay
@@ -37,13 +37,18 @@ class TrainingError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ctx: ParallelContext):
+    def __init__(self, cfg: Config, ctx: ParallelContext, data: TokenData | None = None):
+        """`data`: the corpus of cfg.data, if this process has loaded it already."""
         self.cfg, self.ctx = cfg, ctx
         t = cfg.train
         self.run_dir = Path(cfg.log.run_dir)
         self.tracer = Tracer(False, ctx.rank)
         self.comm = Comm(ctx, self.tracer)
-        self.data = self._load_data()
+        self.data = data if data is not None else self._load_data()
+        if self.data.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                              f"{self.data.tokenizer.vocab_size} tokens; set "
+                              f"model.vocab_size>={self.data.tokenizer.vocab_size}")
         torch.manual_seed(t.seed)
         p = cfg.parallel
         tp = TensorParallel(self.comm, p.sequence_parallel)
@@ -79,9 +84,6 @@ class Trainer:
             with warnings.catch_warnings():  # the first rank of this machine has shown them
                 warnings.simplefilter("ignore")
                 data = load_data(cfg.data)
-        if data.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                              f"{data.tokenizer.vocab_size} tokens; set model.vocab_size>={data.tokenizer.vocab_size}")
         return data
 
     def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,7 +239,7 @@ class Trainer:
             log.print(f"{ledger.table(data)}\nledger: {self.run_dir / 'comm_ledger.json'}")
         if not self.cfg.log.trace:
             return
-        events = self.tracer.gather()
+        events = self.tracer.gather(self.ctx.groups["world"])
         if self.ctx.is_main and events:
             write_chrome_trace(events, self.run_dir / "trace.json")
             pictures = draw_pictures(self.run_dir, self.cfg)
@@ -250,15 +252,20 @@ def prepare_run_dir(cfg: Config, ctx: ParallelContext) -> None:
     ctx.barrier()
 
 
+def run(cfg: Config, ctx: ParallelContext, data: TokenData | None = None) -> list[dict]:
+    """Train in the ranks of `ctx` (and with `data`, if loaded already)."""
+    prepare_run_dir(cfg, ctx)
+    if ctx.is_main and cfg.log.progress:
+        print(f"sixfold: {cfg.parallel.describe()} on {ctx.world_size} process(es), {ctx.backend}, "
+              f"{cfg.model.num_params():,} parameters\n--- config ---\n{cfg.to_yaml()}--------------", flush=True)
+    return Trainer(cfg, ctx, data).fit()
+
+
 def train(cfg: Config) -> list[dict]:
     """Run training in this process (one rank of a torchrun job, or alone)."""
     check_available(cfg)
     ctx = ParallelContext.initialize(cfg.parallel)
     try:
-        prepare_run_dir(cfg, ctx)
-        if ctx.is_main and cfg.log.progress:
-            print(f"sixfold: {cfg.parallel.describe()} on {ctx.world_size} process(es), {ctx.backend}, "
-                  f"{cfg.model.num_params():,} parameters\n--- config ---\n{cfg.to_yaml()}--------------", flush=True)
-        return Trainer(cfg, ctx).fit()
+        return run(cfg, ctx)
     finally:
         ctx.close()

@@ -1,0 +1,275 @@
+"""The parity matrix: layouts of every pair of dimensions and the big combinations, each checked against the
+single-process reference (sixfold.parity), all trained in one torchrun job (sixfold.multirun) so that the
+processes start once. `sixfold matrix CONFIG` runs it and writes its table; tests/test_parity.py runs it in CI.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .checkpoint import step_dir
+from .config import ConfigError, load_config
+from .launch import run_torchrun
+from .parity import ParityResult, compare, compare_learning, layout_config, reference_config, reference_key
+
+STEPS = 4  # fp32 parity
+LEARN_STEPS = 50  # bf16 learns like fp32
+RESUME_AT = 2  # a resumed layout starts from its source's checkpoint of this step
+TIMEOUT_S = 120  # a collective of a layout that waits longer fails it (the job goes on)
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    overrides: tuple[str, ...]
+    resumes: str = ""  # the earlier layout whose checkpoint of step RESUME_AT this one resumes
+    bf16: bool = False  # checked to learn like fp32 over LEARN_STEPS, not to round-off
+
+
+ACCUM = ("train.micro_batches=2",)
+TIED = ("model.tie_embeddings=true",)
+MOE = ("model.moe_experts=4", "model.moe_top_k=2")
+VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "breadth-first": 2, "zb-h1": 1, "zb-v": 2}
+BIG = ("parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.cp=2", "parallel.zero=3", *ACCUM)
+
+
+def _layouts() -> list[Layout]:
+    out = {
+        "single-accum4": ("train.micro_batches=4",),
+        "dp2": ("parallel.dp_replicate=2",),
+        "dp4": ("parallel.dp_shard=4",),
+        "dp2-accum": ("parallel.dp_replicate=2", *ACCUM),
+        "dp4-accum": ("parallel.dp_shard=4", *ACCUM),
+        "dp2x2-tied": ("parallel.dp_replicate=2", "parallel.dp_shard=2", *TIED),
+    }
+    for shards in (2, 4):
+        for zero in (1, 2, 3):
+            out[f"dp_shard{shards}-zero{zero}"] = (f"parallel.dp_shard={shards}", f"parallel.zero={zero}", *ACCUM)
+    out["dp_shard4-zero3-keep-gathered"] = ("parallel.dp_shard=4", "parallel.zero=3",
+                                            "parallel.reshard_after_forward=false", *ACCUM)
+    out["hsdp2x2-zero3"] = ("parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=3", *ACCUM)
+    out["hsdp2x2-zero2-tied"] = ("parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=2", *TIED, *ACCUM)
+    for tp in (2, 4):
+        out[f"tp{tp}"] = (f"parallel.tp={tp}",)
+        out[f"tp{tp}-no-sequence-tp"] = (f"parallel.tp={tp}", "parallel.sequence_parallel=false")
+    out["tp2-tied"] = ("parallel.tp=2", *TIED, *ACCUM)
+    out["tp4-tied-padded-vocab"] = ("parallel.tp=4", *TIED, "model.vocab_size=322")
+    out["tp2xdp_shard2-zero3"] = ("parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3", *ACCUM)
+    out["tp2xhsdp2x2-zero2-tied"] = ("parallel.tp=2", "parallel.dp_replicate=2", "parallel.dp_shard=2",
+                                     "parallel.zero=2", *TIED)
+    for mode in ("ring", "allgather", "ulysses"):
+        for cp in (2, 4):
+            out[f"cp{cp}-{mode}"] = (f"parallel.cp={cp}", f"parallel.cp_mode={mode}")
+    out["cp4-ring-contiguous"] = ("parallel.cp=4", "parallel.cp_zigzag=false")
+    out["cp2xtp2-ring"] = ("parallel.cp=2", "parallel.tp=2")
+    out["cp2xtp2-ulysses-tied"] = ("parallel.cp=2", "parallel.tp=2", "parallel.cp_mode=ulysses", *TIED)
+    out["cp2xdp_shard2-zero3"] = ("parallel.cp=2", "parallel.dp_shard=2", "parallel.zero=3", *ACCUM)
+    out["cp2xdp2"] = ("parallel.cp=2", "parallel.dp_replicate=2", *ACCUM)
+    for pp, layers, micro in ((2, 4, 4), (4, 6, 8)):
+        for schedule, v in VIRTUAL.items():
+            out[f"pp{pp}-{schedule}"] = (f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}",
+                                         f"parallel.pp_virtual_stages={v}", f"model.n_layers={layers}",
+                                         f"train.micro_batches={micro}")
+    out["pp2xdp2"] = ("parallel.pp=2", "parallel.dp_replicate=2", *ACCUM)
+    out["pp2xdp_shard2-zero1"] = ("parallel.pp=2", "parallel.dp_shard=2", "parallel.zero=1", *ACCUM)
+    out["pp2xdp_shard2-zero3-zb-h1"] = ("parallel.pp=2", "parallel.dp_shard=2", "parallel.zero=3",
+                                        "parallel.pp_schedule=zb-h1", *ACCUM)
+    out["pp2xtp2"] = ("parallel.pp=2", "parallel.tp=2", *ACCUM)
+    out["pp2xcp2"] = ("parallel.pp=2", "parallel.cp=2", *ACCUM)
+    out["pp2-tied"] = ("parallel.pp=2", *TIED, *ACCUM)
+    out["pp2-interleaved-tied"] = ("parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2",
+                                   "model.n_layers=4", *TIED, "train.micro_batches=4")
+    out["pp2-zb-v-tied-xtp2"] = ("parallel.pp=2", "parallel.pp_schedule=zb-v", "parallel.pp_virtual_stages=2",
+                                 "parallel.tp=2", *TIED, "train.micro_batches=4")
+    out["ep2"] = (*MOE, "parallel.dp_shard=2", "parallel.ep=2")
+    out["ep4"] = (*MOE, "parallel.dp_shard=4", "parallel.ep=4")
+    out["ep2xdp_shard2-zero3"] = (*MOE, "parallel.dp_shard=2", "parallel.ep=2", "parallel.zero=3")
+    out["ep2xdp_shard4-zero3"] = (*MOE, "parallel.dp_shard=4", "parallel.ep=2", "parallel.zero=3", *ACCUM)
+    out["ep2xhsdp2x2-zero2"] = (*MOE, "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2",
+                                "parallel.zero=2")
+    out["ep2xtp2"] = (*MOE, "parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2")
+    out["ep2xpp2-zb-h1"] = (*MOE, "parallel.dp_shard=2", "parallel.ep=2", "parallel.pp=2",
+                            "parallel.pp_schedule=zb-h1", *ACCUM)
+    out["ep2xcp2"] = (*MOE, "parallel.cp=2", "parallel.ep=2")
+    out["ep2-shared-every2-zero1"] = (*MOE, "model.moe_shared_expert=true", "model.moe_every=2",
+                                      "parallel.dp_shard=2", "parallel.ep=2", "parallel.zero=1")
+    out["dp_shard2-zero3-recompute-full"] = ("parallel.dp_shard=2", "parallel.zero=3", "model.recompute=full", *ACCUM)
+    out["pp2xtp2-zb-v-recompute-full"] = ("parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=zb-v",
+                                          "parallel.pp_virtual_stages=2", "train.micro_batches=4",
+                                          "model.recompute=full")
+    out["cp2-recompute-selective"] = ("parallel.cp=2", "model.recompute=selective")
+    # three and four dimensions at once
+    pp_v = ("parallel.pp=2", "parallel.pp_virtual_stages=2", "model.n_layers=4", "train.micro_batches=4")
+    out["pp2xcp2xtp2-interleaved"] = (*pp_v, "parallel.pp_schedule=interleaved", "parallel.cp=2", "parallel.tp=2")
+    out["pp2xcp2xtp2-zb-v-tied"] = (*pp_v, "parallel.pp_schedule=zb-v", "parallel.cp=2", "parallel.tp=2", *TIED)
+    out["pp2xcp2xtp2-ulysses"] = ("parallel.pp=2", "parallel.cp=2", "parallel.tp=2", "parallel.cp_mode=ulysses",
+                                  *ACCUM)
+    out["pp2xdp_shard2xcp2xtp2-zero3-tied"] = (*BIG, *TIED)
+    out["ep2xpp2xdp_shard2xcp2xtp2-zero3"] = (*BIG, *MOE, "parallel.ep=2")
+    out["hsdp2x2xtp2xpp2-zero3"] = ("parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.tp=2",
+                                    "parallel.pp=2", "parallel.zero=3", *ACCUM)
+    out["pp4xcp2xtp2-zb-v"] = ("parallel.pp=4", "parallel.pp_schedule=zb-v", "parallel.pp_virtual_stages=2",
+                               "model.n_layers=6", "train.micro_batches=8", "parallel.cp=2", "parallel.tp=2")
+    out["cp4xtp4"] = ("parallel.cp=4", "parallel.tp=4")
+    out["hsdp2x2xcp2xtp2-ulysses-zero3"] = ("parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.cp=2",
+                                            "parallel.tp=2", "parallel.cp_mode=ulysses", "parallel.zero=3", *ACCUM)
+    out["dp2xpp2xcp2xtp2-allgather-breadth-first"] = (*pp_v, "parallel.pp_schedule=breadth-first",
+                                                      "parallel.dp_replicate=2", "parallel.cp=2", "parallel.tp=2",
+                                                      "parallel.cp_mode=allgather")
+    out["ep4xpp2xdp_shard4xtp2-zero3"] = (*MOE, "parallel.ep=4", "parallel.pp=2", "parallel.dp_shard=4",
+                                          "parallel.tp=2", "parallel.zero=3", *ACCUM)
+    out["ep2xhsdp2x2xpp2-zero3-tied"] = (*MOE, "parallel.ep=2", "parallel.dp_replicate=2", "parallel.dp_shard=2",
+                                         "parallel.pp=2", "parallel.zero=3", *TIED, *ACCUM)
+    layouts = [Layout(name, overrides) for name, overrides in out.items()]
+    layouts.append(Layout("resumed-as-hsdp2x2xtp4-zero1", ("parallel.dp_replicate=2", "parallel.dp_shard=2",
+                                                           "parallel.tp=4", "parallel.zero=1", *TIED, *ACCUM),
+                          resumes="pp2xdp_shard2xcp2xtp2-zero3-tied"))
+    layouts.append(Layout("moe-resumed-as-ep4xdp_shard4xtp4", (*MOE, "parallel.ep=4", "parallel.dp_shard=4",
+                                                               "parallel.tp=4", *ACCUM),
+                          resumes="ep2xpp2xdp_shard2xcp2xtp2-zero3"))
+    bf16 = ("train.precision=bf16", "train.warmup_steps=5")
+    layouts += [Layout("bf16-dp_shard2-zero3", (*bf16, "parallel.dp_shard=2", "parallel.zero=3"), bf16=True),
+                Layout("bf16-dp2-bf16-reduce", (*bf16, "parallel.dp_replicate=2", "train.grad_reduce=bf16"), bf16=True),
+                Layout("bf16-pp2xdp_shard2xtp2-zero3", (*bf16, "parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2",
+                                                        "parallel.zero=3", *ACCUM), bf16=True)]
+    return layouts
+
+
+LAYOUTS = _layouts()
+
+
+@dataclass
+class Row:
+    """One layout's outcome: its parity result, or why there is none."""
+    layout: Layout
+    ranks: int
+    describe: str
+    seconds: float = 0.0
+    result: ParityResult | None = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.result is not None and self.result.ok and not self.error
+
+    def line(self) -> str:
+        if self.result is None or self.error:
+            return f"parity FAILED: {self.layout.name} ({self.describe}): {self.error}"
+        return f"{self.layout.name}: {self.result.line()}, {self.seconds:.1f}s"
+
+
+def _plan(config: str | None, overrides: list[str], layouts: list[Layout], root: Path):
+    """The runs of the job (each reference once, before its first layout), each layout's row with its reference's
+    name, and every run's directory."""
+    runs, references, rows = [], {}, []
+    sources = {layout.resumes for layout in layouts if layout.resumes}
+    for layout in layouts:
+        cfg = load_config(config, [*overrides, *layout.overrides])
+        steps = LEARN_STEPS if layout.bf16 else STEPS
+        ref = reference_config(cfg, root / "references" / str(len(references)), steps)
+        key = reference_key(ref)
+        if key not in references:
+            references[key] = f"reference-{len(references)}"
+            ref.log.every = steps
+            runs.append((references[key], ref))
+        mine = layout_config(cfg, root / "layouts" / layout.name, steps)
+        mine.log.every = steps
+        if layout.name in sources:
+            mine.checkpoint.every = RESUME_AT
+        if layout.resumes:
+            mine.checkpoint.resume = str(step_dir(root / "layouts" / layout.resumes, RESUME_AT))
+        runs.append((layout.name, mine))
+        rows.append((Row(layout, cfg.parallel.world_size, cfg.parallel.describe()), references[key]))
+    return runs, rows, {name: Path(r.log.run_dir) for name, r in runs}
+
+
+@dataclass
+class Report:
+    rows: list[Row]  # in the matrix's order
+    seconds: float  # the whole job, start-up included
+    load: float  # the machine's 1-minute load average as the job started: other work sharing its cores
+
+    def table(self) -> str:
+        """docs/parity.md: one line per layout, and how long the whole job took on this machine."""
+        rows, passed = self.rows, sum(row.ok for row in self.rows)
+        lines = [
+            "# Parity matrix",
+            "",
+            f"Written by the run that checks it (`tests/test_parity.py`, or `sixfold matrix configs/tiny.yaml "
+            f"--table docs/parity.md`): {len(rows)} layouts, {passed} passed, one torchrun job of "
+            f"{max(row.ranks for row in rows)} gloo ranks, {self.seconds:.0f}s on {os.cpu_count()} CPU cores "
+            f"(shared: load average {self.load:.1f} as it started).",
+            "",
+            f"fp32 layouts: {STEPS} steps; loss = the largest `|layout - reference| / |reference|` over the "
+            f"steps, weight = the largest per-parameter `RMS(layout - reference) / RMS(reference)` after the last "
+            f"step, against the single-process run of the same global batch. bf16 layouts: {LEARN_STEPS} steps; "
+            f"loss = the last loss's relative difference from the fp32 reference (weights shown, not checked). A "
+            f"resumed layout starts from its source's checkpoint of step {RESUME_AT}, in another layout. Seconds: "
+            f"the layout's training in the shared job (start-up excluded).",
+            "",
+            "| layout | ranks | mesh | check | max loss diff | max weight diff | seconds | result |",
+            "|---|---:|---|---|---:|---:|---:|---|",
+        ]
+        for row in rows:
+            r = row.result
+            kind = "bf16 learns" if row.layout.bf16 else "fp32 parity"
+            if row.layout.resumes:
+                kind += f", resumed from {row.layout.resumes}"
+            loss = f"{r.loss_rel:.1e}" if r else "-"
+            weight = f"{r.weight_rel:.1e}" if r else "-"
+            verdict = "ok" if row.ok else f"FAILED: {row.error.splitlines()[0] if row.error else 'over tolerance'}"
+            lines.append(f"| {row.layout.name} | {row.ranks} | {row.describe} | {kind} | {loss} | {weight} | "
+                         f"{row.seconds:.1f} | {verdict} |")
+        return "\n".join(lines) + "\n"
+
+
+def run(config: str | None, overrides: list[str] = (), workdir: str | None = None,
+        only: list[str] | None = None) -> Report:
+    """Train the matrix's layouts (all, or `only` these and the layouts they resume from) and their references
+    in one job; compare each with its reference."""
+    unknown = set(only or ()) - {layout.name for layout in LAYOUTS}
+    if unknown:
+        raise ConfigError(f"no layout named {', '.join(sorted(unknown))} in the matrix; its layouts: "
+                          f"{', '.join(layout.name for layout in LAYOUTS)}")
+    wanted = set(only or [layout.name for layout in LAYOUTS])
+    wanted |= {layout.resumes for layout in LAYOUTS if layout.name in wanted and layout.resumes}
+    layouts = [layout for layout in LAYOUTS if layout.name in wanted]
+    root = Path(workdir or tempfile.mkdtemp(prefix="sixfold-matrix-"))
+    root.mkdir(parents=True, exist_ok=True)
+    runs, rows, dirs = _plan(config, list(overrides), layouts, root)
+    plan = root / "plan.json"
+    plan.write_text(json.dumps({"timeout_s": TIMEOUT_S,
+                                "runs": [{"name": name, "config": cfg.to_dict()} for name, cfg in runs]}))
+    (root / "results.jsonl").unlink(missing_ok=True)
+    start, load = time.perf_counter(), os.getloadavg()[0]
+    proc = run_torchrun(max(row.ranks for row, _ in rows), [str(plan)], module="sixfold.multirun")
+    seconds = time.perf_counter() - start
+    outcomes = {}
+    if (root / "results.jsonl").is_file():
+        outcomes = {o["name"]: o for o in map(json.loads, (root / "results.jsonl").read_text().splitlines())}
+    missing = {"ok": False, "error": f"not run: the job ended first (exit {proc.returncode}; its output is above)"}
+    for row, ref_name in rows:
+        _judge(row, outcomes.get(row.layout.name, missing), outcomes.get(ref_name, missing), dirs[row.layout.name],
+               dirs[ref_name])
+    return Report([row for row, _ in rows], seconds, load)
+
+
+def _judge(row: Row, mine: dict, ref: dict, layout_dir: Path, ref_dir: Path) -> None:
+    """Fill in the row from the job's outcomes of the layout and its reference, and their comparison."""
+    row.seconds = mine.get("seconds", 0.0)
+    if not mine["ok"]:
+        row.error = mine["error"]
+    elif not ref["ok"]:
+        row.error = f"its reference run failed: {ref['error']}"
+    else:
+        check = compare_learning if row.layout.bf16 else compare
+        try:
+            row.result = check(layout_dir, ref_dir, row.describe)
+        except (OSError, RuntimeError, ValueError) as e:
+            row.error = f"{type(e).__name__}: {e}"
+        if row.layout.resumes and row.result and row.result.steps != STEPS - RESUME_AT:
+            row.error = f"ran {row.result.steps} steps: it did not resume from step {RESUME_AT}"
