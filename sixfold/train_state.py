@@ -2,10 +2,11 @@
 replica of each slice writes it), and the slices it reads back in whatever layout it now runs.
 
 Saving: every rank lists its slices; the lists are exchanged once, so each rank knows which slices it writes
-and rank 0 the index; each rank snapshots its slices to CPU and writes its files into the staging directory,
-then a small record of their checksums; rank 0 waits for every record, writes meta.json and renames the
-directory into place. With `checkpoint.async_save` the writing runs in a background thread while training
-goes on; the next save (and the end of the run) waits for it.
+and rank 0 the index; each rank snapshots its slices to CPU and writes its files into the staging directory;
+rank 0 gathers their checksums, writes meta.json and renames the directory into place. With
+`checkpoint.async_save` the writing runs in a background thread while training goes on (there the checksums
+travel as small record files, which rank 0 waits for: no collective leaves the training thread); the next
+save (and the end of the run) waits for it.
 """
 from __future__ import annotations
 
@@ -117,8 +118,10 @@ class Saver:
         if self.background:
             self._thread = threading.Thread(target=self._run, args=args, daemon=True, name="checkpoint")
             self._thread.start()
-        else:
-            self._write(*args)
+        else:  # the files' records travel by collective, and every rank returns once the checkpoint is in place
+            written = self.comm.gather_objects(self._files(path, snapshot), "world")
+            if index is not None:
+                self._publish(path, index, meta, {k: v for part in written for k, v in part.items()}, blobs)
             self.ctx.barrier()
         return path
 
@@ -128,20 +131,28 @@ class Saver:
         except BaseException as e:  # re-raised by wait(), in the training thread
             self._error = e
 
-    def _write(self, path: Path, snapshot: list, index: dict | None, meta: dict, blobs: dict) -> None:
-        tmp, rank = ckpt.staging_dir(path), self.ctx.rank
-        files = {}
+    def _files(self, path: Path, snapshot: list) -> dict:
+        """Write this rank's files into the staging directory; their sizes and checksums."""
+        tmp, files = ckpt.staging_dir(path), {}
         for kind in ckpt.KINDS:
             tensors = {slice_key(p.name, p.start, p.stop): t for p, t in snapshot if p.kind == kind}
             if tensors:
-                fname = f"{kind}-{rank:05d}.safetensors"
+                fname = f"{kind}-{self.ctx.rank:05d}.safetensors"
                 files[fname] = ckpt.write_tensors(tmp, fname, tensors)
-        record = tmp / f".files-{rank:05d}.json"
-        record.with_suffix(".part").write_text(json.dumps(files))
+        return files
+
+    def _publish(self, path: Path, index: dict, meta: dict, files: dict, blobs: dict) -> None:
+        ckpt.publish(path, ckpt.staging_dir(path), {**meta, "index": index}, files, blobs)
+        ckpt.mark_latest(self.run_dir, path, self.keep)
+
+    def _write(self, path: Path, snapshot: list, index: dict | None, meta: dict, blobs: dict) -> None:
+        """In the background: this rank's files, then a record of them; rank 0 collects every record."""
+        tmp = ckpt.staging_dir(path)
+        record = tmp / f".files-{self.ctx.rank:05d}.json"
+        record.with_suffix(".part").write_text(json.dumps(self._files(path, snapshot)))
         record.with_suffix(".part").rename(record)
         if index is not None:
-            ckpt.publish(path, tmp, {**meta, "index": index}, self._collect(tmp), blobs)
-            ckpt.mark_latest(self.run_dir, path, self.keep)
+            self._publish(path, index, meta, self._collect(tmp), blobs)
 
     def _collect(self, tmp: Path) -> dict:
         """Rank 0: every rank's record of the files it wrote, once all are there (they are then removed)."""
