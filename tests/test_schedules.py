@@ -191,9 +191,16 @@ def _receive_just_in_time(s: Schedule) -> Schedule:
 
 def test_checker_finds_deadlocks():
     s = build("1f1b", 2, 1, 1)
-    bad = _replace(s, 0, [Action(RECV_B, 0, 0), Action(F, 0, 0), Action(SEND_F, 0, 0), Action(B, 0, 0)])
+    # a receive posted early only waits at the compute that uses it; batched, it waits where it stands
+    early = _replace(s, 0, [Action(RECV_B, 0, 0), Action(F, 0, 0), Action(SEND_F, 0, 0), Action(B, 0, 0)])
+    assert simulate(early).makespan == simulate(s).makespan
     with pytest.raises(ScheduleError, match=r"deadlocks:\n  rank 0 at action 0: RECV_B\(s0,m0\) waits for "
                                             r"SEND_B\(s1,m0\) from rank 1\n  rank 1 at action 0: RECV_F"):
+        simulate(early, batched=True)
+    bad = _replace(s, 0, [Action(RECV_B, 0, 0), Action(F, 0, 0), Action(B, 0, 0), Action(SEND_F, 0, 0)])
+    with pytest.raises(ScheduleError, match=r"deadlocks:\n  rank 0 at action 2: B\(s0,m0\) waits for "
+                                            r"SEND_B\(s1,m0\) from rank 1\n  rank 1 at action 1: F\(s1,m0\) "
+                                            r"waits for SEND_F\(s0,m0\) from rank 0"):
         simulate(bad)
     # a ring of just-in-time receives is fine with buffered sends, but deadlocks once batched
     late = _receive_just_in_time(build("breadth-first", 2, 2, 4))
