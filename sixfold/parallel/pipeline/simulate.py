@@ -74,8 +74,8 @@ class _Run:
         self.sends: dict[tuple[int, int], list[tuple[Action, float, int]]] = {}
         self.recvs: dict[tuple[int, int], list[tuple[Action, float, int]]] = {}
         self.pending: list[list[Posted] | None] = [None] * n  # batched: each rank's posted, unfinished batch
-        self.posted: list[dict[Action, tuple[Posted, int]]] = [{} for _ in range(n)]  # buffered: receives
-        # posted and not yet used, with their place in the rank's events
+        # buffered: each rank's posted receives whose data no compute has used yet, with their index in its events
+        self.posted: list[dict[Action, tuple[Posted, int]]] = [{} for _ in range(n)]
 
     def fail(self, r: int, a: Action, why: str, at: int | None = None) -> ScheduleError:
         at = self.s.ranks[r].index(a, self.pos[r]) if at is None else at
