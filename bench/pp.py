@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from common import (ROOT, WARMUP, machine, mark_memory, peak_mb, revision, save_result, sixfold_worker, spread,
-                    torchrun, wait_quiet, write_doc)
+from common import (QUIET, ROOT, WARMUP, machine, mark_memory, peak_mb, revision, save_result, sixfold_worker,
+                    spread, torchrun, wait_quiet, write_doc)
 
 MODEL = ["model.vocab_size=320", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8"]
 # schedule -> (stages per rank, torch's class or None)
@@ -63,7 +63,7 @@ def sixfold_side(cfg) -> dict:
     trainer.draw_pictures = lambda *a: []  # no picture: matplotlib would count in the peak memory
     out = {**sixfold_worker(cfg), "peak_in_flight": pipes[0].peak_in_flight}
     trace = Path(cfg.log.run_dir) / "trace.json"
-    if trace.exists():  # rank 0: every rank's compute spans (F, B or W) and batches of sends and receives
+    if trace.exists():  # rank 0: every rank's compute spans (F, B or W), its sends (a batch per run) and receives
         out["spans"] = [(e["pid"], e["args"]["step"], e["name"] if e["cat"] == "comm" else e["name"][0], e["ts"],
                          e["dur"]) for e in json.loads(trace.read_text())["traceEvents"]
                         if e.get("cat") == "compute" or e["name"].startswith("send_recv")]
@@ -168,31 +168,36 @@ def measured(spans: list, pp: int) -> dict:
             idle[r].append(1 - sum(s[4] for s in mine if s[0] == r) / makespan)
     ms = {k: statistics.median(s[4] for s in spans if s[2] == k) / 1e3 for k in "FBW"
           if any(s[2] == k for s in spans)}
-    return {"idle": [statistics.mean(i) for i in idle], "ms": {**ms, "comm": latency(comm)}}
+    return {"idle": [statistics.mean(i) for i in idle], "ms": {**ms, "comm": latency(comm, spans)}}
 
 
-def latency(comm: list) -> float:
-    """The median span of the batches of receives alone whose messages had all been sent before the batch was
-    posted: how long the runtime takes to get a message that is already on its way (ms)."""
+def latency(comm: list, compute: list) -> float:
+    """The median time from a send's posting to its data being usable on the receiver, over the receives whose
+    rank had ended its last compute before the message was sent, so was waiting for it (ms)."""
     sent = {(step, a): ts for _, step, name, ts, _ in comm for a in name.split()[2:] if a.startswith("SEND")}
 
     def source(recv: str) -> str:  # RECV_F(s2,m0) comes from SEND_F(s1,m0), RECV_B(s0,m3) from SEND_B(s1,m3)
         kind, s, m = re.fullmatch(r"RECV_([FB])\(s(\d+),m(\d+)\)", recv).groups()
         return f"SEND_{kind}(s{int(s) + (-1 if kind == 'F' else 1)},m{m})"
 
-    spans = [dur for _, step, name, ts, dur in comm
-             if all(a.startswith("RECV") and sent.get((step, source(a)), ts) < ts for a in name.split()[2:])]
-    return statistics.median(spans) / 1e3 if spans else 0.0
+    waits = []
+    for rank, step, name, ts, dur in comm:
+        recv = name.split()[2]
+        if recv.startswith("RECV"):
+            t_sent, usable = sent[step, source(recv)], ts + dur
+            idle_from = max((c[3] + c[4] for c in compute if c[0] == rank and c[3] + c[4] <= usable), default=ts)
+            if idle_from <= t_sent:
+                waits.append(usable - t_sent)
+    return statistics.median(waits) / 1e3 if waits else 0.0
 
 
 def simulated(name: str, pp: int, m: int, ms: dict, as_run: bool = False):
-    """The simulator's run of the schedule with these costs; as_run: with the message latency, and each batch of
-    sends and receives done only once both ends have posted it, as the runtime waits for it."""
+    """The simulator's run of the schedule with these costs; as_run: with the message latency."""
     from sixfold.parallel.pipeline.schedules import build
     from sixfold.parallel.pipeline.simulate import Costs, simulate
 
     costs = Costs(ms["F"], ms["B"], ms.get("W", 0.0), ms["comm"] if as_run else 0.0)
-    return simulate(build(name, pp, SCHEDULES[name][0], m), costs, batched=as_run)
+    return simulate(build(name, pp, SCHEDULES[name][0], m), costs)
 
 
 def theory(name: str, p: int, v: int, m: int) -> float:
@@ -235,15 +240,21 @@ def bubble_row(name: str, pp: int, m: int, runs: list[dict]) -> tuple[str, str]:
 # ---- driver ----
 
 def job(side: str, name: str, pp: int, args, log: list) -> list[dict]:
-    ranks, others = torchrun(__file__, pp, "--worker", side, "--schedule", name, "--micro", str(args.micro),
-                             "--steps", str(args.steps), "--config", args.config)
-    log.append(others)
-    r = ranks[0]
-    idle = f", idle {statistics.mean(measured(r['spans'], pp)['idle']):.3f}" if "spans" in r else ""
-    print(f"pp={pp} {name:13} {side:7}: {statistics.mean(r['step_s'][WARMUP:]):.3f} s/step{idle}, peak "
-          f"{max(x['peak_mb'] for x in ranks):.0f} MB, step-1 loss {r['loss'][0]:.6f}, other processes "
-          f"{others:.2f} cores", flush=True)
-    return ranks
+    """One torchrun job, on a quiet machine where it can be had: launched again (--tries in all) while other
+    processes kept more than QUIET cores busy. Logs (those cores in the job kept, launches thrown away)."""
+    for tries in range(1, args.tries + 1):
+        wait_quiet(120)
+        ranks, others = torchrun(__file__, pp, "--worker", side, "--schedule", name, "--micro", str(args.micro),
+                                 "--steps", str(args.steps), "--config", args.config)
+        r = ranks[0]
+        idle = f", idle {statistics.mean(measured(r['spans'], pp)['idle']):.3f}" if "spans" in r else ""
+        again = others > QUIET and tries < args.tries
+        print(f"pp={pp} {name:13} {side:7}: {statistics.mean(r['step_s'][WARMUP:]):.3f} s/step{idle}, peak "
+              f"{max(x['peak_mb'] for x in ranks):.0f} MB, step-1 loss {r['loss'][0]:.6f}, other processes "
+              f"{others:.2f} cores{' (run again)' if again else ''}", flush=True)
+        if not again:
+            log.append((others, tries - 1))
+            return ranks
 
 
 def main() -> None:
@@ -251,6 +262,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="alternations (sixfold then torch) per schedule at pp=2")
     p.add_argument("--micro", type=int, default=8, help="micro-batches per step (one sequence each)")
     p.add_argument("--steps", type=int, default=WARMUP + TRACED, help=f"steps per job; the first {WARMUP} untimed")
+    p.add_argument("--tries", type=int, default=3, help="launches of a job while other processes are busy")
     p.add_argument("--pp4", action="store_true", help="also the bubble at pp=4 (4 ranks on the cores there are)")
     p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
     p.add_argument("--config", default=str(ROOT / "configs" / "bench.yaml"))
@@ -295,21 +307,23 @@ def main() -> None:
                       f"**{statistics.median(st[0]) / statistics.median(st[1]):.3f}** | {spread(mem[0], 0)} | "
                       f"{spread(mem[1], 0)} | **{statistics.median(mem[0]) / statistics.median(mem[1]):.3f}** | "
                       f"{loss[0]:.6f} / {loss[1]:.6f}{flag} |")
-    busy = max(others)
+    cores, repeats = [o for o, _ in others], sum(n for _, n in others)
+    busy = max(cores)
     body = "\n".join([
         f"Command: `python bench/pp.py {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}  ", f"sixfold: {rev}  ",
         f"Date: {time.strftime('%Y-%m-%d')}; m={args.micro} micro-batches; {args.runs} alternating run(s) per "
-        f"schedule at pp=2, steps {WARMUP + 1}-{args.steps} timed, the last {TRACED} traced. Other processes kept "
-        f"{statistics.median(others):.2f} cores busy in the median job, {busy:.2f} at most; load average (1 min) "
+        f"schedule at pp=2, steps {WARMUP + 1}-{args.steps} timed, the last {TRACED} traced. {repeats} job(s) run "
+        f"again because other processes were busy; in the jobs kept they used {statistics.median(cores):.2f} cores "
+        f"in the median job, {busy:.2f} at most; load average (1 min) "
         f"{load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; {(time.perf_counter() - began) / 60:.0f} "
         "minutes in all"
         + (": a shared machine, read the times as rough." if busy > 0.5 else "."),
         "", "### Bubble: idle fraction of the step", "",
         "Per rank (rank 0 / rank 1 / ...) and the mean over ranks. Simulated: sixfold's simulator on the schedule's "
         "lists with the job's median F, B and W spans (B holds W where the schedule does not split them), messages "
-        "instant. As run: with the measured message latency (median span of the batches of receives whose messages "
-        "were already sent), and each batch of sends and receives done only once both ends have posted it, as the "
-        "runtime waits for the whole batch before its next compute. Theory: (p-1)/(m+p-1) for "
+        "instant. As run: with the measured message latency (median time from a send to its data being usable, over "
+        "the receives whose rank was already waiting for them); as in the runtime, each receive is waited "
+        "for by the compute that uses it. Theory: (p-1)/(m+p-1) for "
         "GPipe and 1F1B, ((p-1)/v)/(m+(p-1)/v) for interleaved and breadth-first, (p-1)/(3m+p-1) for ZB-H1 (a third "
         "of 1F1B's idle time at F = B = W), 0 for ZB-V. In flight: the most micro-batches whose activations a rank "
         "holds at once."

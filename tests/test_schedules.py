@@ -189,11 +189,29 @@ def _receive_just_in_time(s: Schedule) -> Schedule:
     return dataclasses.replace(s, ranks=tuple(ranks))
 
 
+def test_a_receive_waits_only_at_the_compute_that_uses_it():
+    # where a RECV is posted does not change the timing: only the compute that uses its data waits for it. So
+    # ZB-H1's receives, placed for unit costs, cost nothing when B and W differ from F. (One stage per rank: with
+    # more, receives moved just in time would no longer be in the order of their sends.)
+    costs = Costs(f=1.0, b=1.2, w=0.7, comm=0.05)
+    for name, pp in itertools.product(("gpipe", "1f1b", "zb-h1"), (2, 3, 4)):
+        s = build(name, pp, 1, 8)
+        assert simulate(s, costs).makespan == pytest.approx(simulate(_receive_just_in_time(s), costs).makespan)
+    assert simulate(build("zb-h1", 2, 1, 8), Costs(93.4, 113.6, 62.7)).bubble == pytest.approx(0.0627, abs=1e-4)
+
+
 def test_checker_finds_deadlocks():
     s = build("1f1b", 2, 1, 1)
-    bad = _replace(s, 0, [Action(RECV_B, 0, 0), Action(F, 0, 0), Action(SEND_F, 0, 0), Action(B, 0, 0)])
+    # a receive posted early only waits at the compute that uses it; batched, it waits where it stands
+    early = _replace(s, 0, [Action(RECV_B, 0, 0), Action(F, 0, 0), Action(SEND_F, 0, 0), Action(B, 0, 0)])
+    assert simulate(early).makespan == simulate(s).makespan
     with pytest.raises(ScheduleError, match=r"deadlocks:\n  rank 0 at action 0: RECV_B\(s0,m0\) waits for "
                                             r"SEND_B\(s1,m0\) from rank 1\n  rank 1 at action 0: RECV_F"):
+        simulate(early, batched=True)
+    bad = _replace(s, 0, [Action(RECV_B, 0, 0), Action(F, 0, 0), Action(B, 0, 0), Action(SEND_F, 0, 0)])
+    with pytest.raises(ScheduleError, match=r"deadlocks:\n  rank 0 at action 2: B\(s0,m0\) waits for "
+                                            r"SEND_B\(s1,m0\) from rank 1\n  rank 1 at action 1: F\(s1,m0\) "
+                                            r"waits for SEND_F\(s0,m0\) from rank 0"):
         simulate(bad)
     # a ring of just-in-time receives is fine with buffered sends, but deadlocks once batched
     late = _receive_just_in_time(build("breadth-first", 2, 2, 4))

@@ -1,9 +1,9 @@
 """Runs a pipeline schedule on this rank: the forwards, backwards and deferred weight gradients of the stages it
 holds, in the schedule's order, with activations and their gradients passed between ranks.
 
-Each run of sends and receives between two computes is posted at once: the receives are completed before the
-next compute, the sends only at the end of the step (the simulator proves every schedule deadlock-free with
-sends that do not wait for their receives). Shapes are known ahead: every
+Each run of sends and receives between two computes is posted at once; a receive is waited for only by the compute
+that uses its data, the sends only at the end of the step (the simulator's default model, in which it proves every
+schedule deadlock-free). Shapes are known ahead: every
 micro-batch has the same [tokens, dim] hidden state (this rank's cp and sequence-TP part), so no metadata
 travels. A stage's gradient reduction starts right after its last backward or weight-gradient action of the
 step; with ZeRO-3 the weights are gathered once per step.
@@ -70,29 +70,21 @@ class Pipeline:
         return torch.empty(tokens, self.model.cfg.dim, dtype=self.sharded.units[0].full.dtype,
                            device=self.comm.ctx.device)
 
-    def _exchange(self, batch: list, t, outbox: dict, inputs: dict, grads: dict, sending: list) -> None:
-        """Post a run of sends and receives; complete the receives, and add the sends to `sending`."""
-        if not batch:
-            return
-        sends, recvs, landed = [], [], []
-        for a in batch:
-            key, peer = (a.stage, a.micro), self.schedule.peer(a)
-            if a.kind in (SEND_F, SEND_B):
-                sends.append((outbox.pop((a.kind, *key)), peer))
-            else:
-                buf = self._hidden(t)
-                recvs.append((buf, peer))
-                landed.append((a.kind, key, buf))
-        label = " ".join(map(repr, batch))
+    def _post(self, batch: list, t, outbox: dict, inputs: dict, grads: dict, sending: list, arriving: dict) -> None:
+        """Post a run of sends (one batch, added to `sending`) and receives (one each, into `arriving`, so that a
+        compute waits only for its own)."""
+        sends = [a for a in batch if a.kind in (SEND_F, SEND_B)]
         if sends:
-            sending.append(self.comm.exchange(sends, [], "pp", label=label))
-        if recvs:
-            self.comm.exchange([], recvs, "pp", label=label).wait()
-        for kind, key, buf in landed:
-            if kind == RECV_F:
-                inputs[key] = buf.requires_grad_()
-            else:
-                grads[key] = buf
+            tensors = [(outbox.pop((a.kind, a.stage, a.micro)), self.schedule.peer(a)) for a in sends]
+            sending.append(self.comm.exchange(tensors, [], "pp", label=" ".join(map(repr, sends))))
+        for a in batch:
+            if a.kind in (RECV_F, RECV_B):
+                key, buf = (a.stage, a.micro), self._hidden(t)
+                arriving[a.kind, *key] = self.comm.exchange([], [(buf, self.schedule.peer(a))], "pp", label=repr(a))
+                if a.kind == RECV_F:
+                    inputs[key] = buf.requires_grad_()
+                else:
+                    grads[key] = buf
 
     def step(self, micro: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
         """Forward and backward of every micro-batch (tokens, labels) by the schedule; the losses are divided
@@ -101,7 +93,7 @@ class Pipeline:
         self.sharded.alloc_grads()
         model, wg = self.model, self.model.tp.weight_grads
         t = model.tokens(*micro[0][0].shape, micro[0][0].device)
-        inputs, outputs, grads, outbox, deferred, sending = {}, {}, {}, {}, {}, []
+        inputs, outputs, grads, outbox, deferred, sending, arriving = {}, {}, {}, {}, {}, [], {}
         self.peak_in_flight = self.deferred = 0
         loss = torch.zeros((), dtype=torch.float64, device=self.comm.ctx.device)
         batch = []
@@ -109,10 +101,13 @@ class Pipeline:
             if a.kind not in COMPUTE:
                 batch.append(a)
                 continue
-            self._exchange(batch, t, outbox, inputs, grads, sending)
+            self._post(batch, t, outbox, inputs, grads, sending, arriving)
             batch = []
             s, m = key = (a.stage, a.micro)
             stage = self.stages[s]
+            received = arriving.pop((RECV_F if a.kind == F else RECV_B, s, m), None)
+            if received:  # the data this compute uses, posted earlier
+                received.wait()
             with self.tracer.span(f"{a.kind}{m}", "compute", mb=m, stage=s):
                 if a.kind == F:
                     out = model.run(stage, micro[m][0] if stage.embed else inputs[key], t)
@@ -144,7 +139,7 @@ class Pipeline:
                     wg.run(work)
             for unit in self.launch_after.get(i, []):
                 self.sharded.launch(unit)
-        self._exchange(batch, t, outbox, inputs, grads, sending)
+        self._post(batch, t, outbox, inputs, grads, sending, arriving)
         for pending in sending:
             pending.wait()
         return loss

@@ -2,7 +2,8 @@
 
 Each rank runs its list in order; compute actions take their cost. Messages between two ranks are matched
 in posting order, as NCCL matches them (it has no tags); a message out of order is an error. Two models:
-  buffered (default)  a SEND completes at once; a RECV waits until its SEND is posted, plus the latency
+  buffered (default)  as the runtime runs: a SEND completes at once; a RECV is posted where it stands and the
+                      compute that uses its data waits for it, until its SEND is posted plus the latency
   batched             each run of adjacent SENDs and RECVs is posted as one batch (batch_isend_irecv) that
                       completes once each of its messages is posted at both ends; passing proves that
                       batching adjacent communication cannot deadlock, even where a send waits for its receive
@@ -68,44 +69,69 @@ class _Run:
         self.events: list[list[tuple[float, float, Action]]] = [[] for _ in range(n)]
         self.alive: list[set[tuple[int, int]]] = [set() for _ in range(n)]
         self.done: dict[Action, float] = {}  # every finished action, with its end time
-        # (src, dst) -> the messages sent and the receives posted on that channel, with their post times
-        self.sends: dict[tuple[int, int], list[tuple[Action, float]]] = {}
-        self.recvs: dict[tuple[int, int], list[tuple[Action, float]]] = {}
-        self.pending: list[list[Posted] | None] = [None] * n  # each rank's posted, unfinished batch
+        # (src, dst) -> the messages sent and the receives posted on that channel, with their post times and
+        # their index in the posting rank's list
+        self.sends: dict[tuple[int, int], list[tuple[Action, float, int]]] = {}
+        self.recvs: dict[tuple[int, int], list[tuple[Action, float, int]]] = {}
+        self.pending: list[list[Posted] | None] = [None] * n  # batched: each rank's posted, unfinished batch
+        # buffered: each rank's posted receives whose data no compute has used yet, with their index in its events
+        self.posted: list[dict[Action, tuple[Posted, int]]] = [{} for _ in range(n)]
 
-    def fail(self, r: int, a: Action, why: str) -> ScheduleError:
-        at = self.s.ranks[r].index(a, self.pos[r])
+    def fail(self, r: int, a: Action, why: str, at: int | None = None) -> ScheduleError:
+        at = self.s.ranks[r].index(a, self.pos[r]) if at is None else at
         return ScheduleError(f"{self.head}: rank {r}, action {at} {a!r}: {why}")
 
     def need(self, r: int, a: Action, dep: Action) -> None:
         if dep not in self.done:
             raise self.fail(r, a, f"runs before {dep!r}")
 
-    def check_place(self, r: int, a: Action) -> None:
+    def check_place(self, r: int, a: Action, at: int | None = None) -> None:
         if not (0 <= a.stage < self.s.stages and 0 <= a.micro < self.s.m):
-            raise self.fail(r, a, "no such stage or micro-batch")
+            raise self.fail(r, a, "no such stage or micro-batch", at)
         if self.s.placement[a.stage] != r:
-            raise self.fail(r, a, f"stage {a.stage} is on rank {self.s.placement[a.stage]}")
-        if a in self.done:
-            raise self.fail(r, a, "runs twice")
+            raise self.fail(r, a, f"stage {a.stage} is on rank {self.s.placement[a.stage]}", at)
+        if a in self.done or a in self.posted[r]:
+            raise self.fail(r, a, "runs twice", at)
 
-    def compute(self, r: int, a: Action) -> None:
-        self.check_place(r, a)
+    def inputs(self, r: int, a: Action) -> list[Action]:
+        """The actions whose results compute action a uses: a compute on this rank or a RECV."""
         s, m, last, place = a.stage, a.micro, self.s.stages - 1, self.s.placement
-        if a.kind == F and s > 0:
-            self.need(r, a, Action(F, s - 1, m) if place[s - 1] == r else Action(RECV_F, s, m))
+        if a.kind == F:
+            return [] if s == 0 else [Action(F, s - 1, m) if place[s - 1] == r else Action(RECV_F, s, m)]
         if a.kind == B:
-            self.need(r, a, Action(F, s, m))
-            if s < last:
-                self.need(r, a, Action(B, s + 1, m) if place[s + 1] == r else Action(RECV_B, s, m))
-        if a.kind == W:
-            self.need(r, a, Action(B, s, m))
+            return [Action(F, s, m)] + ([] if s == last else
+                                        [Action(B, s + 1, m) if place[s + 1] == r else Action(RECV_B, s, m)])
+        return [Action(B, s, m)]
+
+    def received(self, r: int, recv: Action) -> float | None:
+        """Buffered: when a posted receive's data is usable, marking it done; None while its SEND is not posted."""
+        (_, channel, k, t), event = self.posted[r][recv]
+        queue = self.sends.get(channel, [])
+        if len(queue) <= k:
+            return None
+        end = max(t, queue[k][1] + self.costs.comm)
+        del self.posted[r][recv]
+        self.done[recv] = end
+        self.events[r][event] = (t, end, recv)
+        return end
+
+    def compute(self, r: int, a: Action) -> bool:
+        """Run compute action a on rank r; False while it waits for a message."""
+        self.check_place(r, a)
+        start = self.clock[r]
+        for dep in self.inputs(r, a):
+            if dep in self.posted[r]:
+                ready = self.received(r, dep)
+                if ready is None:
+                    return False
+                start = max(start, ready)
+            self.need(r, a, dep)
+        s, m = a.stage, a.micro
         split = (s, m) in self.split
         cost = self.costs.f if a.kind == F else self.costs.w if a.kind == W else self.costs.b
         if a.kind == B and not split:
             cost += self.costs.w
-        start = self.clock[r]
-        self.clock[r] += cost
+        self.clock[r] = start + cost
         self.busy[r] += cost
         self.done[a] = self.clock[r]
         self.events[r].append((start, self.clock[r], a))
@@ -114,52 +140,56 @@ class _Run:
             self.peak[r] = max(self.peak[r], len(self.alive[r]))
         elif a.kind == W or not split or self.release == "B":
             self.alive[r].discard((s, m))
+        return True
 
-    def post(self, r: int, a: Action) -> Posted:
-        self.check_place(r, a)
+    def post(self, r: int, a: Action, at: int) -> Posted:
+        """Post the SEND or RECV at index `at` of rank r's list."""
+        self.check_place(r, a, at)
         to_next = a.kind in (SEND_F, RECV_B)
         if a.stage == (self.s.stages - 1 if to_next else 0):
-            raise self.fail(r, a, "no stage on the other side")
+            raise self.fail(r, a, "no stage on the other side", at)
         peer = self.s.peer(a)
         if peer == r:
-            raise self.fail(r, a, "both stages are on this rank, which passes the data locally")
+            raise self.fail(r, a, "both stages are on this rank, which passes the data locally", at)
         if a.kind in (SEND_F, SEND_B):
             self.need(r, a, Action(F if a.kind == SEND_F else B, a.stage, a.micro))
             channel, posted = (r, peer), self.sends
         else:
             channel, posted = (peer, r), self.recvs
         queue = posted.setdefault(channel, [])
-        queue.append((a, self.clock[r]))
-        return a, channel, len(queue) - 1, self.clock[r]
+        queue.append((a, self.clock[r], at))
+        k = len(queue) - 1
+        sends, recvs = self.sends.get(channel, []), self.recvs.get(channel, [])
+        if k < len(sends) and k < len(recvs) and sends[k][0] != _source(recvs[k][0]):
+            recv, _, where = recvs[k]
+            raise self.fail(channel[1], recv, f"message {k} from rank {channel[0]} is {sends[k][0]!r}: sends and "
+                                              "receives between two ranks must be posted in the same order", where)
+        return a, channel, k, self.clock[r]
 
     def finish(self, r: int) -> float | None:
-        """When rank r's posted batch completes; None while it waits."""
+        """Batched: when rank r's posted batch completes; None while it waits."""
         end, lag = self.clock[r], self.costs.comm
         for a, channel, k, t in self.pending[r] or []:
-            if a.kind in (RECV_F, RECV_B):
-                queue = self.sends.get(channel, [])
-                if len(queue) <= k:
-                    return None
-                sent, t_sent = queue[k]
-                if sent != _source(a):
-                    raise self.fail(r, a, f"message {k} from rank {channel[0]} is {sent!r}: sends and "
-                                          "receives between two ranks must be posted in the same order")
-                end = max(end, max(t, t_sent) + lag if self.batched else max(t, t_sent + lag))
-            elif self.batched:
-                queue = self.recvs.get(channel, [])
-                if len(queue) <= k:
-                    return None
-                end = max(end, max(t, queue[k][1]) + lag)
+            other = self.sends if a.kind in (RECV_F, RECV_B) else self.recvs
+            queue = other.get(channel, [])
+            if len(queue) <= k:
+                return None
+            end = max(end, max(t, queue[k][1]) + lag)
         return end
 
     def waits(self, r: int) -> str:
-        """What rank r's posted batch waits for."""
+        """What rank r waits for."""
         out = []
         for a, (src, dst), k, _ in self.pending[r] or []:
             if a.kind in (RECV_F, RECV_B) and len(self.sends.get((src, dst), [])) <= k:
                 out.append(f"{a!r} waits for {_source(a)!r} from rank {src}")
             elif a.kind in (SEND_F, SEND_B) and len(self.recvs.get((src, dst), [])) <= k:
                 out.append(f"{a!r} waits for rank {dst} to post its receive")
+        acts = self.s.ranks[r]
+        if self.pending[r] is None and acts[self.pos[r]].kind in COMPUTE:
+            a = acts[self.pos[r]]
+            out += [f"{a!r} waits for {_source(d)!r} from rank {self.s.peer(d)}"
+                    for d in self.inputs(r, a) if d in self.posted[r]]
         return "; ".join(out)
 
     def advance(self, r: int) -> bool:
@@ -168,25 +198,33 @@ class _Run:
         while self.pos[r] < len(acts):
             a = acts[self.pos[r]]
             if a.kind in COMPUTE:
-                self.compute(r, a)
-                self.pos[r] += 1
-                moved = True
-                continue
-            if self.pending[r] is None:
-                stop = self.pos[r] + 1
-                while self.batched and stop < len(acts) and acts[stop].kind not in COMPUTE:
-                    stop += 1
-                self.pending[r] = [self.post(r, c) for c in acts[self.pos[r]:stop]]
-                moved = True
-            end = self.finish(r)
-            if end is None:
-                return moved
-            batch = self.pending[r] or []
-            for c, _, _, t in batch:
-                self.done[c] = end
-                self.events[r].append((t, end, c))
-            self.pos[r] += len(batch)
-            self.clock[r], self.pending[r] = end, None
+                if not self.compute(r, a):
+                    return moved
+            elif not self.batched:  # posted; a RECV's data is waited for by the compute that uses it
+                posted = self.post(r, a, self.pos[r])
+                if a.kind in (RECV_F, RECV_B):
+                    self.posted[r][a] = posted, len(self.events[r])
+                else:
+                    self.done[a] = self.clock[r]
+                self.events[r].append((self.clock[r], self.clock[r], a))
+            else:
+                if self.pending[r] is None:
+                    stop = self.pos[r] + 1
+                    while stop < len(acts) and acts[stop].kind not in COMPUTE:
+                        stop += 1
+                    self.pending[r] = [self.post(r, c, i) for i, c in enumerate(acts[self.pos[r]:stop], self.pos[r])]
+                    moved = True
+                end = self.finish(r)
+                if end is None:
+                    return moved
+                batch = self.pending[r] or []
+                for c, _, _, t in batch:
+                    self.done[c] = end
+                    self.events[r].append((t, end, c))
+                self.pos[r] += len(batch) - 1
+                self.clock[r], self.pending[r] = end, None
+            self.pos[r] += 1
+            moved = True
         return moved
 
     def run(self) -> Simulation:
