@@ -109,8 +109,8 @@ def torch_side(cfg) -> dict:
     pipe = [pipelining.PipelineStage(s, s.stage.index, len(stages), torch.device("cpu")) for s in pieces]
     step_tokens = [0.0]
 
-    def loss_fn(logits, labels):
-        return last.loss(logits, labels) / step_tokens[0]
+    def loss_fn(h, labels):
+        return last.loss(h, labels, False) / step_tokens[0]
 
     cls = getattr(pipelining, SCHEDULES[p.pp_schedule][1])
     schedule = cls(pipe if len(pipe) > 1 else pipe[0], t.micro_batches, loss_fn=loss_fn, scale_grads=False)

@@ -40,6 +40,7 @@ class ModelConfig:
     moe_aux_weight: float = 0.01  # load-balancing loss
     moe_z_weight: float = 0.001  # router z-loss
     recompute: str = "none"  # activations recomputed in backward: none | selective (attention core) | full
+    loss_chunk: int = 0  # tokens per chunk of the fused head and loss (0: the whole micro-batch's logits at once)
 
     @property
     def head_dim(self) -> int:
@@ -116,6 +117,7 @@ class TrainConfig:
     precision: str = "fp32"
     grad_reduce: str = "fp32"
     skip_nonfinite: int = 3  # steps with a NaN/Inf loss or gradient are skipped; stop after this many in a row
+    compile: bool = False  # torch.compile each block's forward
 
 
 @dataclass
@@ -302,6 +304,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if m.recompute not in ("none", "selective", "full"):
         raise ConfigError(f"model.recompute={m.recompute!r}: choose none, selective (the attention core) or full "
                           "(every sub-layer from its input)")
+    if m.loss_chunk < 0:
+        raise ConfigError(f"model.loss_chunk={m.loss_chunk} must be 0 (no chunks) or a number of tokens")
+    if m.loss_chunk and p.tp > 1:
+        raise ConfigError(f"model.loss_chunk={m.loss_chunk} applies at parallel.tp=1: under tp={p.tp} each rank "
+                          f"holds logits for 1/tp of the vocabulary already; set model.loss_chunk=0")
     if m.moe_experts < 0 or m.moe_every < 1:
         raise ConfigError("model.moe_experts must be 0 or more and model.moe_every at least 1")
     if m.dim % m.n_heads:

@@ -102,6 +102,8 @@ def _layouts() -> list[Layout]:
                                           "parallel.pp_virtual_stages=2", "train.micro_batches=4",
                                           "model.recompute=full")
     out["cp2-recompute-selective"] = ("parallel.cp=2", "model.recompute=selective")
+    out["pp2xcp2xdp_shard2-zero3-loss-chunk-tied"] = ("parallel.pp=2", "parallel.cp=2", "parallel.dp_shard=2",
+                                                      "parallel.zero=3", "model.loss_chunk=24", *TIED, *ACCUM)
     # three and four dimensions at once
     pp_v = ("parallel.pp=2", "parallel.pp_virtual_stages=2", "model.n_layers=4", "train.micro_batches=4")
     out["pp2xcp2xtp2-interleaved"] = (*pp_v, "parallel.pp_schedule=interleaved", "parallel.cp=2", "parallel.tp=2")

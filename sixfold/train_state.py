@@ -180,7 +180,8 @@ class Saver:
             raise CheckpointError(f"the background checkpoint save failed: {error}") from error
 
 
-FREE = ("max_seq_len", "init_std", "recompute")  # model settings a run may change when it resumes
+# model settings a run may change when it resumes
+FREE = ("max_seq_len", "init_std", "recompute", "loss_chunk")
 
 
 def model_differences(meta: dict, cfg: Config) -> dict[str, tuple]:

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from .head_loss import chunked_head_loss
 from .moe import MoE
 from ..parallel.context import ContextParallel
 from ..parallel.expert import ExpertParallel
@@ -209,21 +210,26 @@ class Llama(nn.Module):
 
     def run(self, stage: Stage, x: torch.Tensor, t: Tokens) -> torch.Tensor:
         """One stage's forward: token ids [b, s] into the first stage, the hidden state [tokens, dim] into the
-        others; out comes the hidden state, or from the last stage this rank's logits [b*s, vocab piece]."""
+        others; out comes the hidden state (from the last stage after the final norm: the head's input)."""
         if stage.embed:
             x = self.embed(x.flatten(), t.sequence_tp)
         for i in stage.layers:
             x = self.layers[str(i)](x, t)
-        if not stage.head:
-            return x
-        x = self.norm(x)
-        head = self.embed if self.head is None else self.head
-        (logits,) = linear(self.tp, x, [head.weight], "column", t.sequence_tp)
+        return self.norm(x) if stage.head else x
+
+    @property
+    def _head(self) -> nn.Module:
+        return self.embed if self.head is None else self.head
+
+    def logits(self, h: torch.Tensor, sp: bool) -> torch.Tensor:
+        """This rank's logits [tokens, vocab piece] from the head's input."""
+        (logits,) = linear(self.tp, h, [self._head.weight], "column", sp)
         return logits
 
     def local_logits(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Logits [b*s, this rank's vocab piece] for tokens [b, s], through the whole model."""
-        logits = self.run(whole(self.cfg), tokens, self.tokens(*tokens.shape, tokens.device, cache))
+        t = self.tokens(*tokens.shape, tokens.device, cache)
+        logits = self.logits(self.run(whole(self.cfg), tokens, t), t.sequence_tp)
         if cache is not None:
             cache.length += tokens.shape[1]
         return logits
@@ -236,13 +242,18 @@ class Llama(nn.Module):
         """Full logits [b, s, vocab]."""
         return self.full_logits(self.local_logits(tokens, cache)).view(*tokens.shape, -1)
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Sum of token cross-entropies in fp32 (labels equal to IGNORE_INDEX count for nothing)."""
-        split = (self.head or self.embed).split  # this rank's vocabulary rows
-        return cross_entropy(self.tp, logits, labels.flatten(), split.index * split.size, self.cfg.vocab_size)
+    def loss(self, h: torch.Tensor, labels: torch.Tensor, sp: bool) -> torch.Tensor:
+        """Sum of token cross-entropies in fp32 (labels equal to IGNORE_INDEX count for nothing) from the head's
+        input; with model.loss_chunk, head and loss fused over chunks of that many tokens."""
+        if self.cfg.loss_chunk:
+            return chunked_head_loss(h, self._head.weight, labels.flatten(), self.cfg.loss_chunk)
+        split = self._head.split  # this rank's vocabulary rows
+        return cross_entropy(self.tp, self.logits(h, sp), labels.flatten(), split.index * split.size,
+                             self.cfg.vocab_size)
 
     def loss_sum(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss(self.local_logits(tokens), labels)
+        t = self.tokens(*tokens.shape, tokens.device)
+        return self.loss(self.run(whole(self.cfg), tokens, t), labels, t.sequence_tp)
 
 
 def full_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:

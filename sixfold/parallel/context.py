@@ -70,7 +70,7 @@ class ContextParallel:
         """Bytes over the cp group for one attention forward and backward, by op.
 
         With kv = the bytes of this rank's keys and values (2 * batch * kv_heads * local * head_dim * itemsize):
-          ring       cp-1 sends of kv forward; cp-1 of kv and cp of their gradients backward;
+          ring       cp-1 sends of kv forward; cp-1 of kv and cp of their gradients (in fp32 or wider) backward;
           allgather  an all-gather of cp*kv forward, a reduce-scatter of cp*kv backward;
           ulysses    all-to-alls of q, k, v and the output forward, the same backward (kv heads fewer than cp
                      are first repeated to cp).
@@ -79,8 +79,9 @@ class ContextParallel:
         if self.size == 1:
             return {}
         kv = 2 * batch * kv_heads * local * head_dim * itemsize
-        if self.mode == "ring":
-            return {"send_recv": (self.size - 1 if forward_only else 3 * self.size - 2) * kv}
+        if self.mode == "ring":  # the gradients travel in at least fp32
+            grads = 0 if forward_only else self.size * kv * max(itemsize, 4) // itemsize
+            return {"send_recv": (self.size - 1 if forward_only else 2 * self.size - 2) * kv + grads}
         if self.mode == "allgather":
             return {"all_gather": self.size * kv, **({} if forward_only else {"reduce_scatter": self.size * kv})}
         q = batch * heads * local * head_dim * itemsize
@@ -165,6 +166,10 @@ class _GatherKV(torch.autograd.Function):
 
 
 # ring attention ------------------------------------------------------------------------------------
+# Per chunk pair, a kernel pair: forward gives the block's output and log-sum-exp; backward, given the merged
+# output and log-sum-exp of the query chunk, gives the block's exact share of dq, dk and dv. On a GPU in 16-bit
+# floats: the flash-attention kernels; otherwise blockwise math. Queries come grouped [b, hkv, g, n, d] (g query
+# heads per kv head), keys and values [b, hkv, m, d]. Outputs and gradients are summed in at least fp32.
 
 def _scores(q, k, causal: bool, scale: float):
     """q [b, hkv, g, n, d] against k [b, hkv, m, d] -> [b, hkv, g, n, m], upper triangle masked if causal."""
@@ -172,6 +177,51 @@ def _scores(q, k, causal: bool, scale: float):
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
+
+
+def _math_forward(q, k, v, causal: bool, scale: float):
+    s = _scores(q, k, causal, scale)
+    lse = s.logsumexp(-1)
+    return torch.einsum("bhgnm,bhmd->bhgnd", (s - lse[..., None]).exp(), v), lse, None
+
+
+def _math_backward(dout, delta, q, k, v, out, lse, causal: bool, scale: float, aux):
+    p = (_scores(q, k, causal, scale) - lse[..., None].to(q.dtype)).exp()
+    ds = p * (torch.einsum("bhgnd,bhmd->bhgnm", dout, v) - delta[..., None].to(q.dtype))
+    return (torch.einsum("bhgnm,bhmd->bhgnd", ds, k) * scale, torch.einsum("bhgnm,bhgnd->bhmd", ds, q) * scale,
+            torch.einsum("bhgnm,bhgnd->bhmd", p, dout))
+
+
+def _flat(x, g: int):
+    """Grouped queries [b, hkv, g, n, d] -> [b, hkv*g, n, d]; keys [b, hkv, m, d] repeated to each query head."""
+    if x.dim() == 5:
+        return x.flatten(1, 2)
+    b, h, m, d = x.shape
+    return x[:, :, None].expand(b, h, g, m, d).flatten(1, 2)
+
+
+def _flash_forward(q, k, v, causal: bool, scale: float):
+    """Also returns what the backward kernel needs besides tensors (sequence bookkeeping, dropout's seed)."""
+    g = q.shape[2]
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        _flat(q, g), _flat(k, g), _flat(v, g), 0.0, causal, False, scale=scale)
+    return out.view(q.shape), lse[..., :q.shape[3]].reshape(q.shape[:4]), (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _flash_backward(dout, delta, q, k, v, out, lse, causal: bool, scale: float, aux):
+    b, h, g, n, d = q.shape
+    m = k.shape[2]
+    cum_q, cum_k, max_q, max_k, seed, offset = aux
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        _flat(dout, g), _flat(q, g), _flat(k, g), _flat(v, g), _flat(out, g), lse.flatten(1, 2).contiguous(),
+        cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
+    return dq.view(q.shape), dk.view(b, h, g, m, d).sum(2), dv.view(b, h, g, m, d).sum(2)
+
+
+def _kernels(q: torch.Tensor):
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return _flash_forward, _flash_backward
+    return _math_forward, _math_backward
 
 
 def _pairs(cp: ContextParallel, owner: int):
@@ -187,22 +237,27 @@ def _ring_step(cp: ContextParallel, kv: torch.Tensor):
     return buf, cp.comm.exchange([(kv, nxt)], [(buf, prev)], "cp", label="ring")
 
 
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel):
         b, hq, n, d = q.shape
         hkv, parts, scale = k.shape[1], len(cp.chunks), 1.0 / math.sqrt(d)
+        attend = _kernels(q)[0]
         qs = q.view(b, hkv, hq // hkv, parts, n // parts, d).unbind(3)
         out = [None] * parts
         lse = [None] * parts
+        ctx.aux = {}  # the kernel's bookkeeping for backward, per causal flag (every chunk pair has one shape)
         kv = torch.stack([k, v]).contiguous()
         for step in range(cp.size):
             pending = _ring_step(cp, kv) if step < cp.size - 1 else None
             ks, vs = (t.chunk(parts, dim=2) for t in kv)
             for i, j, causal in _pairs(cp, (cp.rank - step) % cp.size):
-                s = _scores(qs[i], ks[j], causal, scale)
-                block_lse = s.logsumexp(-1)
-                block_out = torch.einsum("bhgnm,bhmd->bhgnd", (s - block_lse[..., None]).exp(), vs[j])
+                block_out, block_lse, ctx.aux[causal] = attend(qs[i], ks[j], vs[j], causal, scale)
+                block_out, block_lse = block_out.to(_sum_dtype(q.dtype)), block_lse.to(_sum_dtype(q.dtype))
                 if out[i] is None:
                     out[i], lse[i] = block_out, block_lse
                 else:
@@ -213,7 +268,7 @@ class _Ring(torch.autograd.Function):
                 kv, work = pending
                 work.wait()
         # laid out [b, n, hq, d] as the output projection reads it: the tensor saved here is its input too
-        out_t = torch.stack(out, 3).permute(0, 3, 4, 1, 2, 5).contiguous().view(b, n, hq, d).transpose(1, 2)
+        out_t = torch.stack(out, 3).permute(0, 3, 4, 1, 2, 5).to(q.dtype).contiguous().view(b, n, hq, d).transpose(1, 2)
         ctx.cp, ctx.scale = cp, scale
         ctx.save_for_backward(q, k, v, out_t, torch.stack(lse, 3))  # lse [b, hkv, g, parts, n/parts]
         return out_t
@@ -224,28 +279,31 @@ class _Ring(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         b, hq, n, d = q.shape
         hkv, parts = k.shape[1], len(cp.chunks)
+        grads = _kernels(q)[1]
         out = out.view(b, hkv, hq // hkv, parts, n // parts, d)
         dout = dout.reshape(out.shape)
-        delta = (dout * out).sum(-1)
+        delta = (dout.to(lse.dtype) * out).sum(-1)
         qs = q.view(b, hkv, hq // hkv, parts, n // parts, d).unbind(3)
-        dq = torch.zeros_like(out)
+        dq = torch.zeros(out.shape, dtype=_sum_dtype(q.dtype), device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros_like(kv)
+        dkv = torch.zeros(kv.shape, dtype=_sum_dtype(q.dtype), device=q.device)
         for step in range(cp.size):
             ahead = _ring_step(cp, kv) if step < cp.size - 1 else None
             ks, vs = (t.chunk(parts, dim=2) for t in kv)
             dks, dvs = (t.chunk(parts, dim=2) for t in dkv)
             for i, j, causal in _pairs(cp, (cp.rank - step) % cp.size):
-                p = (_scores(qs[i], ks[j], causal, scale) - lse[:, :, :, i, :, None]).exp()
-                do = dout[:, :, :, i]
-                dvs[j].add_(torch.einsum("bhgnm,bhgnd->bhmd", p, do))
-                ds = p * (torch.einsum("bhgnd,bhmd->bhgnm", do, vs[j]) - delta[:, :, :, i, :, None])
-                dq[:, :, :, i] += torch.einsum("bhgnm,bhmd->bhgnd", ds, ks[j]) * scale
-                dks[j].add_(torch.einsum("bhgnm,bhgnd->bhmd", ds, qs[i]) * scale)
-            back, pending = _ring_step(cp, dkv)  # the gradients follow their block; one more hop reaches the owner
+                dqi, dk, dv = grads(dout[:, :, :, i], delta[:, :, :, i], qs[i], ks[j], vs[j], out[:, :, :, i],
+                                    lse[:, :, :, i], causal, scale, ctx.aux[causal])
+                dq[:, :, :, i] += dqi
+                dks[j].add_(dk)
+                dvs[j].add_(dv)
+            # the gradients follow their block; one more hop reaches the owner
+            back, pending = _ring_step(cp, dkv) if cp.size > 1 else (dkv, None)
             if ahead is not None:
                 kv, work = ahead
                 work.wait()
-            pending.wait()
+            if pending is not None:
+                pending.wait()
             dkv = back
-        return dq.reshape(b, hq, n, d), dkv[0], dkv[1], None
+        dkv = dkv.to(q.dtype)
+        return dq.to(q.dtype).reshape(b, hq, n, d), dkv[0], dkv[1], None

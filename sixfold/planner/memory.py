@@ -20,8 +20,9 @@ key/value widths, a the heads, f the ffn width:
               selective: the attention output and log-sum-exp are rebuilt
   context     all-gather KV keeps the gathered keys and values (cp times this rank's); Ulysses the query and
               output at both head splits
-  ends        the final norm (3 * b * T_h * dim and its statistics), the logits (4 * T * vocab / tp), token ids
-              and labels (16 * T), the rotary tables
+  ends        the final norm (3 * b * T_h * dim and its statistics), the logits (4 * T * vocab / tp; with
+              model.loss_chunk the head weight's gradient instead, 4 * vocab * dim), token ids and labels
+              (16 * T), the rotary tables
 A pipeline rank keeps its stages' activations for the (stage, micro-batch) pairs in flight (the simulator's
 peak).
 """
@@ -69,7 +70,8 @@ def activations(rank: Rank) -> dict[str, int]:
     per_micro = sum(block_activations(rank, layer, cfg.recompute) for layer in rank.blocks)
     if rank.model.norm is not None:
         vocab = (rank.model.head or rank.model.embed).weight.shape[0]
-        per_micro += b * 3 * rank.hidden_tokens * cfg.dim + 4 * rank.hidden_tokens + 4 * t * vocab + 16 * t
+        logits = 4 * vocab * cfg.dim if cfg.loss_chunk else 4 * t * vocab
+        per_micro += b * 3 * rank.hidden_tokens * cfg.dim + 4 * rank.hidden_tokens + logits + 16 * t
     if rank.blocks:
         per_micro += 2 * 4 * rank.cfg.train.seq_len // rank.model.cp.size * cfg.head_dim
     rebuilt = max(block_activations(rank, layer, "none") for layer in rank.blocks) \

@@ -112,7 +112,7 @@ class Pipeline:
                 if a.kind == F:
                     out = model.run(stage, micro[m][0] if stage.embed else inputs[key], t)
                     if stage.head:
-                        out = model.loss(out, micro[m][1]) / scale
+                        out = model.loss(out, micro[m][1], t.sequence_tp) / scale
                         loss += out.detach()
                     elif self.place[s + 1] == self.rank:
                         inputs[s + 1, m] = out.detach().requires_grad_()
@@ -165,9 +165,9 @@ class Pipeline:
             cache.length += tokens.shape[1]
         owner = self.place[self.last] == self.rank
         if labels is not None:
-            (total,) = self.comm.sum_scalars([float(model.loss(x, labels)) if owner else 0.0], "pp")
+            (total,) = self.comm.sum_scalars([float(model.loss(x, labels, t.sequence_tp)) if owner else 0.0], "pp")
             return total
-        logits = model.full_logits(x).float().view(*tokens.shape, -1) if owner else \
+        logits = model.full_logits(model.logits(x, t.sequence_tp)).float().view(*tokens.shape, -1) if owner else \
             torch.empty(*tokens.shape, model.cfg.vocab_size, device=tokens.device)
         self.comm.broadcast(logits, "pp", self.place[self.last])
         return logits

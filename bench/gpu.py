@@ -1,0 +1,233 @@
+"""Single-GPU training throughput and MFU: sixfold's trainer beside a transformers LlamaForCausalLM step of the same
+shape (configs/llama3-1b.yaml: Llama-3.2-1B, 1,235,814,400 parameters, tied embeddings), bf16.
+
+    python bench/gpu.py --seq 2048 8192 --out DIR          # on the GPU machine: one process per (side, seq)
+    python bench/gpu.py --report DIR/gpu.json --write      # here: the table into docs/benchmarks.md
+
+sixfold: bf16 compute weights with fp32 master weights and fused AdamW over flat buffers, SDPA (flash) attention,
+torch.compile per block, the head and cross-entropy fused over chunks of --chunk tokens. transformers: fp32
+weights under torch.autocast(bf16), SDPA attention, fused AdamW, the full logits (its own loss), gradient
+clipping as sixfold's. Both see --tokens tokens per step (seq_len x sequences), random token ids.
+
+MFU = FLOPs per step / step time / the GPU's dense bf16 peak (989 TFLOP/s for H100 SXM and H200), with 6 FLOPs
+per matmul parameter per token (the tied head counted once, the embedding lookup not at all) and causal
+attention's 6 * seq * dim per token per layer (half the full square).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def model_config(config: str, seq: int):
+    from sixfold.config import load_config
+    return load_config(config, [f"model.max_seq_len={max(seq, 2048)}"]).model
+
+
+def flops_per_token(config: str, seq: int) -> float:
+    m = model_config(config, seq)
+    matmul = m.num_params() - (0 if m.tie_embeddings else m.vocab_size * m.dim)  # the lookup does no matmul
+    matmul -= m.dim * (2 * m.n_layers + 1)  # norm weights
+    return 6 * matmul + 6 * seq * m.dim * m.n_layers
+
+
+def device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to try the script on a small config
+
+
+def timed(step, steps: int, warmup: int) -> list[float]:
+    import torch
+    times = []
+    for i in range(warmup + steps):
+        torch.cuda.synchronize() if device() == "cuda" else None
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize() if device() == "cuda" else None
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def sixfold_side(args) -> dict:
+    from sixfold.config import load_config
+    from sixfold.mesh import ParallelContext
+    from sixfold.train import Trainer
+
+    cfg = load_config(args.config, [
+        f"model.max_seq_len={max(args.seq, 2048)}", f"train.seq_len={args.seq}",
+        f"train.global_batch={args.micro * args.tokens // args.seq}", f"train.micro_batches={args.micro}",
+        "train.precision=bf16", f"train.compile={args.compile}",
+        f"model.loss_chunk={args.chunk}", f"model.recompute={args.recompute}", "data.tokenizer=byte",
+        "data.max_bytes=50000000", f"train.steps={args.warmup + args.steps}", "log.progress=false",
+        "log.tensorboard=false", "checkpoint.save_final=false", f"log.run_dir={tempfile.mkdtemp()}"])
+    trainer = Trainer(cfg, ParallelContext.single())
+    return lambda: trainer.train_step()["loss"]
+
+
+def hf_side(args) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m = model_config(args.config, args.seq)
+    config = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=m.ffn_dim,
+                         num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads,
+                         rope_theta=m.rope_theta, rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
+                         max_position_embeddings=max(args.seq, 2048), attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device())
+    if args.compile:
+        model.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=True)
+    tokens = torch.randint(0, m.vocab_size, (args.tokens // args.seq, args.seq), device=device())
+
+    def step():
+        total = 0.0
+        for _ in range(args.micro):
+            with torch.autocast(device(), dtype=torch.bfloat16):
+                loss = model(input_ids=tokens, labels=tokens).loss / args.micro
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(total)
+
+    return step
+
+
+def worker(args) -> None:
+    import torch
+    torch.backends.cuda.matmul.allow_tf32 = True
+    result = {"side": args.worker, "seq": args.seq, "tokens": args.micro * args.tokens, "micro": args.micro,
+              "compile": args.compile, "config": args.config}
+    try:
+        step = sixfold_side(args) if args.worker == "sixfold" else hf_side(args)
+        losses = []
+        result["times"] = timed(lambda: losses.append(step()), args.steps, args.warmup)
+        result["loss_first"], result["loss_last"] = losses[0], losses[-1]
+        if args.profile:
+            profile(step)
+        result["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30 if device() == "cuda" else 0.0
+    except torch.cuda.OutOfMemoryError:
+        result["oom"] = True
+    Path(args.result).write_text(json.dumps(result))
+
+
+def profile(step) -> None:
+    """The GPU kernels of two steps, by total time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as record
+    with record(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        step()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+
+
+def drive(args) -> None:
+    import torch
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for seq, micro, side in ((seq, micro, side) for seq in args.seq for micro in args.micro for side in args.sides):
+        name, compiled = side.split(":") if ":" in side else (side, "1" if side == "sixfold" else "0")
+        path = out / f"{name}-{compiled}-{seq}-{micro}.json"
+        cmd = [sys.executable, __file__, "--worker", name, "--seq", str(seq), "--tokens", str(args.tokens),
+               "--micro", str(micro),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--chunk", str(args.chunk),
+               "--recompute", args.recompute, "--compile", "true" if compiled == "1" else "false",
+               "--config", args.config, "--out", str(out), "--result", str(path)]
+        began = time.time()
+        proc = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True, capture_output=True)
+        if proc.returncode or not path.exists():
+            print(proc.stdout[-2000:], proc.stderr[-4000:], flush=True)
+            continue
+        r = json.loads(path.read_text())
+        r["wall_s"] = time.time() - began
+        results.append(r)
+        print(line(r, name_of_device()), flush=True)
+    (out / "gpu.json").write_text(json.dumps({"device": name_of_device(), "torch": torch.__version__,
+                                              "results": results}, indent=1))
+
+
+def name_of_device() -> str:
+    import torch
+    return torch.cuda.get_device_name() if device() == "cuda" else "cpu"
+
+
+def mfu(r: dict, device: str) -> tuple[float, float]:
+    peak = next((v for k, v in PEAK.items() if k in device), 989e12)
+    step = statistics.median(r["times"])
+    tokens_s = r["tokens"] / step
+    return tokens_s, tokens_s * flops_per_token(r["config"], r["seq"]) / peak
+
+
+def line(r: dict, device: str) -> str:
+    label = f"{r['side']}{' compiled' if r['compile'] else ''}"
+    if r.get("oom"):
+        return f"| {label} | {r['seq']} | {r['tokens']:,} | out of memory | | | | |"
+    tokens_s, util = mfu(r, device)
+    return (f"| {label} | {r['seq']} | {r['tokens']:,} ({r['micro']}) | {statistics.median(r['times']) * 1000:.0f} | "
+            f"{tokens_s:,.0f} | {util:.1%} | "
+            f"{r['peak_gb']:.1f} | {r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
+
+
+def report(path: str, write: bool) -> None:
+    data = json.loads(Path(path).read_text())
+    rows = [line(r, data["device"]) for r in data["results"]]
+    body = "\n".join([
+        "Command: `python bench/gpu.py --seq 2048 8192` (on the GPU), then `--report gpu.json --write`  ",
+        f"Device: {data['device']}, torch {data['torch']}, MFU against 989 TFLOP/s dense bf16  ",
+        "",
+        "| side | seq | tokens/step (micro-batches) | ms/step (median) | tokens/s | MFU | peak GB | "
+        "loss first -> last step |",
+        "|---|---|---|---|---|---|---|---|", *rows])
+    print(body)
+    if write:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from common import write_doc
+        write_doc("gpu", "Single GPU: throughput and MFU", body)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--config", default=str(ROOT / "configs" / "llama3-1b.yaml"))
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per micro-batch")
+    p.add_argument("--micro", type=int, nargs="+", default=[1], help="micro-batches per step (each a list entry)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--chunk", type=int, default=4096, help="sixfold's model.loss_chunk")
+    p.add_argument("--recompute", default="none")
+    p.add_argument("--sides", nargs="+", default=["sixfold", "hf"],
+                   help="sixfold, hf; NAME:0 or NAME:1 without or with torch.compile")
+    p.add_argument("--out", default="gpu-bench")
+    p.add_argument("--report", help="a gpu.json to put into docs/benchmarks.md")
+    p.add_argument("--write", action="store_true")
+    p.add_argument("--profile", action="store_true", help="with --worker: print the kernels of two more steps")
+    p.add_argument("--worker", choices=("sixfold", "hf"), help="(internal)")
+    p.add_argument("--compile", default="true", help="(internal)")
+    p.add_argument("--result", help="(internal)")
+    args = p.parse_args()
+    if args.report:
+        report(args.report, args.write)
+    elif args.worker:
+        args.seq, args.micro, args.compile = args.seq[0], args.micro[0], args.compile == "true"
+        worker(args)
+    else:
+        drive(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""The single-device speed paths give the training of the plain ones: the head and loss fused over chunks of
+tokens, and torch.compile per block (fp32, one process, losses and final weights within the parity
+tolerances)."""
+import pytest
+import torch
+
+from sixfold.config import ConfigError, load_config
+from sixfold.mesh import ParallelContext
+from sixfold.model.head_loss import chunked_head_loss
+from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
+from sixfold.train import Trainer
+from helpers import TINY
+
+STEPS = 3
+
+
+def train(tmp_path, *overrides):
+    cfg = load_config(TINY, [f"log.run_dir={tmp_path}", "checkpoint.save_final=false", *overrides])
+    trainer = Trainer(cfg, ParallelContext.single())
+    losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
+    return losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def assert_same_training(a, b):
+    (losses_a, weights_a), (losses_b, weights_b) = a, b
+    assert max(abs(x - y) / abs(y) for x, y in zip(losses_a, losses_b)) <= LOSS_RTOL, (losses_a, losses_b)
+    for name, w in weights_b.items():
+        rel = (weights_a[name] - w).pow(2).mean().sqrt() / w.pow(2).mean().sqrt()
+        assert rel <= WEIGHT_RTOL, (name, float(rel))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_head_loss_trains_as_the_whole_logits(tmp_path, tied):
+    """100-token chunks of a 256-token micro-batch (the last chunk shorter)."""
+    tie = f"model.tie_embeddings={str(tied).lower()}"
+    assert_same_training(train(tmp_path / "chunked", tie, "model.loss_chunk=100"), train(tmp_path / "whole", tie))
+
+
+def test_chunked_head_loss_ignores_masked_labels():
+    torch.manual_seed(0)
+    h, w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True), torch.randn(40, 16, dtype=torch.float64)
+    labels = torch.randint(0, 40, (50,))
+    labels[::3] = -100
+    w.requires_grad_()
+    chunked_head_loss(h, w, labels, 7).mul(0.5).backward()
+    ours = [h.grad.clone(), w.grad.clone()]
+    h.grad = w.grad = None
+    torch.nn.functional.cross_entropy(h @ w.t(), labels, ignore_index=-100, reduction="sum").mul(0.5).backward()
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(ours, [h.grad, w.grad]))
+
+
+def test_compiled_blocks_train_as_eager(tmp_path):
+    assert_same_training(train(tmp_path / "compiled", "train.compile=true"), train(tmp_path / "eager"))
+
+
+def test_loss_chunk_under_tp_is_refused():
+    with pytest.raises(ConfigError, match="model.loss_chunk=0"):
+        load_config(TINY, ["parallel.tp=2", "model.loss_chunk=64"])
