@@ -157,8 +157,9 @@ def drive(args) -> None:
         r["wall_s"] = time.time() - began
         results.append(r)
         print(line(r, name_of_device()), flush=True)
+    command = "python bench/gpu.py " + " ".join(sys.argv[1:])
     (out / "gpu.json").write_text(json.dumps({"device": name_of_device(), "torch": torch.__version__,
-                                              "results": results}, indent=1))
+                                              "command": command, "results": results}, indent=1))
 
 
 def name_of_device() -> str:
@@ -187,7 +188,8 @@ def report(path: str, write: bool) -> None:
     data = json.loads(Path(path).read_text())
     rows = [line(r, data["device"]) for r in data["results"]]
     body = "\n".join([
-        "Command: `python bench/gpu.py --seq 2048 8192` (on the GPU), then `--report gpu.json --write`  ",
+        f"Command: `{data.get('command', 'python bench/gpu.py --seq 2048 8192 --micro 1 4 --out DIR')}` (on the "
+        "GPU), then `python bench/gpu.py --report DIR/gpu.json --write`  ",
         f"Device: {data['device']}, torch {data['torch']}, MFU against 989 TFLOP/s dense bf16  ",
         "",
         "| side | seq | tokens/step (micro-batches) | ms/step (median) | tokens/s | MFU | peak GB | "
