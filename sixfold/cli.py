@@ -87,6 +87,9 @@ def cmd_trace(args, argv) -> int:
                           f"log.trace=true for the timeline)")
     for path in written:
         print(f"wrote {path}")
+    if (run / "trace.json").is_file():
+        from .trace import overlap_table, read_chrome_trace
+        print(overlap_table(read_chrome_trace(run / "trace.json")))
     return 0
 
 

@@ -1,6 +1,9 @@
 """Collectives over the named groups, each counted in the communication ledger and traced."""
 from __future__ import annotations
 
+import threading
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -21,27 +24,67 @@ class CommError(RuntimeError):
                          f"reach the same collective within parallel.timeout_s; see its log")
 
 
-class Pending:
-    """An asynchronous collective; wait() completes it and closes its trace span."""
+class _Watcher:
+    """While tracing: a thread that stamps the time each pending collective completes (polling every millisecond;
+    gloo gives some works no future to be told by). It stops when nothing is pending."""
 
-    def __init__(self, work, tracer: Tracer, name: str, start: float, args: dict, ranks: tuple[int, ...] = ()):
+    def __init__(self):
+        self.pending: list["Pending"] = []
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def watch(self, p: "Pending") -> None:
+        with self.lock:
+            self.pending.append(p)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, daemon=True)
+                self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                for p in list(self.pending):
+                    if all(w.is_completed() for w in p.works):
+                        p.done_at = now_us()
+                        self.pending.remove(p)
+                if not self.pending:
+                    self.thread = None
+                    return
+            time.sleep(0.001)
+
+
+class Pending:
+    """An asynchronous collective; wait() completes it and closes its trace span, which ends when the collective
+    completed (while tracing, stamped by the watcher) or else when wait() returned (gloo's reduce-scatter reports
+    completion only then), and records how long wait() blocked."""
+
+    def __init__(self, work, tracer: Tracer, name: str, start: float, args: dict, ranks: tuple[int, ...] = (),
+                 watcher: _Watcher | None = None):
         self.work, self.tracer, self.name, self.start, self.args, self.ranks = work, tracer, name, start, args, ranks
+        self.works = work if isinstance(work, list) else [work]
+        self.done_at: float | None = None
+        if watcher is not None and tracer.enabled and work is not None:
+            watcher.watch(self)
 
     def wait(self) -> None:
         if self.work is not None:
+            began = now_us()
             try:
-                for work in self.work if isinstance(self.work, list) else [self.work]:
+                for work in self.works:
                     work.wait()
             except RuntimeError as e:
                 raise CommError(self.name, self.ranks, e) from None
             self.work = None
-            self.tracer.add(self.name, "comm", self.start, now_us(), **self.args)
+            end = now_us()
+            self.tracer.add(self.name, "comm", self.start, min(end, self.done_at or end), waited_us=end - began,
+                            **self.args)
 
 
 class Comm:
     def __init__(self, ctx: ParallelContext, tracer: Tracer, ledger: Ledger | None = None):
         self.ctx, self.tracer = ctx, tracer
         self.ledger = ledger or Ledger()
+        self.watcher = _Watcher()
 
     def _run(self, op: str, group: str, nbytes: int, label: str, async_op: bool, call) -> Pending:
         self.ledger.record(group, op, nbytes)
@@ -51,10 +94,10 @@ class Comm:
             work = call(self.ctx.groups[group], async_op)
         except RuntimeError as e:
             raise CommError(name, self.ctx.members(group), e) from None
-        args = {"group": group, "op": op, "bytes": nbytes}
+        args = {"group": group, "op": op, "bytes": nbytes, **({"async": True} if async_op else {})}
         if not async_op:
             self.tracer.add(name, "comm", start, now_us(), **args)
-        return Pending(work if async_op else None, self.tracer, name, start, args, self.ctx.members(group))
+        return Pending(work if async_op else None, self.tracer, name, start, args, self.ctx.members(group), self.watcher)
 
     def all_reduce(self, t: torch.Tensor, group: str, async_op: bool = False, label: str = "",
                    op=dist.ReduceOp.SUM) -> Pending | None:

@@ -60,6 +60,47 @@ def write_chrome_trace(events: list[dict], path: Path) -> None:
     path.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}))
 
 
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def overlap(events: list[dict]) -> dict[str, dict[int, tuple[float, float]]]:
+    """Per group and rank, over the traced steps: ms in flight of its asynchronous collectives (issue to completion,
+    or to the end of the wait when the backend does not report completion earlier: then an upper bound) and the
+    share of it hidden, that is not spent blocked in wait(). Synchronous collectives are left out: the compute
+    that calls them waits for all of their time."""
+    out: dict[str, dict[int, tuple[float, float]]] = {}
+    for rank in sorted({e["pid"] for e in events}):
+        spans: dict[str, list] = {}
+        waited: dict[str, float] = {}
+        for e in events:
+            if e["pid"] == rank and e["cat"] == "comm" and e["args"].get("async"):
+                group = e["args"]["group"]
+                spans.setdefault(group, []).append((e["ts"], e["ts"] + e["dur"]))
+                waited[group] = waited.get(group, 0.0) + e["args"].get("waited_us", 0.0)
+        for group, parts in spans.items():
+            total = sum(b - a for a, b in _union(parts))
+            out.setdefault(group, {})[rank] = (total / 1000, max(0.0, 1 - waited[group] / total) if total else 1.0)
+    return out
+
+
+def overlap_table(events: list[dict]) -> str:
+    rows = ["asynchronous communication hidden behind compute (traced steps; per rank: ms in flight, share not "
+            "spent waiting)"]
+    for group, ranks in sorted(overlap(events).items()):
+        cells = ", ".join(f"r{r} {ms:.1f} ms {share:.0%}" for r, (ms, share) in sorted(ranks.items()))
+        total = sum(ms for ms, _ in ranks.values())
+        hidden = sum(ms * share for ms, share in ranks.values()) / total if total else 1.0
+        rows.append(f"  {group:<13} {hidden:4.0%} of {total:.1f} ms | {cells}")
+    return "\n".join(rows)
+
+
 def read_chrome_trace(path: Path) -> list[dict]:
     """The events of a trace.json written above."""
     return [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]

@@ -27,7 +27,7 @@ from .parallel.pipeline.stages import split_stages
 from .parallel.sharding import Sharded
 from .parallel.tensor import IGNORE_INDEX, TensorParallel
 from .pictures import draw_pictures
-from .trace import Tracer, write_chrome_trace
+from .trace import Tracer, overlap_table, write_chrome_trace
 
 TRACE_STEPS = 3
 
@@ -246,7 +246,8 @@ class Trainer:
         if self.ctx.is_main and events:
             write_chrome_trace(events, self.run_dir / "trace.json")
             pictures = draw_pictures(self.run_dir, self.cfg)
-            log.print(f"trace: {self.run_dir / 'trace.json'}; pictures: {', '.join(map(str, pictures))}")
+            log.print(f"{overlap_table(events)}\ntrace: {self.run_dir / 'trace.json'}; pictures: "
+                      f"{', '.join(map(str, pictures))}")
 
 
 def prepare_run_dir(cfg: Config, ctx: ParallelContext) -> None:

@@ -10,6 +10,7 @@ from sixfold import ledger
 from sixfold.cli import main
 from sixfold.config import load_config
 from sixfold.logs import read_metrics
+from sixfold.trace import overlap, overlap_table, read_chrome_trace
 from helpers import TINY, sixfold
 
 STEPS, MICRO, PP, TP = 3, 4, 2, 2
@@ -53,6 +54,7 @@ def test_pictures_are_drawn_and_redrawn(run, capsys):
         path.unlink()
     assert main(["trace", str(run_dir)]) == 0  # in this process: a new one would spend seconds importing torch
     out = capsys.readouterr().out
+    assert "asynchronous communication hidden behind compute" in out
     for name in PICTURES:
         assert f"wrote {run_dir / name}" in out
         with Image.open(run_dir / name) as image:
@@ -97,3 +99,21 @@ def test_ledger_steps_match_the_formulas(run):
     assert [m["comm_bytes"] for m in read_metrics(run_dir)] == [sum(t["bytes"] for t in rank0.values())] * STEPS
     assert "communication ledger, 4 rank(s) summed" in output
     assert f"{'tp':<14}{'reduce_scatter':<16}{4 * 5 * a * MICRO:>16,}" in output
+
+
+def test_overlap_of_asynchronous_collectives():
+    """In flight: the union of a group's spans; hidden: the share not spent blocked in wait()."""
+    def comm(rank, start, end, waited, group="fsdp", asynchronous=True):
+        args = {"group": group, "waited_us": waited, **({"async": True} if asynchronous else {})}
+        return {"pid": rank, "cat": "comm", "ts": start, "dur": end - start, "args": args}
+    events = [comm(0, 0, 4000, 0), comm(0, 2000, 6000, 1500), comm(0, 10000, 12000, 500),
+              comm(1, 0, 1000, 1000, "loss"), comm(1, 0, 9000, 9000, "tp", asynchronous=False)]
+    assert overlap(events) == {"fsdp": {0: (8.0, 0.75)}, "loss": {1: (1.0, 0.0)}}
+    table = overlap_table(events)
+    assert "fsdp" in table and "75% of 8.0 ms" in table and "tp" not in table
+
+
+def test_run_reports_the_pipeline_messages_hidden(run):
+    shares = overlap(read_chrome_trace(run[0] / "trace.json"))["pp"]
+    assert sorted(shares) == list(range(PP * TP)) and all(0 <= s <= 1 and ms > 0 for ms, s in shares.values())
+    assert "asynchronous communication hidden behind compute" in run[1]
