@@ -14,8 +14,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -24,6 +22,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from sixfold.measure import busy_jiffies, machine, mark_memory, others_while, peak_mb, revision
+from sixfold.measure import write_doc as write_into
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -50,25 +51,6 @@ def overrides(bench: Bench, world: int, steps: int, run_dir: str) -> list[str]:
     return [f"train.global_batch={bench.global_batch(world)}", *bench.layout(world),
             f"train.steps={steps}", f"log.run_dir={run_dir}", "log.progress=false",
             "log.tensorboard=false", "checkpoint.save_final=false"]
-
-
-# ---- memory ----
-
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} missing from /proc/self/status")
-
-
-def mark_memory() -> int:
-    """Reset this process's peak RSS to its current RSS and return that RSS (kB)."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status_kb("VmRSS")
-
-
-def peak_mb(base_kb: int) -> float:
-    return (_status_kb("VmHWM") - base_kb) / 1024
 
 
 # ---- workers (one torchrun rank each) ----
@@ -166,12 +148,6 @@ def save_result(out: str, result: dict) -> None:
 
 # ---- driver ----
 
-def busy_jiffies() -> int:
-    """CPU time (1/100 s) the whole machine has spent busy since boot."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
-
-
 def other_load(seconds: float = 1.0) -> float:
     """Cores kept busy by other processes over a short sample."""
     before = busy_jiffies()
@@ -189,11 +165,6 @@ def wait_quiet(limit_s: float = 600) -> None:
         print(f"machine still busy after {limit_s:.0f} s; running anyway", flush=True)
 
 
-def job_jiffies() -> int:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return round((r.ru_utime + r.ru_stime) * 100)
-
-
 def torchrun(script: str, world: int, *args: str) -> tuple[list[dict], float]:
     """One torchrun job of `script ARGS --out DIR` on `world` ranks (OMP_NUM_THREADS=1 each): every rank's
     result, saved by its worker with save_result, and the cores other processes kept busy meanwhile (a sign
@@ -201,13 +172,12 @@ def torchrun(script: str, world: int, *args: str) -> tuple[list[dict], float]:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                str(script), *args, "--out", out]
-        busy, mine, began = busy_jiffies(), job_jiffies(), time.perf_counter()
-        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True, capture_output=True)
-        others = ((busy_jiffies() - busy) - (job_jiffies() - mine)) / 100 / (time.perf_counter() - began)
+        proc, others = others_while(lambda: subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                                           text=True, capture_output=True))
         if proc.returncode:
             sys.exit(f"{Path(script).name} {' '.join(args)} on {world} ranks failed:\n"
                      f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-        return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world)], max(others, 0.0)
+        return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world)], others
 
 
 def launch(bench: Bench, side: str, world: int, args) -> dict:
@@ -231,22 +201,6 @@ def measure(bench: Bench, side: str, world: int, args) -> dict:
         print(f"{world} ranks, {side}: {r['step_s']:.3f} s/step {verdict}, other processes used "
               f"{r['others']:.2f} cores", flush=True)
     return {**r, "repeats": tries - 1}
-
-
-def machine() -> str:
-    import torch
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return (f"{os.cpu_count()}-core CPU ({cpu}), {platform.system()}, Python {platform.python_version()}, "
-            f"torch {torch.__version__}, gloo")
-
-
-def revision() -> str:
-    """The sixfold commit measured, and whether sixfold/ had uncommitted changes."""
-    def git(*a):
-        return subprocess.run(["git", "-C", str(ROOT), *a], text=True, capture_output=True).stdout.strip()
-    dirty = " with uncommitted changes in sixfold/" if git("status", "--porcelain", "sixfold") else ""
-    return f"commit {git('rev-parse', '--short', 'HEAD') or 'unknown'}{dirty}"
 
 
 def spread(values: list[float], digits: int) -> str:
@@ -282,17 +236,8 @@ def report(bench: Bench, rows: list[dict], args, rev: str) -> str:
 
 
 def write_doc(name: str, title: str, body: str) -> None:
-    """Put body between the docs markers of `name`, adding a section titled `title` if they are missing."""
-    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    block = f"{begin}\n{body}\n{end}"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip("\n") + f"\n\n## {title}\n\n" + block + "\n"
-    DOC.parent.mkdir(exist_ok=True)
-    DOC.write_text(text)
+    """The table of `name` into this checkout's docs/benchmarks.md."""
+    write_into(name, title, body, DOC)
 
 
 def drive(bench: Bench, args) -> None:

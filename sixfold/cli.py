@@ -1,4 +1,4 @@
-"""sixfold train | check | matrix | plan | trace | generate | import-hf | export-hf"""
+"""sixfold train | check | matrix | plan | bench | trace | generate | import-hf | export-hf"""
 from __future__ import annotations
 
 import argparse
@@ -110,6 +110,12 @@ def cmd_plan(args, argv) -> int:
     return 0
 
 
+def cmd_bench(args, argv) -> int:
+    from .bench import bench
+    bench(args, *_split(args.config), argv)
+    return 0
+
+
 def cmd_matrix(args, argv) -> int:
     from . import matrix
     path, overrides = _split(args.config)
@@ -171,6 +177,21 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--nodes", type=int, default=1)
     pl.add_argument("--search", action="store_true", help="rank every layout of --gpus GPUs that fits")
     pl.set_defaults(fn=cmd_plan)
+    b = sub.add_parser("bench", help="step time and peak memory of a layout on the common workload (--table: the "
+                                      "issue's 8 layouts beside picotron, torchtitan, DeepSpeed), or --max-seq: the "
+                                      "longest train.seq_len that fits")
+    b.add_argument("config", nargs="*", help="a YAML file (default configs/bench.yaml), then section.key=value "
+                                             "overrides")
+    b.add_argument("--steps", type=int, default=None, help="steps per run (default 10); the first 2 are not timed")
+    b.add_argument("--table", action="store_true", help="time the 8 layouts of the table, beside the peers")
+    b.add_argument("--write", action="store_true", help="with --table: write it into docs/benchmarks.md")
+    b.add_argument("--max-seq", action="store_true", help="search the longest train.seq_len that fits, by probes "
+                                                          "of 2 steps")
+    b.add_argument("--budget-gb", type=float, default=None, help="--max-seq: GB a rank may use (required on CPU: "
+                                                                 "resident-set growth; on CUDA: allocated)")
+    b.add_argument("--min", type=int, default=None, help="--max-seq: the first length probed (default train.seq_len)")
+    b.add_argument("--max", type=int, default=None, help="--max-seq: the longest length probed (default 1048576)")
+    b.set_defaults(fn=cmd_bench)
     m = sub.add_parser("matrix", help="every layout of the parity matrix against the single process, in one job")
     m.add_argument("config", nargs="*", help="the base config (configs/tiny.yaml), then section.key=value overrides")
     m.add_argument("--only", nargs="+", default=None, help="these layouts (and those they resume from)")
@@ -200,11 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
+    from .benchjob import BenchError
     from .comm import CommError
     from .train import TrainingError
     try:
         return args.fn(args, argv)
-    except (*KNOWN_ERRORS, TrainingError, CommError) as e:
+    except (*KNOWN_ERRORS, TrainingError, CommError, BenchError) as e:
         rank = os.environ.get("RANK")
         print(f"sixfold error{f' (rank {rank})' if rank else ''}: {e}", file=sys.stderr)
         return 2

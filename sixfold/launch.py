@@ -10,11 +10,23 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def run_torchrun(nproc: int, argv: list[str], capture: bool = False,
-                 module: str = "sixfold.cli") -> subprocess.CompletedProcess:
+def _env(threads: str | None) -> dict[str, str]:
+    """This environment, with OMP_NUM_THREADS `threads` (default: as set here, else 1)."""
+    return {**os.environ, "OMP_NUM_THREADS": threads or os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def run_torchrun(nproc: int, argv: list[str], capture: bool = False, module: str = "sixfold.cli",
+                 threads: str | None = None) -> subprocess.CompletedProcess:
     """Run `python -m MODULE ARGV` (by default `sixfold ARGV`) as `nproc` ranks on this machine (a standalone
     rendezvous on a free port)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", module, *argv]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.run(cmd, env=env, text=True, capture_output=capture)
+    return subprocess.run(cmd, env=_env(threads), text=True, capture_output=capture)
+
+
+def run_ranks(nproc: int, module: str, argv: list[str], threads: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGV` as `nproc` ranks, output captured: one process started directly (no torchrun to
+    wait for), more under torchrun."""
+    if nproc > 1:
+        return run_torchrun(nproc, argv, capture=True, module=module, threads=threads)
+    return subprocess.run([sys.executable, "-m", module, *argv], env=_env(threads), text=True, capture_output=True)

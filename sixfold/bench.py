@@ -1,0 +1,140 @@
+"""`sixfold bench`: the step time and peak memory of a layout on the common CPU workload (configs/bench.yaml), or
+with --table the eight layouts of issue #11 beside picotron, torchtitan and DeepSpeed; --max-seq: maxseq.py.
+
+Each run is its own job (benchjob.py). A run's time is rank 0's mean wall time per step after WARMUP steps.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from dataclasses import dataclass
+
+from .benchjob import BenchError, launch
+from .config import Config, ConfigError, check_available, load_config
+from .launch import under_torchrun
+from .measure import DOC, ROOT, machine, revision, write_doc
+
+BENCH = ROOT / "configs" / "bench.yaml"
+WARMUP = 2  # steps left out of the timing
+ROWS_PER_RANK = 4  # sequences per data-parallel rank and step, unless train.global_batch is given
+PEERS = ("picotron", "torchtitan 0.3.0", "DeepSpeed 0.19.8 ZeRO-3")
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    overrides: tuple[str, ...]
+    peers: tuple[str, str, str]  # s/step of PEERS on this workload, as measured for issue #11
+
+
+TABLE = (
+    Layout("1 process", (), ("0.351", "0.567", "0.454")),
+    Layout("dp 2", ("parallel.dp_replicate=2",), ("0.678", "0.984 (DDP), 1.081 (FSDP)", "0.845")),
+    Layout("dp 4", ("parallel.dp_replicate=4",), ("1.398", "2.345 (FSDP)", "1.803")),
+    Layout("tp 2", ("parallel.tp=2",), ("0.535", "0.929", "-")),
+    Layout("pp 2 (4 micro-batches)", ("parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batches=4"),
+           ("0.644 (1F1B)", "0.946 (interleaved)", "-")),
+    Layout("cp 2", ("parallel.cp=2",), ("0.868", "1.031", "-")),
+    Layout("dp2 x tp2", ("parallel.dp_replicate=2", "parallel.tp=2"), ("0.982", "2.239 (FSDP)", "-")),
+    Layout("dp2 x pp2", ("parallel.dp_replicate=2", "parallel.pp=2", "parallel.pp_schedule=1f1b",
+                         "train.micro_batches=4"), ("0.821", "1.692 (FSDP)", "-")),
+)
+
+
+def workload_config(path: str | None, overrides: list[str], steps: int) -> Config:
+    """CONFIG (default configs/bench.yaml) with the overrides, for `steps` steps; train.global_batch 4 per
+    data-parallel rank unless an override sets it."""
+    path = path or str(BENCH)
+    dp = load_config(path, overrides, check=False).parallel.dp
+    cfg = load_config(path, [f"train.global_batch={ROWS_PER_RANK * dp}", *overrides, f"train.steps={steps}"])
+    check_available(cfg)
+    return cfg
+
+
+def time_run(cfg: Config, threads: str | None = None) -> dict:
+    """One job of cfg: rank 0's mean step time after warm-up, each rank's peak MB (2**20 bytes), the cores
+    other processes kept busy meanwhile, and the accelerator."""
+    job = launch(cfg, threads)
+    if job.oom:
+        raise BenchError(f"{cfg.parallel.describe()} ran out of CUDA memory; lower train.seq_len or "
+                         f"train.global_batch (sixfold bench --max-seq finds the longest sequence that fits)")
+    first = job.ranks[0]
+    return {"step_s": statistics.mean(first["step_s"][WARMUP:]), "others": job.others,
+            "peak_mb": [r["peak_bytes"] / 2**20 for r in job.ranks], "accelerator": first["accelerator"]}
+
+
+def line(name: str, r: dict, steps: int) -> str:
+    return (f"{name}: {r['step_s']:.3f} s/step (rank 0, mean of steps {WARMUP + 1}-{steps}), peak MB per rank "
+            f"{', '.join(f'{m:.0f}' for m in r['peak_mb'])}; other processes kept {r['others']:.2f} cores busy")
+
+
+def fastest(peers: tuple[str, ...]) -> float:
+    return min(float(v) for cell in peers for v in re.findall(r"\d+\.\d+", cell))
+
+
+def report(results: list[dict], argv: list[str], rev: str, steps: int) -> str:
+    """The --table section of docs/benchmarks.md."""
+    rows = [f"| {layout.name} | **{r['step_s']:.3f}** | {' | '.join(layout.peers)} | "
+            f"{r['step_s'] / fastest(layout.peers):.2f} | {max(r['peak_mb']):.0f} | {r['others']:.2f} |"
+            for layout, r in zip(TABLE, results)]
+    return "\n".join([
+        f"Command: `sixfold {' '.join(argv)}`  ", f"Machine: {machine(results[0]['accelerator'])}  ",
+        f"sixfold: {rev}  ",
+        f"Date: {time.strftime('%Y-%m-%d')}; one job per layout, OMP_NUM_THREADS=1 per rank; rank 0's mean wall time "
+        f"per step over steps {WARMUP + 1}-{steps}. Other processes kept at most "
+        f"{max(r['others'] for r in results):.2f} cores busy during a job (last column; above about 0.1 the timing "
+        "may have been disturbed).",
+        "",
+        "Seconds per step, lower is better. The peers' times are those measured for issue #11 on the same workload "
+        "(`configs/bench.yaml`, 4 sequences of 256 tokens per data-parallel rank, fp32, CPU, gloo); \"sixfold / "
+        "fastest peer\" below 1 means sixfold is faster. dp is `parallel.dp_replicate`; the pp layouts run 1F1B "
+        "with 4 micro-batches. Peak MB: the largest rank's peak memory (CPU: resident-set growth from just before "
+        "the model is built; CUDA: max_memory_allocated).",
+        "",
+        f"| layout | sixfold | {' | '.join(PEERS)} | sixfold / fastest peer | sixfold peak MB | other load (cores) |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows])
+
+
+def table(path: str | None, overrides: list[str], steps: int, write: bool, argv: list[str]) -> None:
+    configs = [workload_config(path, [*overrides, *layout.overrides], steps) for layout in TABLE]  # all refused first
+    rev, results = revision(), []
+    for layout, cfg in zip(TABLE, configs):
+        results.append(time_run(cfg, threads="1"))
+        print(line(layout.name, results[-1], steps), flush=True)
+    body = report(results, argv, rev, steps)
+    print(body)
+    if write:
+        write_doc("workload", "The common workload: sixfold beside picotron, torchtitan and DeepSpeed", body)
+        print(f"wrote {DOC}")
+
+
+def _given(args, *flags: str) -> list[str]:
+    """Those of `flags` set on the command line."""
+    return [f for f in flags if getattr(args, f[2:].replace("-", "_")) not in (None, False)]
+
+
+def bench(args, path: str | None, overrides: list[str], argv: list[str]) -> None:
+    """The `sixfold bench` command: its flags checked, then a layout timed, the table, or --max-seq."""
+    if under_torchrun():
+        raise ConfigError("run sixfold bench outside torchrun: it starts a job of its own for each run")
+    if args.max_seq:
+        if _given(args, "--table", "--write", "--steps"):
+            raise ConfigError(f"{', '.join(_given(args, '--table', '--write', '--steps'))}: not with --max-seq, "
+                              f"whose probes run 2 steps each")
+        from .maxseq import max_seq
+        max_seq(path or str(BENCH), overrides, args.budget_gb, args.min, args.max)
+        return
+    if _given(args, "--budget-gb", "--min", "--max"):
+        raise ConfigError(f"{', '.join(_given(args, '--budget-gb', '--min', '--max'))}: only with --max-seq")
+    if args.write and not args.table:
+        raise ConfigError("--write puts the --table into docs/benchmarks.md; add --table")
+    steps = args.steps or 10
+    if steps <= WARMUP:
+        raise ConfigError(f"--steps {steps}: the first {WARMUP} steps are not timed; give at least {WARMUP + 1}")
+    if args.table:
+        table(path, overrides, steps, args.write, argv)
+        return
+    cfg = workload_config(path, overrides, steps)
+    print(line(cfg.parallel.describe(), time_run(cfg), steps))

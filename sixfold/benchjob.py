@@ -1,0 +1,88 @@
+"""One job of `sixfold bench`: a config trained for its steps by fresh processes, one per rank, each reporting
+its step times and peak memory, or that CUDA ran out of memory.
+
+    python -m sixfold.benchjob DIR    (DIR holds config.yaml; rank r writes rank{r}.json there)
+
+Peak memory: on CUDA torch.cuda.max_memory_allocated; on CPU the peak resident set (VmHWM) above the resident
+set just before the model is built (the corpus already loaded).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from .config import Config, load_config
+from .launch import run_ranks
+from .measure import mark_memory, others_while, peak_mb
+
+OOM_EXIT = 3  # a rank out of CUDA memory exits with it, so that torchrun stops the ranks waiting for it
+QUIET = {"log": {"progress": False, "tensorboard": False, "trace": False, "sample_tokens": 0},
+         "checkpoint": {"every": 0, "save_final": False, "resume": ""}, "train": {"eval_every": 0}}
+
+
+class BenchError(RuntimeError):
+    """A bench job failed for another reason than running out of memory."""
+
+
+@dataclass
+class Job:
+    ranks: list[dict]  # each rank's result: oom, accelerator, device_bytes; unless oom, step_s and peak_bytes
+    others: float  # cores other processes kept busy while the job ran
+
+    @property
+    def oom(self) -> bool:
+        return any(r["oom"] for r in self.ranks)
+
+
+def launch(cfg: Config, threads: str | None = None) -> Job:
+    """Train `cfg` (quiet, no checkpoint, no evaluation) in a job of its world size."""
+    with tempfile.TemporaryDirectory(prefix="sixfold-bench-") as job:
+        settings = cfg.to_dict()
+        for section, values in QUIET.items():
+            settings[section].update(values)
+        settings["log"]["run_dir"] = str(Path(job) / "run")
+        (Path(job) / "config.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
+        world = cfg.parallel.world_size
+        proc, others = others_while(lambda: run_ranks(world, "sixfold.benchjob", [job], threads))
+        found = [Path(job) / f"rank{r}.json" for r in range(world)]
+        ranks = [json.loads(f.read_text()) for f in found if f.exists()]
+        if not any(r["oom"] for r in ranks) and (proc.returncode or len(ranks) < world):
+            raise BenchError(f"the job of {cfg.parallel.describe()} at train.seq_len={cfg.train.seq_len} failed "
+                             f"(exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        return Job(ranks, others)
+
+
+def main(job: str) -> None:
+    import torch
+
+    from .data import load_data
+    from .mesh import ParallelContext
+    from .train import run
+
+    cfg = load_config(Path(job) / "config.yaml")
+    ctx = ParallelContext.initialize(cfg.parallel)
+    data = load_data(cfg.data)
+    cuda = ctx.device.type == "cuda"
+    base = 0 if cuda else mark_memory()
+    out = {"accelerator": f"{torch.cuda.get_device_name(ctx.device)}, nccl" if cuda else "gloo",
+           "device_bytes": torch.cuda.mem_get_info(ctx.device)[1] if cuda else 0}
+    save = Path(job) / f"rank{ctx.rank}.json"
+    try:
+        history = run(cfg, ctx, data)
+    except torch.cuda.OutOfMemoryError:
+        save.write_text(json.dumps({**out, "oom": True}))
+        os._exit(OOM_EXIT)
+    peak = torch.cuda.max_memory_allocated(ctx.device) if cuda else peak_mb(base) * 2**20
+    save.write_text(json.dumps({**out, "oom": False, "step_s": [m["step_s"] for m in history],
+                                "peak_bytes": int(peak)}))
+    ctx.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

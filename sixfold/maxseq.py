@@ -1,0 +1,119 @@
+"""`sixfold bench --max-seq`: the longest train.seq_len that a layout fits on this machine, found by probes
+(fresh jobs of PROBE_STEPS training steps, benchjob.py), beside the planner's prediction for the same layout.
+
+A probe fits on CUDA unless a rank runs out of memory (and, with --budget-gb, every rank's
+max_memory_allocated is within the budget); on CPU if every rank's resident-set growth is within --budget-gb.
+The search doubles train.seq_len from --min until a probe does not fit (or --max is reached), then bisects
+that bracket down to 1/SPLITS of its width or the layout's multiple of train.seq_len, whichever is larger.
+Only lengths that config.validate accepts for the layout are probed; model.max_seq_len is raised with the
+probe (it only sizes the RoPE tables).
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Callable
+
+from .benchjob import launch
+from .config import Config, ConfigError, check_available, load_config, validate
+
+PROBE_STEPS = 2
+SPLITS = 16
+MAX = 1 << 20  # default --max
+GB = 1e9
+
+
+def at_length(cfg: Config, seq: int) -> Config | None:
+    """A probe's config: cfg at train.seq_len=seq for PROBE_STEPS steps, or None if the layout refuses seq."""
+    c = copy.deepcopy(cfg)
+    c.train.seq_len, c.train.steps = seq, PROBE_STEPS
+    c.model.max_seq_len = max(c.model.max_seq_len, seq)
+    try:
+        validate(c)
+    except ConfigError:
+        return None
+    return c
+
+
+def below(cfg: Config, seq: int, floor: int) -> int | None:
+    """The longest length in (floor, seq] that the layout accepts."""
+    return next((s for s in range(seq, floor, -1) if at_length(cfg, s)), None)
+
+
+def longest(fits: Callable[[int], bool], lo: int, hi: int, cfg: Config) -> tuple[int | None, int | None]:
+    """The longest accepted length in [lo, hi] that fits (lo accepted), and the probed one above it that did not
+    (None: none failed up to hi); a longer sequence is taken to need more memory."""
+    if not fits(lo):
+        return None, lo
+    good, bad = lo, None
+    while bad is None:
+        longer = below(cfg, min(2 * good, hi), good)
+        if longer is None:
+            return good, None
+        good, bad = (longer, None) if fits(longer) else (good, longer)
+    multiple = next(s for s in itertools.count(1) if at_length(cfg, s))
+    step = max(multiple, (bad - good) // SPLITS)
+    while bad - good > step:
+        mid = below(cfg, (good + bad) // 2, good)
+        if mid is None:
+            break
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good, bad
+
+
+def predicted_peak(cfg: Config) -> int:
+    """The planner's peak bytes of the layout's fullest rank (the device named only sets the time estimate)."""
+    from .planner.devices import DEVICES
+    from .planner.plan import plan
+    return max(s.memory["peak"] for s in plan(cfg, DEVICES["h100"], cfg.parallel.world_size).stages)
+
+
+def answer(found: tuple[int | None, int | None]) -> str:
+    good, bad = found
+    if good is None:
+        return f"none: the shortest, {bad}, does not fit (lower --min, or add cp, recomputation or ZeRO)"
+    return f"{good} ({bad} does not)" if bad else f"{good}, the --max (raise --max to look further)"
+
+
+def max_seq(path: str, overrides: list[str], budget_gb: float | None, lo: int | None, hi: int | None) -> None:
+    import torch
+
+    cfg = load_config(path, overrides)
+    check_available(cfg)
+    cuda = torch.cuda.is_available()
+    if not cuda and budget_gb is None:
+        raise ConfigError("sixfold bench --max-seq on CPU needs --budget-gb X: how many GB each rank's resident "
+                          "memory may grow by (there is no device memory to run out of)")
+    lo, hi = lo or cfg.train.seq_len, hi or MAX
+    first = next((s for s in range(lo, hi + 1) if at_length(cfg, s)), None)
+    if first is None:
+        raise ConfigError(f"no train.seq_len from --min {lo} to --max {hi} suits {cfg.parallel.describe()}")
+    t = cfg.train
+    rule = "no rank runs out of CUDA memory" if cuda else f"every rank's resident memory grows by <= {budget_gb:g} GB"
+    if cuda and budget_gb is not None:
+        rule += f" and every rank's max_memory_allocated is <= {budget_gb:g} GB"
+    print(f"{cfg.parallel.describe()}, {cfg.model.num_params():,} parameters, global batch {t.global_batch} in "
+          f"{t.micro_batches} micro-batch(es), {t.precision}, recompute {cfg.model.recompute}: train.seq_len from "
+          f"{first} up to {hi}; a probe of {PROBE_STEPS} steps fits if {rule}", flush=True)
+    device_bytes = []
+
+    def probe(seq: int) -> bool:
+        c = at_length(cfg, seq)
+        job = launch(c)
+        device_bytes.append(job.ranks[0]["device_bytes"])
+        peaks = [r["peak_bytes"] for r in job.ranks if not r["oom"]]
+        fits = not job.oom and (budget_gb is None or max(peaks) <= budget_gb * GB)
+        seen = "CUDA out of memory" if job.oom else f"peak GB per rank {', '.join(f'{p / GB:.3f}' for p in peaks)}"
+        print(f"  seq {seq:>7}: {'fits' if fits else 'does not fit'} ({seen}); planner: {predicted_peak(c) / GB:.3f} "
+              "GB", flush=True)
+        return fits
+
+    measured = longest(probe, first, hi, cfg)
+    if budget_gb is None:
+        from .planner.plan import RESERVE
+        budget, within = RESERVE * device_bytes[0], f"{RESERVE:.0%} of the GPU's {device_bytes[0] / GB:.1f} GB"
+    else:
+        budget, within = budget_gb * GB, f"--budget-gb {budget_gb:g}"
+    planned = longest(lambda s: predicted_peak(at_length(cfg, s)) <= budget, first, hi, cfg)
+    print(f"longest train.seq_len that fits, measured in {len(device_bytes)} probes: {answer(measured)}\n"
+          f"longest train.seq_len whose planned peak fits {within}: {answer(planned)}")

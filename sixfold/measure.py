@@ -1,0 +1,90 @@
+"""What benchmarks measure and record: a process's peak memory, the cores other processes kept busy, the
+machine, the sixfold commit, and the tables in docs/benchmarks.md (shared by `sixfold bench` and bench/)."""
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, TypeVar
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+T = TypeVar("T")
+
+
+# ---- memory of this process ----
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def mark_memory() -> int:
+    """Reset this process's peak RSS to its current RSS and return that RSS (kB)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kb("VmRSS")
+
+
+def peak_mb(base_kb: int) -> float:
+    """Peak RSS since mark_memory() above its RSS then, in MB (2**20 bytes)."""
+    return (_status_kb("VmHWM") - base_kb) / 1024
+
+
+# ---- load of the machine ----
+
+def busy_jiffies() -> int:
+    """CPU time (1/100 s) the whole machine has spent busy since boot."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+
+
+def job_jiffies() -> int:
+    """CPU time (1/100 s) of this process's finished children."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return round((r.ru_utime + r.ru_stime) * 100)
+
+
+def others_while(run: Callable[[], T]) -> tuple[T, float]:
+    """run()'s result, and the cores that processes other than run()'s children kept busy meanwhile (a sign
+    of a shared, noisy machine)."""
+    busy, mine, began = busy_jiffies(), job_jiffies(), time.perf_counter()
+    out = run()
+    others = ((busy_jiffies() - busy) - (job_jiffies() - mine)) / 100 / (time.perf_counter() - began)
+    return out, max(others, 0.0)
+
+
+# ---- what a table records ----
+
+def machine(accelerator: str = "gloo") -> str:
+    import torch
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return (f"{os.cpu_count()}-core CPU ({cpu}), {platform.system()}, Python {platform.python_version()}, "
+            f"torch {torch.__version__}, {accelerator}")
+
+
+def revision() -> str:
+    """The sixfold commit measured, and whether sixfold/ had uncommitted changes."""
+    def git(*a):
+        return subprocess.run(["git", "-C", str(ROOT), *a], text=True, capture_output=True).stdout.strip()
+    dirty = " with uncommitted changes in sixfold/" if git("status", "--porcelain", "sixfold") else ""
+    return f"commit {git('rev-parse', '--short', 'HEAD') or 'unknown'}{dirty}"
+
+
+def write_doc(name: str, title: str, body: str, doc: Path = DOC) -> None:
+    """Put body between the markers of `name` in `doc`, adding a section titled `title` if they are missing."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    block = f"{begin}\n{body}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + f"\n\n## {title}\n\n" + block + "\n"
+    doc.parent.mkdir(exist_ok=True)
+    doc.write_text(text)

@@ -1,0 +1,71 @@
+"""sixfold bench: a layout's step time and memory, the longest sequence that fits, and its refusals."""
+import re
+
+import pytest
+import torch
+
+from sixfold import maxseq
+from sixfold.cli import main
+from sixfold.config import load_config
+from sixfold.maxseq import at_length, longest
+from helpers import TINY
+
+
+@pytest.mark.parametrize("layout", [[], ["parallel.dp_replicate=2"]])
+def test_workload_times_a_layout(capsys, layout):
+    assert main(["bench", TINY, *layout, "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    found = re.search(r"(\d+\.\d+) s/step \(rank 0, mean of steps 3-3\), peak MB per rank ([\d, ]+);", out)
+    assert found, out
+    peaks = [float(v) for v in found[2].split(", ")]
+    assert float(found[1]) > 0 and len(peaks) == 1 + len(layout) and min(peaks) > 0
+
+
+def test_search_brackets_then_bisects_over_valid_lengths():
+    cfg = load_config(TINY, ["parallel.cp=2", "parallel.tp=2"])  # lengths: multiples of 4
+    probed = []
+
+    def fits(seq):
+        probed.append(seq)
+        return seq <= 1000
+
+    assert longest(fits, 16, 1 << 20, cfg) == (992, 1024)
+    assert probed == [16, 32, 64, 128, 256, 512, 1024, 768, 896, 960, 992]  # down to 1/16 of [512, 1024]
+    assert all(at_length(cfg, s) for s in probed) and at_length(cfg, 30) is None
+    assert longest(fits, 16, 700, cfg) == (700, None)
+    assert longest(fits, 1004, 2000, cfg) == (None, 1004)
+
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's memory budget")
+
+
+@cpu_only
+def test_max_seq_on_cpu_stops_below_a_probe_that_does_not_fit(capsys, monkeypatch):
+    """32 sequences: about 0.25 GB at 256 tokens, 0.42 GB at 512."""
+    monkeypatch.setattr(maxseq, "SPLITS", 2)  # one bisection, not 4: 3 probes
+    assert main(["bench", "--max-seq", TINY, "train.global_batch=32", "--budget-gb", "0.33", "--min", "256",
+                 "--max", "512"]) == 0
+    out = capsys.readouterr().out
+    probes = {int(s): verdict == "fits" for s, verdict in re.findall(r"seq +(\d+): (fits|does not fit)", out)}
+    answer = re.search(r"measured in \d+ probes: (\d+) \((\d+) does not\)", out)
+    assert answer, out
+    good, bad = int(answer[1]), int(answer[2])
+    assert probes[good] and not probes[bad] and good < bad <= good + 256 // 2, out
+    assert "planned peak fits --budget-gb 0.33" in out
+
+
+@cpu_only
+def test_max_seq_on_cpu_needs_a_budget(capsys):
+    assert main(["bench", "--max-seq", TINY]) == 2
+    assert "sixfold bench --max-seq on CPU needs --budget-gb" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", TINY, "parallel.tp=3"], "model.n_heads=4 is not divisible by parallel.tp=3"),
+    (["bench", "--max-seq", TINY, "parallel.cp=3", "--budget-gb", "1"], "train.seq_len=32 must be divisible by 6"),
+    (["bench", "--write"], "add --table"),
+    (["bench", "--budget-gb", "1"], "--budget-gb: only with --max-seq"),
+])
+def test_bad_input_is_refused_before_any_job(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
