@@ -45,6 +45,7 @@ class Bench:
     describe: Callable[[int], str]  # the table's layout column for a world size
     worker: Callable  # the torch side's worker: cfg -> result dict
     global_batch: Callable[[int], int] = lambda world: ROWS_PER_RANK * world  # sequences per step for a world size
+    ranks: tuple[int, ...] = (2, 4)  # the world sizes measured by default
 
 
 def overrides(bench: Bench, world: int, steps: int, run_dir: str) -> list[str]:
@@ -71,25 +72,46 @@ def sixfold_worker(cfg) -> dict:
             "peak_mb": peak_mb(base["kb"])}
 
 
-def torch_worker(cfg, wrap, grads_to_none: bool, build=None, data_parallel: bool = True,
+def adamw(t, named):
+    """AdamW as sixfold's: torch's fused kernel, no weight decay on the norm weights."""
+    import torch
+
+    from sixfold.model.llama import no_decay
+
+    groups = [{"params": [p for n, p in named if not no_decay(n)], "weight_decay": t.weight_decay},
+              {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True)
+
+
+def batch_group(data_parallel):
+    """The process group whose ranks split the batch: True: every rank; False: none (each reads it whole);
+    else a function returning the group (called after the process group is up)."""
+    import torch.distributed as dist
+
+    if data_parallel is True:
+        return dist.group.WORLD
+    return data_parallel() if data_parallel else None
+
+
+def torch_worker(cfg, wrap, grads_to_none: bool, build=None, data_parallel=True,
                  loss_context=contextlib.nullcontext) -> dict:
     """sixfold's step written with torch's own parts. build(cfg) returns the model (default: sixfold's
     single-process Llama with init_weights); wrap(model, world) returns the module to call and the factor on
-    the loss that turns the wrapper's gradient reduction into a sum, as in sixfold. Without data_parallel
-    every rank reads the whole batch and computes the whole loss. Forward, loss and backward run inside
-    loss_context()."""
+    the loss that turns the wrapper's gradient reduction into a sum, as in sixfold. data_parallel: which
+    ranks split the batch (batch_group); without it every rank reads the whole batch and computes the whole
+    loss. Forward, loss and backward run inside loss_context()."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
     from sixfold.data import BatchLoader, load_data
-    from sixfold.model.llama import Llama, init_weights, no_decay
+    from sixfold.model.llama import Llama, init_weights
     from sixfold.parallel.tensor import IGNORE_INDEX
     from sixfold.optim import learning_rate
 
     t = cfg.train
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     data = load_data(cfg.data)
     base = mark_memory()
     torch.manual_seed(t.seed)
@@ -99,19 +121,17 @@ def torch_worker(cfg, wrap, grads_to_none: bool, build=None, data_parallel: bool
     else:
         model = build(cfg)
     module, loss_scale = wrap(model, world)
-    named = list(model.named_parameters())
-    groups = [{"params": [p for n, p in named if not no_decay(n)], "weight_decay": t.weight_decay},
-              {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0}]
-    optim = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True)  # as sixfold
-    batch_ranks = (rank, world) if data_parallel else (0, 1)
+    optim = adamw(t, list(model.named_parameters()))
+    group = batch_group(data_parallel)
+    batch_ranks = (dist.get_rank(group), dist.get_world_size(group)) if group else (0, 1)
     loader = BatchLoader(data.train, t.seq_len, t.global_batch, t.seed, *batch_ranks)
     out = {"step_s": [], "loss": []}
     for step in range(t.steps):
         start = time.perf_counter()
         x, y = loader.batch(step)
         counts = torch.tensor([float((y != IGNORE_INDEX).sum())], dtype=torch.float64)
-        if data_parallel:
-            dist.all_reduce(counts)
+        if group:
+            dist.all_reduce(counts, group=group)
         with loss_context():
             logits = module(x)
             loss_sum = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
@@ -119,8 +139,8 @@ def torch_worker(cfg, wrap, grads_to_none: bool, build=None, data_parallel: bool
             loss = loss_sum / float(counts)
             (loss * loss_scale).backward()
         total = torch.tensor([float(loss.detach())], dtype=torch.float64)
-        if data_parallel:
-            dist.all_reduce(total)
+        if group:
+            dist.all_reduce(total, group=group)
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         for g in optim.param_groups:
             g["lr"] = learning_rate(t, step)
@@ -128,6 +148,88 @@ def torch_worker(cfg, wrap, grads_to_none: bool, build=None, data_parallel: bool
         optim.zero_grad(set_to_none=grads_to_none)
         out["step_s"].append(time.perf_counter() - start)
         out["loss"].append(float(total))
+    out["peak_mb"] = peak_mb(base)
+    dist.destroy_process_group()
+    return out
+
+
+@dataclass
+class Pipe:
+    """What pipeline_worker runs on one rank: its stages and how they meet the other ranks."""
+    modules: list  # (stage index, module) of each stage this rank holds
+    stages: int  # stages in all
+    loss: Callable  # (the last stage's output, labels) -> the summed token loss
+    pp_group: object = None  # the group the stages send over (None: every rank)
+    dp_group: object = None  # the ranks that split the batch (None: each reads it whole)
+
+
+def pipeline_worker(cfg, build: Callable, schedule: str, loss_context=contextlib.nullcontext) -> dict:
+    """sixfold's pipelined step run by torch.distributed.pipelining: build(cfg) returns this rank's Pipe, which
+    torch's PipelineStage and `schedule` class (its name in torch.distributed.pipelining) run over
+    train.micro_batches micro-batches (micro-batch i: the same rows as sixfold's). The loss is the summed token
+    loss over the step's tokens, the gradients unscaled (scale_grads=False); the gradient norm is the whole
+    model's; schedule.step runs inside loss_context()."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.tensor import DTensor
+
+    from sixfold.data import BatchLoader, load_data
+    from sixfold.optim import learning_rate
+    from sixfold.parallel.tensor import IGNORE_INDEX
+
+    t = cfg.train
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = load_data(cfg.data)
+    base = mark_memory()
+    torch.manual_seed(t.seed)
+    pipe = build(cfg)
+    stages = [pipelining.PipelineStage(m, i, pipe.stages, torch.device("cpu"), group=pipe.pp_group)
+              for i, m in pipe.modules]
+    first = any(i == 0 for i, _ in pipe.modules)
+    last = any(i == pipe.stages - 1 for i, _ in pipe.modules)
+    step_tokens = [0.0]
+
+    def loss_fn(h, labels):
+        return pipe.loss(h, labels) / step_tokens[0]
+
+    runner = getattr(pipelining, schedule)(stages if len(stages) > 1 else stages[0], t.micro_batches,
+                                           loss_fn=loss_fn, scale_grads=False)
+    named = [(n, q) for _, m in pipe.modules for n, q in m.named_parameters()]
+    params = [q for _, q in named]
+    optim = adamw(t, named)
+    dp = (dist.get_rank(pipe.dp_group), dist.get_world_size(pipe.dp_group)) if pipe.dp_group else (0, 1)
+    loader = BatchLoader(data.train, t.seq_len, t.global_batch, t.seed, *dp)
+    # pp is the outermost dimension, the data-parallel one next: the first rank of a stage's ranks adds the stage's
+    # squared gradient norm, the first of each data-parallel rank's replicas (its tp ranks) adds its losses
+    per_stage = world // cfg.parallel.pp
+    leader, replicas = rank % per_stage == 0, per_stage // dp[1]
+    out = {"step_s": [], "loss": []}
+    for step in range(t.steps):
+        start = time.perf_counter()
+        x, y = (torch.cat(v) for v in zip(*loader.micro_batches(step, t.micro_batches)))
+        counts = torch.tensor([float((y != IGNORE_INDEX).sum())], dtype=torch.float64)
+        if pipe.dp_group:
+            dist.all_reduce(counts, group=pipe.dp_group)
+        step_tokens[0] = float(counts)
+        losses = []
+        with loss_context():
+            runner.step(*([x] if first else []), target=y if last else None, losses=losses)
+        norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None])
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # over the stage's ranks
+        total = torch.tensor([float(norm) ** 2 if leader else 0.0,
+                              sum(float(v.detach()) for v in losses) if rank % replicas == 0 else 0.0],
+                             dtype=torch.float64)
+        dist.all_reduce(total)
+        torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, total[0].sqrt())
+        for g in optim.param_groups:
+            g["lr"] = learning_rate(t, step)
+        optim.step()
+        optim.zero_grad()
+        out["step_s"].append(time.perf_counter() - start)
+        out["loss"].append(float(total[1]))
     out["peak_mb"] = peak_mb(base)
     dist.destroy_process_group()
     return out
@@ -273,7 +375,7 @@ def drive(bench: Bench, args) -> None:
 
 def main(bench: Bench, description: str) -> None:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="numbers of ranks to measure")
+    p.add_argument("--ranks", type=int, nargs="+", default=list(bench.ranks), help="numbers of ranks to measure")
     p.add_argument("--runs", type=int, default=3, help=f"alternations (sixfold then {bench.label}) per size")
     p.add_argument("--steps", type=int, default=10, help=f"steps per run; the first {WARMUP} are not timed")
     p.add_argument("--config", default=str(ROOT / "configs" / "bench.yaml"))

@@ -1,6 +1,6 @@
 """Fully sharded: sixfold's ZeRO-3 trainer beside torch FSDP2 (fully_shard) on the same workload.
 
-    python bench/dp.py --ranks 2 4 --runs 3
+    python bench/fsdp.py --ranks 2 4 --runs 3
 
 The method (alternating torchrun jobs, timing, memory, the docs table) is bench/common.py's.
 """
@@ -10,13 +10,9 @@ from common import Bench, main, torch_worker
 
 
 def wrap(model, world: int):
-    from torch.distributed.fsdp import fully_shard
+    from composed import fully_shard_summed
 
-    # a unit per block, as in sixfold; the root unit holds the embedding, final norm and head (two units in sixfold)
-    units = [fully_shard(block) for block in model.layers.values()] + [fully_shard(model)]
-    for unit in units:  # FSDP2 averages over ranks; sum instead, as in sixfold (gloo has no AVG op)
-        unit.set_gradient_divide_factor(1.0)
-        unit.set_force_sum_reduction_for_comms(True)
+    fully_shard_summed(model)  # a unit per block and the root; gradients summed over ranks, as in sixfold
     return model, 1
 
 

@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from common import (QUIET, ROOT, WARMUP, machine, mark_memory, peak_mb, revision, save_result, sixfold_worker,
-                    spread, torchrun, wait_quiet, write_doc)
+from common import (QUIET, ROOT, WARMUP, Pipe, machine, pipeline_worker, revision, save_result, sixfold_worker, spread,
+                    torchrun, wait_quiet, write_doc)
 
 MODEL = ["model.vocab_size=320", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8"]
 # schedule -> (stages per rank, torch's class or None)
@@ -72,18 +72,23 @@ def sixfold_side(cfg) -> dict:
 
 def torch_side(cfg) -> dict:
     """The same stages (sixfold's Llama cut by split_stages, placed as sixfold places them) run by torch's
-    PipelineStage and schedule classes; loss summed over tokens / the step's tokens, as in sixfold."""
+    PipelineStage and schedule classes (common.pipeline_worker); loss summed over tokens / the step's tokens,
+    as in sixfold."""
+    return pipeline_worker(cfg, pieces, SCHEDULES[cfg.parallel.pp_schedule][1])
+
+
+def pieces(cfg) -> Pipe:
+    """This rank's stages of sixfold's Llama, each a module whose forward runs the stage; the last one's ends
+    with the head (its logits go to the loss). The head stays in the stage: torch's zero-bubble schedules detach
+    a stage's output after its input gradient, so a head in the loss would lose its input before its W."""
     import torch
     import torch.distributed as dist
-    import torch.distributed.pipelining as pipelining
     from torch import nn
 
-    from sixfold.data import BatchLoader, load_data
-    from sixfold.model.llama import Llama, init_weights, no_decay
-    from sixfold.optim import learning_rate
+    from sixfold.model.llama import Llama, init_weights
     from sixfold.parallel.pipeline.schedules import placement
     from sixfold.parallel.pipeline.stages import split_stages
-    from sixfold.parallel.tensor import IGNORE_INDEX
+    from sixfold.parallel.tensor import cross_entropy
 
     t, p = cfg.train, cfg.parallel
 
@@ -95,52 +100,18 @@ def torch_side(cfg) -> dict:
             self.tokens = self.llama.tokens(rows, t.seq_len, torch.device("cpu"))
 
         def forward(self, x):
-            return self.llama.run(self.stage, x, self.tokens)
+            h = self.llama.run(self.stage, x, self.tokens)
+            return self.llama.logits(h, False) if self.stage.head else h
 
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    data = load_data(cfg.data)
-    base = mark_memory()
-    torch.manual_seed(t.seed)
     stages = split_stages(cfg.model, p.pp * p.pp_virtual_stages, t.seq_len)
     where = placement(p.pp, p.pp_virtual_stages, p.pp_schedule)
-    pieces = [Piece(s, t.global_batch // t.micro_batches) for s in stages if where[s.index] == rank]
-    first, last = any(s.stage.embed for s in pieces), next((s.llama for s in pieces if s.stage.head), None)
-    pipe = [pipelining.PipelineStage(s, s.stage.index, len(stages), torch.device("cpu")) for s in pieces]
-    step_tokens = [0.0]
+    mine = [Piece(s, t.global_batch // t.micro_batches) for s in stages if where[s.index] == dist.get_rank()]
+    last = next((s.llama for s in mine if s.stage.head), None)
 
-    def loss_fn(h, labels):
-        return last.loss(h, labels, False) / step_tokens[0]
+    def loss(logits, labels):  # sixfold's Llama.loss after the head (tp=1: the whole vocabulary)
+        return cross_entropy(last.tp, logits, labels.flatten(), 0, cfg.model.vocab_size)
 
-    cls = getattr(pipelining, SCHEDULES[p.pp_schedule][1])
-    schedule = cls(pipe if len(pipe) > 1 else pipe[0], t.micro_batches, loss_fn=loss_fn, scale_grads=False)
-    named = [(n, q) for s in pieces for n, q in s.named_parameters()]
-    params = [q for _, q in named]
-    groups = [{"params": [q for n, q in named if not no_decay(n)], "weight_decay": t.weight_decay},
-              {"params": [q for n, q in named if no_decay(n)], "weight_decay": 0.0}]
-    optim = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True)  # as sixfold
-    loader = BatchLoader(data.train, t.seq_len, t.global_batch, t.seed, 0, 1)
-    out = {"step_s": [], "loss": []}
-    for step in range(t.steps):
-        start = time.perf_counter()
-        x, y = loader.batch(step)
-        step_tokens[0] = float((y != IGNORE_INDEX).sum())
-        losses = []
-        schedule.step(*([x] if first else []), target=y if last else None, losses=losses)
-        # the gradient norm over every stage, as sixfold clips
-        norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None]).double() ** 2
-        total = torch.tensor([norm, sum(float(v.detach()) for v in losses)], dtype=torch.float64)
-        dist.all_reduce(total)
-        torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, total[0].sqrt())
-        for g in optim.param_groups:
-            g["lr"] = learning_rate(t, step)
-        optim.step()
-        optim.zero_grad()
-        out["step_s"].append(time.perf_counter() - start)
-        out["loss"].append(float(total[1]))
-    out["peak_mb"] = peak_mb(base)
-    dist.destroy_process_group()
-    return out
+    return Pipe([(s.stage.index, s) for s in mine], len(stages), loss)
 
 
 def worker(args) -> None:

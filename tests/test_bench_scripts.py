@@ -1,0 +1,79 @@
+"""bench/: the end-to-end comparison's two sides compute the same steps; bench/run_all.py's summary reads the
+ratios back from docs/benchmarks.md."""
+import sys
+
+import pytest
+
+from helpers import ROOT, TINY
+
+sys.path.insert(0, str(ROOT / "bench"))
+import common  # noqa: E402
+import run_all  # noqa: E402
+
+
+def test_e2e_sides_compute_the_same_steps():
+    """dp_shard=2 x tp=2 on the test model: sixfold's ZeRO-3 trainer, and FSDP2 over DTensor TP+SP (bench/e2e.py),
+    each a 4-rank torchrun job of 3 steps."""
+    losses = {}
+    for side in ("sixfold", "composed"):
+        ranks, _ = common.torchrun(ROOT / "bench" / "e2e.py", 4, "--worker", side, "--steps", "3", "--config", TINY)
+        assert len(ranks) == 4 and all(r["peak_mb"] > 0 and len(r["step_s"]) == 3 for r in ranks)
+        losses[side] = ranks[0]["loss"]
+    assert losses["composed"] == pytest.approx(losses["sixfold"], rel=1e-5), losses
+
+
+SECTION = """# Benchmarks
+
+Intro.
+
+## Data parallel: sixfold vs DDP
+
+<!-- dp:begin -->
+Command: `python bench/dp.py --ranks 2 4 --runs 5`  
+sixfold: commit abc1234  
+Date: 2026-01-02; 5 alternating run(s) per layout
+
+| layout | sixfold s/step | DDP s/step | time ratio | sixfold peak MB | DDP peak MB | memory ratio |
+|---|---|---|---|---|---|---|
+| dp_replicate=2 (2 ranks) | 0.639 (0.609-0.729) | 0.637 (0.603-0.747) | **1.004** | 426 (423-430) | 485 (480-487) | **0.877** |
+| dp_replicate=4 (4 ranks) | 1.316 (1.265-1.495) | 1.336 (1.263-1.467) | **0.985** | 422 (419-425) | 479 (474-522) | **0.881** |
+<!-- dp:end -->
+"""
+
+
+def test_summary_goes_under_the_title_and_is_replaced_next_time(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(SECTION)
+    body = run_all.summary(doc.read_text(), {"dp": "written now"}, "python bench/run_all.py --only dp")
+    run_all.write_summary(body, doc)
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\n## Summary\n\n<!-- summary:begin -->\nWritten by `python bench/run_all.py "
+                           "--only dp`"), text
+    assert ("| [Data parallel](#data-parallel-sixfold-vs-ddp) | DDP | dp_replicate=2 (2 ranks) 1.004; dp_replicate=4 "
+            "(4 ranks) 0.985 | dp_replicate=2 (2 ranks) 0.877; dp_replicate=4 (4 ranks) 0.881 | 2026-01-02, commit "
+            "abc1234 (written now) |") in text
+    assert "| End to end | torch's parts composed as in torchtitan | - | - | not measured yet |" in text
+    assert text.endswith(SECTION.split("Intro.", 1)[1]) and "Intro." in text
+    run_all.write_summary("again", doc)
+    text = doc.read_text()
+    assert text.count("<!-- summary:begin -->") == 1 and "again" in text and "Written by" not in text
+
+
+def test_every_section_in_the_docs_gives_numbers():
+    """The summary's parsing against the tables as the benchmarks write them (a section without a table yet, or
+    not there yet, gives nothing)."""
+    text = run_all.DOC.read_text()
+    seen = 0
+    for name, spec in {**run_all.COMPARISONS, **run_all.WITHIN}.items():
+        body = run_all.section(text, name)
+        if body is None or "|---" not in body:
+            continue
+        found = run_all.ratios(body, spec)
+        assert found, name
+        for label, *values in found:
+            assert label and all(v == "-" or float(v) > 0 for v in values), (name, label, values)
+        assert run_all.heading(text, name), name
+        seen += 1
+    assert seen >= 8
+    pp = run_all.ratios(run_all.section(text, "pp"), run_all.COMPARISONS["pp"])
+    assert [label for label, *_ in pp] == ["gpipe", "1f1b", "interleaved", "breadth-first", "zb-v"]
