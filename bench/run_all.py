@@ -5,6 +5,7 @@ docs/benchmarks.md; then a summary of their ratios at the top of docs/benchmarks
     python bench/run_all.py --only e2e pp        # some of them (names: --help)
     python bench/run_all.py --quick              # a smoke test: fewer runs and steps; docs/benchmarks.md is
                                                  # put back afterwards, the quick version kept in a temporary file
+    python bench/run_all.py --summary            # run nothing, only the summary from the sections there
 
 Each benchmark is its own process (python bench/NAME.py ..., or sixfold bench --table --write), which waits for a
 quiet machine and writes its own section, as when run by hand. A benchmark that fails is reported and the others
@@ -221,8 +222,9 @@ def main() -> None:
                    help=f"run only these ({', '.join(j.name for j in JOBS)}); the summary still covers every section")
     p.add_argument("--quick", action="store_true", help="a smoke test: fewer runs, steps and layouts; "
                    "docs/benchmarks.md is restored afterwards and the quick version kept in a temporary file")
+    p.add_argument("--summary", action="store_true", help="run nothing: only rewrite the summary from the sections")
     args = p.parse_args()
-    jobs = [j for j in JOBS if not args.only or j.name in args.only]
+    jobs = [] if args.summary else [j for j in JOBS if not args.only or j.name in args.only]
     original = DOC.read_text()
     status, began = {}, time.perf_counter()
     try:
