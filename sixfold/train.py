@@ -270,6 +270,8 @@ def train(cfg: Config) -> list[dict]:
     check_available(cfg)
     ctx = ParallelContext.initialize(cfg.parallel)
     try:
-        return run(cfg, ctx)
+        history = run(cfg, ctx)
+        ctx.barrier()  # the ranks leave together: none tears down its groups while a peer still uses them
+        return history
     finally:
         ctx.close()
