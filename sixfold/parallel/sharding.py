@@ -69,6 +69,7 @@ class Unit:
         self.reduce: Pending | None = None
         self.gather: Pending | None = None
         self.keep_gathered = False
+        self.read_elsewhere = False
         self.backward_reads_weights = True
         self.done = False
         self.reduced: torch.Tensor | None = None
@@ -174,6 +175,7 @@ class Sharded:
                 # the last unit's backward follows its forward at once; a tied embedding serves the head too
                 last, tied_embedding = unit.index == len(self.units) - 1, tied and unit.modules[0] is model.embed
                 unit.keep_gathered = not reshard_after_forward or last or tied_embedding
+                unit.read_elsewhere = tied_embedding  # by the head, not through its own module's forward
                 unit.backward_reads_weights = not all(isinstance(m, VocabEmbedding) for m in unit.modules)
                 unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self.before_forward(u))
                 unit.modules[-1].register_forward_hook(lambda m, a, out, u=unit: self._after_forward(u, out))
@@ -192,12 +194,13 @@ class Sharded:
             unit.gather = None
 
     def gather_all(self) -> None:
-        """ZeRO-3: every unit's weights gathered now (pipelining keeps them for the step)."""
+        """ZeRO-3: every unit's weights gathered for the step (pipelining keeps them): all started now, each waited
+        for by its first forward, a unit read outside its module's forward here."""
         for unit in self.units:
             if unit.zero == 3:
                 self._start_gather(unit)
         for unit in self.units:
-            if unit.zero == 3:
+            if unit.zero == 3 and unit.read_elsewhere:
                 self._wait_gather(unit)
 
     def alloc_grads(self) -> None:
