@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from sixfold.measure import write_doc
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 SUMMARY = "summary"
@@ -189,16 +191,7 @@ def summary(text: str, status: dict[str, str], command: str) -> str:
 
 def write_summary(body: str, doc: Path = DOC) -> None:
     """Between the summary markers, or, the first time, in a section right under the page's title."""
-    text = doc.read_text()
-    begin, end = f"<!-- {SUMMARY}:begin -->", f"<!-- {SUMMARY}:end -->"
-    block = f"{begin}\n{body}\n{end}"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        title, _, rest = text.partition("\n")
-        text = f"{title}\n\n## Summary\n\n{block}\n\n{rest.lstrip()}"
-    doc.write_text(text)
+    write_doc(SUMMARY, "Summary", body, doc, first=True)
 
 
 # ---- running ----

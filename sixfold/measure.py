@@ -76,14 +76,18 @@ def revision() -> str:
     return f"commit {git('rev-parse', '--short', 'HEAD') or 'unknown'}{dirty}"
 
 
-def write_doc(name: str, title: str, body: str, doc: Path = DOC) -> None:
-    """Put body between the markers of `name` in `doc`, adding a section titled `title` if they are missing."""
+def write_doc(name: str, title: str, body: str, doc: Path = DOC, first: bool = False) -> None:
+    """Put body between the markers of `name` in `doc`, adding a section titled `title` if they are missing: at
+    the end, or with `first` right under the page's title."""
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
     block = f"{begin}\n{body}\n{end}"
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
         text = head + block + rest.split(end, 1)[1]
+    elif first:
+        heading, _, rest = text.partition("\n")
+        text = f"{heading}\n\n## {title}\n\n{block}\n\n{rest.lstrip()}"
     else:
         text = text.rstrip("\n") + f"\n\n## {title}\n\n" + block + "\n"
     doc.parent.mkdir(exist_ok=True)
