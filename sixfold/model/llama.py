@@ -218,12 +218,13 @@ class Llama(nn.Module):
         return self.norm(x) if stage.head else x
 
     @property
-    def _head(self) -> nn.Module:
+    def head_layer(self) -> nn.Module:
+        """The layer whose weight makes the logits: the head, or the tied embedding."""
         return self.embed if self.head is None else self.head
 
     def logits(self, h: torch.Tensor, sp: bool) -> torch.Tensor:
         """This rank's logits [tokens, vocab piece] from the head's input."""
-        (logits,) = linear(self.tp, h, [self._head.weight], "column", sp)
+        (logits,) = linear(self.tp, h, [self.head_layer.weight], "column", sp)
         return logits
 
     def local_logits(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -246,8 +247,8 @@ class Llama(nn.Module):
         """Sum of token cross-entropies in fp32 (labels equal to IGNORE_INDEX count for nothing) from the head's
         input; with model.loss_chunk, head and loss fused over chunks of that many tokens."""
         if self.cfg.loss_chunk:
-            return chunked_head_loss(h, self._head.weight, labels.flatten(), self.cfg.loss_chunk)
-        split = self._head.split  # this rank's vocabulary rows
+            return chunked_head_loss(h, self.head_layer.weight, labels.flatten(), self.cfg.loss_chunk)
+        split = self.head_layer.split  # this rank's vocabulary rows
         return cross_entropy(self.tp, self.logits(h, sp), labels.flatten(), split.index * split.size,
                              self.cfg.vocab_size)
 

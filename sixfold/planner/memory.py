@@ -70,7 +70,7 @@ def activations(rank: Rank) -> dict[str, int]:
     cfg, b, t = rank.cfg.model, rank.compute_bytes, rank.micro_tokens
     per_micro = sum(block_activations(rank, layer, cfg.recompute) for layer in rank.blocks)
     if rank.model.norm is not None:
-        vocab = (rank.model.head or rank.model.embed).weight.shape[0]
+        vocab = rank.model.head_layer.weight.shape[0]
         logits = 4 * vocab * cfg.dim if cfg.loss_chunk else 4 * t * vocab
         per_micro += (3 * b + 4 - b) * rank.hidden_tokens * cfg.dim + 4 * rank.hidden_tokens + logits + 16 * t
     if rank.blocks:

@@ -45,7 +45,7 @@ def transient(rank: Rank) -> int:
         gathered = sorted(gathered)[-2:]
     loss = 0
     if rank.model.norm is not None:
-        vocab, chunk = (rank.model.head or rank.model.embed).weight.shape[0], rank.cfg.model.loss_chunk
+        vocab, chunk = rank.model.head_layer.weight.shape[0], rank.cfg.model.loss_chunk
         loss = (4 + 2 * b) * min(chunk, rank.micro_tokens) * vocab if chunk else (4 + b) * rank.micro_tokens * vocab
     return grads + sum(gathered) + loss
 
