@@ -27,7 +27,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 def model_config(config: str, seq: int):
@@ -168,7 +167,8 @@ def name_of_device() -> str:
 
 
 def mfu(r: dict, device: str) -> tuple[float, float]:
-    peak = next((v for k, v in PEAK.items() if k in device), 989e12)
+    from sixfold.planner.devices import DEVICES
+    peak = next((d.peak_flops for k, d in DEVICES.items() if k in device.lower()), DEVICES["h100"].peak_flops)
     step = statistics.median(r["times"])
     tokens_s = r["tokens"] / step
     return tokens_s, tokens_s * flops_per_token(r["config"], r["seq"]) / peak
