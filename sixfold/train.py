@@ -262,7 +262,9 @@ def run(cfg: Config, ctx: ParallelContext, data: TokenData | None = None) -> lis
     if ctx.is_main and cfg.log.progress:
         print(f"sixfold: {cfg.parallel.describe()} on {ctx.world_size} process(es), {ctx.backend}, "
               f"{cfg.model.num_params():,} parameters\n--- config ---\n{cfg.to_yaml()}--------------", flush=True)
-    return Trainer(cfg, ctx, data).fit()
+    history = Trainer(cfg, ctx, data).fit()
+    ctx.barrier()  # the ranks leave together: none tears down its groups while a peer still uses them
+    return history
 
 
 def train(cfg: Config) -> list[dict]:
@@ -270,8 +272,6 @@ def train(cfg: Config) -> list[dict]:
     check_available(cfg)
     ctx = ParallelContext.initialize(cfg.parallel)
     try:
-        history = run(cfg, ctx)
-        ctx.barrier()  # the ranks leave together: none tears down its groups while a peer still uses them
-        return history
+        return run(cfg, ctx)
     finally:
         ctx.close()
