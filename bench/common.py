@@ -23,14 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from sixfold.measure import busy_jiffies, machine, mark_memory, others_while, peak_mb, revision
+from sixfold.measure import QUIET, busy_jiffies, machine, mark_memory, others_while, peak_mb, revision
 from sixfold.measure import write_doc as write_into
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 WARMUP = 2  # steps left out of the timing
 ROWS_PER_RANK = 4
-QUIET = 0.1  # cores other processes may use before and during a run
 TRIES = 4  # launches of a run disturbed by other processes before its last result is kept anyway
 
 

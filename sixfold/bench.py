@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from .benchjob import BenchError, launch
 from .config import Config, ConfigError, check_available, load_config
 from .launch import under_torchrun
-from .measure import DOC, ROOT, machine, revision, write_doc
+from .measure import DOC, QUIET, ROOT, machine, revision, write_doc
 
 BENCH = ROOT / "configs" / "bench.yaml"
 WARMUP = 2  # steps left out of the timing
@@ -41,9 +41,6 @@ TABLE = (
     Layout("dp2 x pp2", ("parallel.dp_replicate=2", "parallel.pp=2", "parallel.pp_schedule=1f1b",
                          "train.micro_batches=4"), ("0.821", "1.692 (FSDP)", "-")),
 )
-
-
-QUIET = 0.1  # cores other processes may keep busy during a timed job of the table
 
 
 def workload_config(path: str | None, overrides: list[str], steps: int) -> Config:

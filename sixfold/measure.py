@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
+QUIET = 0.1  # cores other processes may keep busy during a timed run before it counts as disturbed
 DOC = ROOT / "docs" / "benchmarks.md"
 T = TypeVar("T")
 
