@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from common import (QUIET, ROOT, WARMUP, Pipe, machine, pipeline_worker, revision, save_result, sixfold_worker, spread,
-                    torchrun, wait_quiet, write_doc)
+from common import (QUIET, ROOT, WARMUP, Pipe, leave, machine, pipeline_worker, revision, save_result,
+                    sixfold_worker, spread, torchrun, wait_quiet, write_doc)
 
 MODEL = ["model.vocab_size=320", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8"]
 # schedule -> (stages per rank, torch's class or None)
@@ -122,6 +122,7 @@ def worker(args) -> None:
     world = int(os.environ["WORLD_SIZE"])
     cfg = config(args, world, str(Path(args.out) / "run"))
     save_result(args.out, sixfold_side(cfg) if args.worker == "sixfold" else torch_side(cfg))
+    leave(args.worker)
 
 
 # ---- the bubble, measured and predicted ----

@@ -26,7 +26,8 @@ class CommError(RuntimeError):
 
 class _Watcher:
     """While tracing: a thread that stamps the time each pending collective completes (polling every millisecond;
-    gloo gives some works no future to be told by). It stops when nothing is pending."""
+    gloo gives some works no future to be told by). It drops a collective once waited for (gloo's reduce-scatter
+    never reports completion before), and stops when nothing is pending."""
 
     def __init__(self):
         self.pending: list["Pending"] = []
@@ -44,7 +45,9 @@ class _Watcher:
         while True:
             with self.lock:
                 for p in list(self.pending):
-                    if all(w.is_completed() for w in p.works):
+                    if p.work is None:
+                        self.pending.remove(p)
+                    elif all(w.is_completed() for w in p.works):
                         p.done_at = now_us()
                         self.pending.remove(p)
                 if not self.pending:
@@ -74,7 +77,7 @@ class Pending:
                     work.wait()
             except RuntimeError as e:
                 raise CommError(self.name, self.ranks, e) from None
-            self.work = None
+            self.work, self.works = None, []
             end = now_us()
             self.tracer.add(self.name, "comm", self.start, min(end, self.done_at or end), waited_us=end - began,
                             **self.args)

@@ -15,6 +15,7 @@ from functools import cached_property
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before any group exists: its functions' default group would pin the world group
 
 from .config import ConfigError, ParallelConfig, check_world_size
 
@@ -139,6 +140,16 @@ def join_job(timeout: timedelta) -> int:
     return rank
 
 
+def leave_job() -> None:
+    """Destroy every process group, and collect what still refers to one, so that each group's worker threads are
+    joined now. A gloo worker that releases a finished collective's tensors after the interpreter has begun to exit
+    needs the GIL and aborts the process ("terminate called without an active exception"); call this last, with
+    no process group left referenced."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
 class Groups:
     """The process groups of a running job by their ranks, each rank set made once. dist.new_group must be
     called by every rank of the job for every group, members or not, in the same order: so every rank asks
@@ -230,8 +241,6 @@ class ParallelContext:
             dist.barrier(group=self.groups["world"])
 
     def close(self) -> None:
-        """Destroy the process groups and drop our references, so none is left for interpreter teardown."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Drop our references to the process groups and leave the job."""
         self.groups = {name: None for name in self.groups}
-        gc.collect()
+        leave_job()

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .config import Config, config_from_dict
 from .data import TokenData, load_data
-from .mesh import Groups, ParallelContext, ParallelDims, join_job
+from .mesh import Groups, ParallelContext, ParallelDims, join_job, leave_job
 from .train import run
 
 JOB_TIMEOUT = timedelta(hours=2)  # ranks outside a run wait this long for it at the job's barrier
@@ -97,11 +97,10 @@ def _shared(name: str, cfg: Config, data: dict[str, TokenData], groups: Groups) 
     return {**members[0], "ok": not failed, "error": failed[0]["error"] if failed else ""}
 
 
-def main(plan_path: str) -> None:
+def _run_plan(plan_path: str, rank: int) -> None:
     plan = json.loads(Path(plan_path).read_text())
     runs = [(r["name"], config_from_dict(r["config"])) for r in plan["runs"]]
     results = Path(plan_path).with_name("results.jsonl")
-    rank = join_job(JOB_TIMEOUT)
     data = _load(runs, rank)
     singles = [(name, cfg) for name, cfg in runs if cfg.parallel.world_size == 1]
     if singles:
@@ -114,7 +113,11 @@ def main(plan_path: str) -> None:
             _report(results, [(name, outcome)])
             if not outcome["ok"]:  # its groups' collectives may be out of step: new ones for the next runs
                 groups = Groups(groups.timeout)
-    dist.destroy_process_group()
+
+
+def main(plan_path: str) -> None:
+    _run_plan(plan_path, join_job(JOB_TIMEOUT))
+    leave_job()  # the plan's groups are no longer referenced
 
 
 if __name__ == "__main__":

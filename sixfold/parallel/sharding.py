@@ -18,6 +18,7 @@ over tp once per step.
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 from torch import nn
@@ -166,9 +167,12 @@ class Sharded:
         unit_of = {id(p): u for u in self.units for p in u.params}
         model.tp.weight_grads.on_grad = lambda p: self._on_grad(unit_of[id(p)])
         tied = model.head is None
+        # a tensor's hooks are out of the garbage collector's sight: a hook holding this object or a unit would keep
+        # them, the model and its process groups alive for the life of the process
+        me = weakref.ref(self)
         for unit in self.units:
             for p in unit.params:
-                p.register_post_accumulate_grad_hook(lambda p, u=unit: self._on_grad(u))
+                p.register_post_accumulate_grad_hook(lambda p, i=unit.index: me()._on_grad(me().units[i]))
             if unit.zero >= 2:
                 unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self._grad_buffer(u))
             if unit.zero == 3:
