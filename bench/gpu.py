@@ -35,10 +35,16 @@ def model_config(config: str, seq: int):
 
 
 def flops_per_token(config: str, seq: int) -> float:
+    """The planner's count (sixfold.planner.timing) for the whole model."""
+    import torch
+
+    from sixfold.model.llama import Llama
+    from sixfold.planner.timing import attention_flops, matmul_params
+
     m = model_config(config, seq)
-    matmul = m.num_params() - (0 if m.tie_embeddings else m.vocab_size * m.dim)  # the lookup does no matmul
-    matmul -= m.dim * (2 * m.n_layers + 1)  # norm weights
-    return 6 * matmul + 6 * seq * m.dim * m.n_layers
+    with torch.device("meta"):
+        dense, _ = matmul_params(Llama(m))
+    return 6 * dense + attention_flops(seq, m.dim) * m.n_layers
 
 
 def device() -> str:

@@ -26,18 +26,38 @@ class Estimate:
     step_s: float
 
 
+def matmul_params(model) -> tuple[int, int]:
+    """The parameters of `model` (this rank's part) that multiply activations, dense and expert: all but the
+    norms' scales and an embedding that is only looked up (a tied one multiplies where it makes the logits)."""
+    dense = experts = 0
+    head_reads_embedding = model.norm is not None and model.head is None
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or (name == "embed.weight" and not head_reads_embedding):
+            continue
+        if ".experts." in name:
+            experts += p.numel()
+        else:
+            dense += p.numel()
+    return dense, experts
+
+
+def attention_flops(seq_len: int, dim: int) -> float:
+    """Causal attention's training FLOPs per token and block (scores and their use: 4 * seq * dim, half of them
+    masked, times 3 for forward and backward)."""
+    return 6 * seq_len * dim
+
+
 def flops(rank: Rank) -> float:
-    """Training FLOPs of one step on this rank: 6 per parameter per token for its stages' dense weights (2 in
-    forward, 4 in backward), causal attention's 6 * seq * dim per token per block, a forward more for what
-    recomputation rebuilds; under tp each rank does 1/tp, under cp each its tokens."""
+    """Training FLOPs of one step on this rank: 6 per multiplying parameter per token for its stages' weights
+    (2 in forward, 4 in backward; each token visits top_k of the experts), attention_flops per block, a forward
+    more for what recomputation rebuilds; under tp each rank does 1/tp, under cp each its tokens."""
     cfg, t = rank.cfg.model, rank.cfg.train
     tokens = rank.micro_tokens * t.micro_batches
-    params = sum(u.padded for u in rank.sharded.units if not u.expert) * rank.model.tp.size
-    experts = sum(u.padded for u in rank.sharded.units if u.expert)
-    if experts:  # each token visits top_k of the experts
-        params += experts * rank.model.tp.size * cfg.moe_top_k * rank.ctx.size("ep") / max(cfg.moe_experts, 1)
-    matmul = 6 * params * tokens / rank.model.tp.size
-    attention = 6 * t.seq_len * cfg.dim * tokens * len(rank.blocks) / rank.model.tp.size
+    dense, experts = matmul_params(rank.model)
+    if experts:
+        dense += experts * cfg.moe_top_k * rank.ctx.size("ep") / max(cfg.moe_experts, 1)
+    matmul = 6 * dense * tokens
+    attention = attention_flops(t.seq_len, cfg.dim) * tokens * len(rank.blocks) / rank.model.tp.size
     extra = {"full": matmul / 3 + attention / 3, "selective": attention / 3}.get(cfg.recompute, 0.0)
     return matmul + attention + extra
 
