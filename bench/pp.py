@@ -6,7 +6,9 @@ pipeline beside torch.distributed.pipelining on the same stages and data.
 The workload is configs/bench.yaml with uniform stages: 8 blocks of dim 256, a 320-token vocabulary (the
 embedding and head cost about a tenth of a block), 8 sequences of 256 tokens per step, one per micro-batch.
 Each run is a torchrun job (OMP_NUM_THREADS=1 per rank, bench/common.py); at pp=2 sixfold and torch alternate
-per schedule, --runs times. sixfold's jobs trace their last 3 steps (by default the timed ones).
+per schedule, --runs times. The timed steps (after the warm-up) come before the last 3, which sixfold's jobs
+trace: tracing's watcher thread slows steps on the busy cores (breadth-first, 2 jobs each: 1.08 s/step traced,
+0.97 untraced).
 
 Bubble: per rank, 1 - (its F, B and W spans) / (the step's makespan: first compute start to last compute end
 over all ranks), averaged over the traced steps, then the median over runs. The simulator gets the median F,
@@ -32,7 +34,8 @@ MODEL = ["model.vocab_size=320", "model.n_layers=8", "model.n_heads=8", "model.n
 SCHEDULES = {"gpipe": (1, "ScheduleGPipe"), "1f1b": (1, "Schedule1F1B"),
              "interleaved": (2, "ScheduleInterleaved1F1B"), "breadth-first": (2, "ScheduleLoopedBFS"),
              "zb-h1": (1, None), "zb-v": (2, "ScheduleZBVZeroBubble")}
-TRACED = 3  # steps sixfold's trainer traces (the last ones)
+TRACED = 3  # steps sixfold's trainer traces (the last ones), after the timed ones
+TIMED = 3  # steps timed by default, untraced
 COMPUTE = ("F", "B", "W")
 
 
@@ -211,6 +214,11 @@ def bubble_row(name: str, pp: int, m: int, runs: list[dict]) -> tuple[str, str]:
 
 # ---- driver ----
 
+def step_time(r: dict) -> float:
+    """A rank's mean time of the timed steps: after the warm-up, before the traced ones."""
+    return statistics.mean(r["step_s"][WARMUP:len(r["step_s"]) - TRACED])
+
+
 def job(side: str, name: str, pp: int, args, log: list) -> list[dict]:
     """One torchrun job, on a quiet machine where it can be had: launched again (--tries in all) while other
     processes kept more than QUIET cores busy. Logs (those cores in the job kept, launches thrown away)."""
@@ -221,7 +229,7 @@ def job(side: str, name: str, pp: int, args, log: list) -> list[dict]:
         r = ranks[0]
         idle = f", idle {statistics.mean(measured(r['spans'], pp)['idle']):.3f}" if "spans" in r else ""
         again = others > QUIET and tries < args.tries
-        print(f"pp={pp} {name:13} {side:7}: {statistics.mean(r['step_s'][WARMUP:]):.3f} s/step{idle}, peak "
+        print(f"pp={pp} {name:13} {side:7}: {step_time(r):.3f} s/step{idle}, peak "
               f"{max(x['peak_mb'] for x in ranks):.0f} MB, step-1 loss {r['loss'][0]:.6f}, other processes "
               f"{others:.2f} cores{' (run again)' if again else ''}", flush=True)
         if not again:
@@ -233,7 +241,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=3, help="alternations (sixfold then torch) per schedule at pp=2")
     p.add_argument("--micro", type=int, default=8, help="micro-batches per step (one sequence each)")
-    p.add_argument("--steps", type=int, default=WARMUP + TRACED, help=f"steps per job; the first {WARMUP} untimed")
+    p.add_argument("--steps", type=int, default=WARMUP + TIMED + TRACED,
+                   help=f"steps per job; the first {WARMUP} and the last {TRACED} (traced) untimed")
     p.add_argument("--tries", type=int, default=3, help="launches of a job while other processes are busy")
     p.add_argument("--pp4", action="store_true", help="also the bubble at pp=4 (4 ranks on the cores there are)")
     p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
@@ -244,8 +253,9 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    if args.steps < WARMUP + TRACED:
-        p.error(f"--steps must be at least {WARMUP + TRACED}: the traced steps are the last {TRACED}")
+    if args.steps <= WARMUP + TRACED:
+        p.error(f"--steps must be more than {WARMUP + TRACED}: {WARMUP} warm-up steps, then the timed ones, then "
+                f"{TRACED} traced")
     wait_quiet(120)
     rev, load, others, began = revision(), os.getloadavg(), [], time.perf_counter()
     runs = {(name, 2): [] for name in args.schedules}
@@ -271,7 +281,7 @@ def main() -> None:
               "memory ratio | step-1 loss sixfold / torch |", "|---|---|---|---|---|---|---|---|"]
     for name, theirs in torch_runs.items():
         ours = runs[name, 2]
-        st = [[statistics.mean(r[0]["step_s"][WARMUP:]) for r in side] for side in (ours, theirs)]
+        st = [[step_time(r[0]) for r in side] for side in (ours, theirs)]
         mem = [[max(x["peak_mb"] for x in r) for r in side] for side in (ours, theirs)]
         loss = [ours[0][0]["loss"][0], theirs[0][0]["loss"][0]]
         flag = "" if abs(loss[0] - loss[1]) <= 1e-5 * abs(loss[0]) else " **differ**"
@@ -284,7 +294,8 @@ def main() -> None:
     body = "\n".join([
         f"Command: `python bench/pp.py {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}  ", f"sixfold: {rev}  ",
         f"Date: {time.strftime('%Y-%m-%d')}; m={args.micro} micro-batches; {args.runs} alternating run(s) per "
-        f"schedule at pp=2, steps {WARMUP + 1}-{args.steps} timed, the last {TRACED} traced. {repeats} job(s) run "
+        f"schedule at pp=2, steps {WARMUP + 1}-{args.steps - TRACED} timed, the last {TRACED} traced. {repeats} job(s) "
+        "run "
         f"again because other processes were busy; in the jobs kept they used {statistics.median(cores):.2f} cores "
         f"in the median job, {busy:.2f} at most; load average (1 min) "
         f"{load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; {(time.perf_counter() - began) / 60:.0f} "
