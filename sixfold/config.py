@@ -293,6 +293,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name}={getattr(p, name)} must be at least 1")
+    if p.zero and p.dp_shard * p.cp == 1:
+        raise ConfigError(f"parallel.zero={p.zero} shards over the dp_shard x cp ranks and this layout has one "
+                          f"(dp_shard={p.dp_shard}, cp={p.cp}): set parallel.dp_shard above 1, or parallel.zero=0 "
+                          f"(dp_replicate alone all-reduces the gradients, as DDP)")
     if world_size is not None:
         check_world_size(p, world_size)
     if m.moe_experts and not 1 <= m.moe_top_k <= m.moe_experts:

@@ -53,6 +53,8 @@ def test_bad_values():
     (["train.seq_len=4096"], "exceeds model.max_seq_len"),
     (["data.format=parquet"], "data.format"),
     (["parallel.zero=4"], "parallel.zero=4: choose 0"),
+    (["parallel.zero=1", "parallel.dp_replicate=2"], "parallel.zero=1 shards over the dp_shard x cp ranks .*"
+     "set parallel.dp_shard above 1, or parallel.zero=0"),
     (["train.precision=fp16"], "train.precision='fp16': choose fp32 or bf16"),
 ])
 def test_impossible_layouts(overrides, message):
