@@ -97,7 +97,8 @@ def _shared(name: str, cfg: Config, data: dict[str, TokenData], groups: Groups) 
     return {**members[0], "ok": not failed, "error": failed[0]["error"] if failed else ""}
 
 
-def _run_plan(plan_path: str, rank: int) -> None:
+def run_plan(plan_path: str, rank: int) -> None:
+    """Every run of the plan, this process being `rank` of the job (joined already)."""
     plan = json.loads(Path(plan_path).read_text())
     runs = [(r["name"], config_from_dict(r["config"])) for r in plan["runs"]]
     results = Path(plan_path).with_name("results.jsonl")
@@ -116,7 +117,7 @@ def _run_plan(plan_path: str, rank: int) -> None:
 
 
 def main(plan_path: str) -> None:
-    _run_plan(plan_path, join_job(JOB_TIMEOUT))
+    run_plan(plan_path, join_job(JOB_TIMEOUT))
     leave_job()  # the plan's groups are no longer referenced
 
 
