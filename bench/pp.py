@@ -294,9 +294,9 @@ def main() -> None:
     body = "\n".join([
         f"Command: `python bench/pp.py {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}  ", f"sixfold: {rev}  ",
         f"Date: {time.strftime('%Y-%m-%d')}; m={args.micro} micro-batches; {args.runs} alternating run(s) per "
-        f"schedule at pp=2, steps {WARMUP + 1}-{args.steps - TRACED} timed, the last {TRACED} traced. {repeats} job(s) "
-        "run "
-        f"again because other processes were busy; in the jobs kept they used {statistics.median(cores):.2f} cores "
+        f"schedule at pp=2, steps {WARMUP + 1}-{args.steps - TRACED} timed, the last {TRACED} traced. "
+        f"{repeats} job(s) run again because other processes were busy; in the jobs kept they used "
+        f"{statistics.median(cores):.2f} cores "
         f"in the median job, {busy:.2f} at most; load average (1 min) "
         f"{load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; {(time.perf_counter() - began) / 60:.0f} "
         "minutes in all"
