@@ -49,6 +49,26 @@ def test_chunked_head_loss_ignores_masked_labels():
     assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(ours, [h.grad, w.grad]))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the GPU's products add bf16 into fp32 in place"))])
+def test_chunked_head_loss_in_bf16_is_the_fp64_loss_to_bf16_round_off(device):
+    """bf16 inputs, three chunks: loss and gradients against fp64 on the same (rounded) inputs."""
+    torch.manual_seed(0)
+    h, w = torch.randn(300, 64).bfloat16(), (torch.randn(500, 64) * 0.1).bfloat16()
+    labels = torch.randint(0, 500, (300,))
+    labels[::5] = -100
+    ref = [h.double().requires_grad_(), w.double().requires_grad_()]
+    loss = torch.nn.functional.cross_entropy(ref[0] @ ref[1].t(), labels, ignore_index=-100, reduction="sum")
+    loss.mul(0.5).backward()
+    ours = [h.to(device).requires_grad_(), w.to(device).requires_grad_()]
+    got = chunked_head_loss(*ours, labels.to(device), 128)
+    got.mul(0.5).backward()
+    assert abs(float(got) - float(loss)) / float(loss) < 1e-3
+    for a, b in zip(ours, ref):
+        assert a.grad.dtype == torch.bfloat16
+        assert float((a.grad.double().cpu() - b.grad).norm() / b.grad.norm()) < 1e-2
+
+
 def test_compiled_blocks_train_as_eager(tmp_path):
     assert_same_training(train(tmp_path / "compiled", "train.compile=true"), train(tmp_path / "eager"))
 
