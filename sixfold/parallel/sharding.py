@@ -8,8 +8,10 @@ every rank's shard is equal and aligned:
   grad_shard  this rank's shard of the reduced gradients (`grad` itself when unsharded)
 zero 0: each unit's gradients are all-reduced over the loss group as soon as its backward is done on the
 last micro-batch (DDP). zero 1: reduce-scattered over fsdp instead; the shard is updated, then the weights
-all-gathered. zero 2: also the full gradient buffer is freed after its reduce-scatter. zero 3: also the
-full weights are freed outside the unit's forward and backward and gathered just ahead of use (prefetch).
+all-gathered. zero 2: also a unit's full gradients exist only from its backward (the head's and a tied
+embedding's: from their forward; under pipelining: for the whole step) until its reduce-scatter is done, with at
+most REDUCING reductions in flight. zero 3: also the full weights are freed outside the unit's forward and
+backward and gathered just ahead of use (prefetch).
 With dp_replicate > 1 (HSDP) the gradient shards are then all-reduced across replicas.
 Under tensor parallelism the units hold this tp rank's pieces, laid out alike on every tp rank; parameters
 whose replicas over tp each hold part of the gradient (norms under sequence-TP, shared kv heads) are summed
@@ -27,6 +29,7 @@ from ..comm import Comm, Pending
 from .tensor import Split, VocabEmbedding
 
 ALIGN = 16  # elements: shard boundaries stay aligned
+REDUCING = 2  # ZeRO-2/3: reductions in flight before the oldest is waited for and its full gradients freed
 
 
 def _free(t: torch.Tensor) -> None:
@@ -70,6 +73,7 @@ class Unit:
         self.reduce: Pending | None = None
         self.gather: Pending | None = None
         self.keep_gathered = False
+        self.grad_at_forward = True
         self.read_elsewhere = False
         self.backward_reads_weights = True
         self.done = False
@@ -126,8 +130,9 @@ def unit_params(model: nn.Module) -> list[tuple[list[nn.Module], list[tuple[str,
                        if id(p) in names and (expert or id(p) not in experts)], expert) for modules, expert in plan]
 
 
-class _GatherForBackward(torch.autograd.Function):
-    """Identity on a unit's output whose backward gathers the unit's weights before its own backward runs."""
+class _BeforeBackward(torch.autograd.Function):
+    """Identity on a unit's output whose backward readies the unit (its gradient buffer, its gathered weights)
+    before its own backward runs."""
 
     @staticmethod
     def forward(ctx, sharded, unit, x):
@@ -160,6 +165,7 @@ class Sharded:
             self.units.append(unit)
         self.sync = False
         self._next = len(self.units) - 1
+        self._reducing: list[Unit] = []
         self.tp, self.splits = model.tp, model.splits()
         self.tied_across_stages = model.tied_across_stages
         # this rank holds the tied embedding for the head only: a copy of the first stage's
@@ -173,16 +179,21 @@ class Sharded:
         for unit in self.units:
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(lambda p, i=unit.index: me()._on_grad(me().units[i]))
+            # the last unit's backward follows its forward at once; a tied embedding serves the head too
+            last, tied_embedding = unit.index == len(self.units) - 1, tied and unit.modules[0] is model.embed
             if unit.zero >= 2:
-                unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self._grad_buffer(u))
+                # gradients that arrive before the unit's own backward (the head's, into a tied embedding) need
+                # the buffer from the forward on
+                unit.grad_at_forward = last or tied_embedding
+                if unit.grad_at_forward:
+                    unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self._grad_buffer(u))
+                unit.modules[-1].register_forward_hook(lambda m, a, out, u=unit: self._after_forward(u, out))
+                _free(unit.grad)
             if unit.zero == 3:
-                # the last unit's backward follows its forward at once; a tied embedding serves the head too
-                last, tied_embedding = unit.index == len(self.units) - 1, tied and unit.modules[0] is model.embed
                 unit.keep_gathered = not reshard_after_forward or last or tied_embedding
                 unit.read_elsewhere = tied_embedding  # by the head, not through its own module's forward
                 unit.backward_reads_weights = not all(isinstance(m, VocabEmbedding) for m in unit.modules)
                 unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self.before_forward(u))
-                unit.modules[-1].register_forward_hook(lambda m, a, out, u=unit: self._after_forward(u, out))
                 _free(unit.full)
 
     # ZeRO-3: weights gathered just ahead of use -------------------------------------------------
@@ -220,18 +231,27 @@ class Sharded:
     def _after_forward(self, unit: Unit, out):
         if not torch.is_grad_enabled():
             return out
-        if not unit.keep_gathered:
+        if unit.zero == 3 and not unit.keep_gathered:
             _free(unit.full)
-        return _GatherForBackward.apply(self, unit, out) if unit.backward_reads_weights else out
+        gathers = unit.zero == 3 and unit.backward_reads_weights
+        return _BeforeBackward.apply(self, unit, out) if gathers or not unit.grad_at_forward else out
 
     def before_backward(self, unit: Unit) -> None:
+        self._alloc_grad(unit)
+        if unit.zero < 3 or not unit.backward_reads_weights:
+            return
         self._wait_gather(unit)
         if unit.index > 0 and self.units[unit.index - 1].backward_reads_weights:
             self._start_gather(self.units[unit.index - 1])
 
     # gradients ----------------------------------------------------------------------------------
     def _grad_buffer(self, unit: Unit) -> None:
-        if torch.is_grad_enabled() and _alloc(unit.grad):
+        if torch.is_grad_enabled():
+            self._alloc_grad(unit)
+
+    @staticmethod
+    def _alloc_grad(unit: Unit) -> None:
+        if _alloc(unit.grad):
             unit.grad.zero_()
 
     def _on_grad(self, unit: Unit) -> None:
@@ -263,6 +283,21 @@ class Sharded:
                 out = unit.grad if unit.grad.dtype == self.reduce_dtype else unit.grad.to(self.reduce_dtype)
             unit.reduce = self.comm.all_reduce(out, unit.group, async_op=True, label=f"unit {unit.index}")
         unit.reduced = out
+        if unit.zero >= 2:
+            self._reducing.append(unit)
+            if len(self._reducing) > REDUCING:
+                self._complete(self._reducing.pop(0))
+
+    def _complete(self, unit: Unit) -> None:
+        """Wait for the unit's reduction, its result into the fp32 shard; ZeRO-2/3 free the full gradients."""
+        if unit.reduce is None:
+            return
+        unit.reduce.wait()
+        unit.reduce = None
+        if unit.reduced is not unit.grad_shard:
+            unit.grad_shard.copy_(unit.reduced)
+        if unit.zero >= 2:
+            _free(unit.grad)
 
     def finish(self) -> None:
         """After the last micro-batch's backward: reduce what has not started, wait, then across replicas."""
@@ -270,11 +305,9 @@ class Sharded:
             if unit.reduced is None:
                 self.launch(unit)
         for unit in self.units:
-            if unit.reduce is not None:
-                unit.reduce.wait()
-            if unit.reduced is not unit.grad_shard:
-                unit.grad_shard.copy_(unit.reduced)
-            unit.reduce, unit.reduced, unit.done = None, None, False
+            self._complete(unit)
+            unit.reduced, unit.done = None, False
+        self._reducing = []
         if self.replicas > 1:
             for p in [self.comm.all_reduce(u.grad_shard, "dp_replicate", async_op=True)
                       for u in self.units if not u.expert]:
@@ -283,8 +316,6 @@ class Sharded:
             self.comm.all_reduce(self.units[0].grad_shard, "pp_ends", label="tied embedding")
         self._sum_partial_grads()
         for unit in self.units:
-            if unit.zero >= 2:
-                _free(unit.grad)
             if unit.zero == 3:
                 _free(unit.full)
         self._next = len(self.units) - 1

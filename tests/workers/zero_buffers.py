@@ -1,9 +1,12 @@
 """Under each ZeRO stage, after a step: the bytes held in parameters, gradients and optimizer state equal
-the ZeRO formula for this model and layout (with padding), and the collectives equal theirs."""
+the ZeRO formula for this model and layout (with padding), and the collectives equal theirs. During the step,
+ZeRO-2/3 hold the full gradients of the units that need them only: the head's unit in forward, the last
+REDUCING units reduced at the end of the backward."""
 import sys
 
 from sixfold.config import load_config
 from sixfold.mesh import ParallelContext
+from sixfold.parallel.sharding import REDUCING
 from sixfold.train import Trainer
 
 zero, precision, micro, shards = int(sys.argv[1]), sys.argv[2], 2, 4
@@ -14,7 +17,19 @@ cfg = load_config("configs/tiny.yaml", [f"parallel.dp_shard={shards}", f"paralle
                                         "log.run_dir=/tmp/unused"])
 ctx = ParallelContext.initialize(cfg.parallel)
 trainer = Trainer(cfg, ctx)
+size = lambda t: t.untyped_storage().size()
+units = trainer.sharded.units
+seen = {"forward": [], "end": []}  # units holding full gradients: in each forward's head, at each backward's end
+record = lambda key: seen[key].append({u.index for u in units if size(u.grad)})
+trainer.model.norm.register_forward_hook(lambda *_: record("forward"))
+trainer.model.embed.weight.register_post_accumulate_grad_hook(lambda p: record("end"))  # runs after sharding's
 trainer.train_step()
+k = len(units)
+every = set(range(k))
+if zero >= 2:  # the first micro-batch allocates as its backward goes; the last one's reductions free
+    assert seen == {"forward": [{k - 1}, every], "end": [every, set(range(REDUCING))]}, seen
+else:
+    assert seen == {"forward": [every] * micro, "end": [every] * micro}, seen
 
 # the formula, from the config alone
 m = cfg.model
@@ -36,8 +51,6 @@ expected = {
 }
 
 # what the buffers hold
-size = lambda t: t.untyped_storage().size()
-units = trainer.sharded.units
 extra = lambda t, *counted: 0 if any(t is c for c in counted) else size(t)  # a buffer not counted yet
 held = {
     "parameters": sum(size(u.full) + extra(u.master, u.full) + extra(u.compute_shard, u.master, u.full) for u in units),
@@ -49,7 +62,6 @@ assert held == expected, (zero, precision, held, expected)
 assert cfg.model.num_params() == sum(unit_sizes)
 
 ledger, calls = trainer.comm.ledger.total, trainer.comm.ledger.calls
-k = len(units)
 if zero == 0:
     assert calls["loss", "all_reduce"] == k + 2 and ledger["loss", "all_reduce"] == 4 * padded + 16
 else:
