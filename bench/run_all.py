@@ -59,6 +59,8 @@ JOBS = (
         ("bench/cp.py", "--seq", "256", "--cp", "2", "--repeats", "1"), ("cp",)),
     Job("ep", ("bench/ep.py", "--ep", "1", "2", "4", "--runs", "2", "--steps", "8"),
         ("bench/ep.py", "--ep", "1", "2", "--runs", "1", "--steps", "3"), ("ep",)),
+    Job("collectives", ("bench/collectives.py", "--ranks", "2", "4", "--write"),
+        ("bench/collectives.py", "--ranks", "2", "--blocks", "1", "--write"), ("collectives",)),
     Job("workload", ("-m", "sixfold.cli", "bench", "--table", "--write"),
         ("-m", "sixfold.cli", "bench", "--table", "--write", "--steps", "3"), ("workload",)),
 )
@@ -82,6 +84,8 @@ COMPARISONS = {  # sixfold against another implementation
     "pp": Ratios("Pipeline parallel (pp=2)", "torch.distributed.pipelining", ("time ratio", 0),
                  ("memory ratio", 0)),
     "e2e": Ratios("End to end", "torch's parts composed as in torchtitan", ("time ratio", 0), ("memory ratio", 0)),
+    "collectives": Ratios("Reduce-scatter on gloo", "torch.distributed.reduce_scatter_tensor", ("time ratio", 0),
+                          None),
     "workload": Ratios("Common workload, 8 layouts", "fastest of picotron, torchtitan, DeepSpeed (their times "
                        "measured for issue #11)", ("sixfold / fastest peer", 0), None),
 }

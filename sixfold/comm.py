@@ -66,6 +66,7 @@ class Pending:
         self.work, self.tracer, self.name, self.start, self.args, self.ranks = work, tracer, name, start, args, ranks
         self.works = work if isinstance(work, list) else [work]
         self.done_at: float | None = None
+        self.then = None  # local work that completes the collective, run by wait()
         if watcher is not None and tracer.enabled and work is not None:
             watcher.watch(self)
 
@@ -78,6 +79,9 @@ class Pending:
             except RuntimeError as e:
                 raise CommError(self.name, self.ranks, e) from None
             self.work, self.works = None, []
+            if self.then is not None:
+                self.then()
+                self.then = None
             end = now_us()
             self.tracer.add(self.name, "comm", self.start, min(end, self.done_at or end), waited_us=end - began,
                             **self.args)
@@ -113,11 +117,23 @@ class Comm:
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: str, async_op: bool = False,
                        label: str = "") -> Pending | None:
         """`out` = this rank's slice of the sum of `full` over `group` (bytes counted: the full input)."""
-        if self.ctx.size(group) == 1:
+        n = self.ctx.size(group)
+        if n == 1:
             out.copy_(full)
             return None
-        return self._run("reduce_scatter", group, full.numel() * full.element_size(), label, async_op,
-                         lambda g, a: _reduce_scatter(out, full, group=g, async_op=a))
+        nbytes = full.numel() * full.element_size()
+        if full.device.type != "cpu":
+            return self._run("reduce_scatter", group, nbytes, label, async_op,
+                             lambda g, a: _reduce_scatter(out, full, group=g, async_op=a))
+        # gloo's reduce-scatter takes longer than its all-reduce; an all-to-all of the slices, then their sum here,
+        # takes half of that or less (docs/benchmarks.md)
+        rows = torch.empty_like(full)
+        pending = self._run("reduce_scatter", group, nbytes, label, async_op,
+                            lambda g, a: dist.all_to_all_single(rows, full, group=g, async_op=a))
+        pending.then = lambda: torch.sum(rows.view(n, -1), 0, out=out.view(-1))
+        if not async_op:
+            pending.then()
+        return pending
 
     def all_gather(self, full: torch.Tensor, part: torch.Tensor, group: str, async_op: bool = False,
                    label: str = "") -> Pending | None:
