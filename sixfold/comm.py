@@ -126,7 +126,7 @@ class Comm:
             return self._run("reduce_scatter", group, nbytes, label, async_op,
                              lambda g, a: _reduce_scatter(out, full, group=g, async_op=a))
         # gloo's reduce-scatter takes longer than its all-reduce; an all-to-all of the slices, then their sum here,
-        # takes half of that or less (docs/benchmarks.md)
+        # takes a third to a half of its time (bench/collectives.py)
         rows = torch.empty_like(full)
         pending = self._run("reduce_scatter", group, nbytes, label, async_op,
                             lambda g, a: dist.all_to_all_single(rows, full, group=g, async_op=a))
