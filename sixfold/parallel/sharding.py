@@ -9,8 +9,8 @@ every rank's shard is equal and aligned:
 zero 0: each unit's gradients are all-reduced over the loss group as soon as its backward is done on the
 last micro-batch (DDP). zero 1: reduce-scattered over fsdp instead; the shard is updated, then the weights
 all-gathered. zero 2: also a unit's full gradients exist only from its backward (the head's and a tied
-embedding's: from their forward; under pipelining: for the whole step) until its reduce-scatter is done, with at
-most REDUCING reductions in flight. zero 3: also the full weights are freed outside the unit's forward and
+embedding's: from their forward; under pipelining: from the step's start) until its reduce-scatter is done,
+with at most REDUCING reductions in flight. zero 3: also the full weights are freed outside the unit's forward and
 backward and gathered just ahead of use (prefetch).
 With dp_replicate > 1 (HSDP) the gradient shards are then all-reduced across replicas.
 Under tensor parallelism the units hold this tp rank's pieces, laid out alike on every tp rank; parameters
