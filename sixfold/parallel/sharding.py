@@ -79,6 +79,11 @@ class Unit:
         self.done = False
         self.reduced: torch.Tensor | None = None
 
+    @property
+    def gathers_for_backward(self) -> bool:
+        """ZeRO-3 with weights that the backward reads: gathered again before it."""
+        return self.zero == 3 and self.backward_reads_weights
+
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-parameter views of a full-size flat tensor laid out like this unit."""
         return {n: flat[o:o + s].view_as(p) for n, p, o, s in zip(self.names, self.params, self.offsets, self.sizes)}
@@ -233,12 +238,12 @@ class Sharded:
             return out
         if unit.zero == 3 and not unit.keep_gathered:
             _free(unit.full)
-        gathers = unit.zero == 3 and unit.backward_reads_weights
-        return _BeforeBackward.apply(self, unit, out) if gathers or not unit.grad_at_forward else out
+        ready = unit.gathers_for_backward or not unit.grad_at_forward
+        return _BeforeBackward.apply(self, unit, out) if ready else out
 
     def before_backward(self, unit: Unit) -> None:
         self._alloc_grad(unit)
-        if unit.zero < 3 or not unit.backward_reads_weights:
+        if not unit.gathers_for_backward:
             return
         self._wait_gather(unit)
         if unit.index > 0 and self.units[unit.index - 1].backward_reads_weights:
