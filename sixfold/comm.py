@@ -84,7 +84,7 @@ class Pending:
                 self.then = None
             end = now_us()
             self.tracer.add(self.name, "comm", self.start, min(end, self.done_at or end), waited_us=end - began,
-                            **self.args)
+                            wait_after_us=began - self.start, ranks=list(self.ranks), **self.args)
 
 
 class Comm:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -70,34 +72,81 @@ def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in out]
 
 
-def overlap(events: list[dict]) -> dict[str, dict[int, tuple[float, float]]]:
-    """Per group and rank, over the traced steps: ms in flight of its asynchronous collectives (issue to completion,
-    or to the end of the wait when the backend does not report completion earlier: then an upper bound) and the
-    share of it hidden, that is not spent blocked in wait(). Synchronous collectives are left out: the compute
-    that calls them waits for all of their time."""
-    out: dict[str, dict[int, tuple[float, float]]] = {}
-    for rank in sorted({e["pid"] for e in events}):
-        spans: dict[str, list] = {}
-        waited: dict[str, float] = {}
-        for e in events:
-            if e["pid"] == rank and e["cat"] == "comm" and e["args"].get("async"):
-                group = e["args"]["group"]
-                spans.setdefault(group, []).append((e["ts"], e["ts"] + e["dur"]))
-                waited[group] = waited.get(group, 0.0) + e["args"].get("waited_us", 0.0)
-        for group, parts in spans.items():
-            total = sum(b - a for a, b in _union(parts))
-            out.setdefault(group, {})[rank] = (total / 1000, max(0.0, 1 - waited[group] / total) if total else 1.0)
+def _counterpart(label: str) -> str | None:
+    """The other end of a pipeline message: SEND_F(s0,m3) <-> RECV_F(s1,m3), SEND_B(s1,m3) <-> RECV_B(s0,m3)."""
+    m = re.fullmatch(r"(SEND|RECV)_([FB])\(s(\d+),m(\d+)\)", label)
+    if m is None:
+        return None
+    end, kind, stage, micro = m[1], m[2], int(m[3]), int(m[4])
+    step = 1 if (end == "SEND") == (kind == "F") else -1
+    return f"{'RECV' if end == 'SEND' else 'SEND'}_{kind}(s{stage + step},m{micro})"
+
+
+def _joined(asyncs: list[dict]) -> dict[int, float]:
+    """id(event) -> when the last rank it needs had posted its part: every member of the group for a collective
+    (the k-th of that name and step on each), the other end of each message for pipeline sends and receives."""
+    runs: dict[tuple, list[float]] = defaultdict(list)
+    posted: dict[tuple, float] = {}
+    for e in sorted(asyncs, key=lambda e: e["ts"]):
+        a = e["args"]
+        if a.get("op") == "send_recv":
+            for label in e["name"].split()[2:]:
+                posted[a["step"], label, e["pid"]] = e["ts"]
+        else:
+            runs[e["pid"], a["step"], e["name"], tuple(a.get("ranks", ()))].append(e["ts"])
+    out, seen = {}, defaultdict(int)
+    for e in sorted(asyncs, key=lambda e: e["ts"]):
+        a, ranks = e["args"], [q for q in e["args"].get("ranks", ()) if q != e["pid"]]
+        if a.get("op") == "send_recv":
+            others = [_counterpart(label) for label in e["name"].split()[2:]]
+            times = [posted.get((a["step"], o, q)) for o in others if o for q in ranks]
+        else:
+            key = (a["step"], e["name"], tuple(a.get("ranks", ())))
+            k = seen[(e["pid"], *key)]
+            seen[(e["pid"], *key)] += 1
+            times = [runs[(q, *key)][k] for q in ranks if len(runs[(q, *key)]) > k]
+        out[id(e)] = max([e["ts"], *(t for t in times if t is not None)])
+    return out
+
+
+def overlap(events: list[dict]) -> dict[str, dict[int, tuple[float, float, float]]]:
+    """Per group and rank, over the traced steps, of its asynchronous collectives: ms in flight, counted from when
+    every rank taking part had posted it (from issue when the trace does not say) to completion, or to the end of
+    the wait when the backend does not report completion earlier (then an upper bound); the share of it hidden,
+    not spent blocked in wait(); and the ms blocked in wait() before the last peer posted it, which is waiting for
+    a slower rank, not communication. Ranks on different machines are compared by their clocks. Synchronous
+    collectives are left out: the compute that calls them waits for all of their time."""
+    asyncs = [e for e in events if e["cat"] == "comm" and e["args"].get("async")]
+    joined = _joined(asyncs)
+    spans: dict[tuple[str, int], list] = defaultdict(list)
+    exposed: dict[tuple[str, int], float] = defaultdict(float)
+    peers: dict[tuple[str, int], float] = defaultdict(float)
+    for e in asyncs:
+        key, a = (e["args"]["group"], e["pid"]), e["args"]
+        start = max(e["ts"], joined[id(e)])
+        spans[key].append((start, max(start, e["ts"] + e["dur"])))
+        waited = a.get("waited_us", 0.0)
+        wait_at = e["ts"] + a.get("wait_after_us", 0.0)
+        blocked = max(0.0, wait_at + waited - max(wait_at, start)) if "wait_after_us" in a else waited
+        exposed[key] += blocked
+        peers[key] += waited - blocked
+    out: dict[str, dict[int, tuple[float, float, float]]] = {}
+    for (group, rank), parts in sorted(spans.items()):
+        total = sum(b - a for a, b in _union(parts))
+        share = max(0.0, 1 - exposed[group, rank] / total) if total else 1.0
+        out.setdefault(group, {})[rank] = (total / 1000, share, peers[group, rank] / 1000)
     return out
 
 
 def overlap_table(events: list[dict]) -> str:
-    rows = ["asynchronous communication hidden behind compute (traced steps; per rank: ms in flight, share not "
-            "spent waiting)"]
+    rows = ["asynchronous communication hidden behind compute (traced steps; per rank: ms in flight once every rank "
+            "taking part had posted it, share not spent waiting; apart: ms waiting for slower ranks to post)"]
     for group, ranks in sorted(overlap(events).items()):
-        cells = ", ".join(f"r{r} {ms:.1f} ms {share:.0%}" for r, (ms, share) in sorted(ranks.items()))
-        total = sum(ms for ms, _ in ranks.values())
-        hidden = sum(ms * share for ms, share in ranks.values()) / total if total else 1.0
-        rows.append(f"  {group:<13} {hidden:4.0%} of {total:.1f} ms | {cells}")
+        cells = ", ".join(f"r{r} {ms:.1f} ms {share:.0%}" for r, (ms, share, _) in sorted(ranks.items()))
+        total = sum(ms for ms, _, _ in ranks.values())
+        hidden = sum(ms * share for ms, share, _ in ranks.values()) / total if total else 1.0
+        late = sum(p for _, _, p in ranks.values())
+        rows.append(f"  {group:<13} {hidden:4.0%} of {total:.1f} ms, {late:.1f} ms waiting for peers | {cells}")
     return "\n".join(rows)
 
 

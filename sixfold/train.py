@@ -106,7 +106,8 @@ class Trainer:
         else:
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
             for i, (x, y) in enumerate(micro):
-                self.sharded.sync = i == len(micro) - 1
+                if i == len(micro) - 1:
+                    self.sharded.reduce_when_done(reversed(self.sharded.units))
                 with self.tracer.span(f"F{i}", "compute", mb=i):
                     loss = self.model.loss_sum(x, y) / global_tokens
                 with self.tracer.span(f"B{i}", "compute", mb=i):

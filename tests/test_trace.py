@@ -104,16 +104,35 @@ def test_ledger_steps_match_the_formulas(run):
 def test_overlap_of_asynchronous_collectives():
     """In flight: the union of a group's spans; hidden: the share not spent blocked in wait()."""
     def comm(rank, start, end, waited, group="fsdp", asynchronous=True):
-        args = {"group": group, "waited_us": waited, **({"async": True} if asynchronous else {})}
-        return {"pid": rank, "cat": "comm", "ts": start, "dur": end - start, "args": args}
+        args = {"group": group, "waited_us": waited, "step": 1, **({"async": True} if asynchronous else {})}
+        return {"pid": rank, "cat": "comm", "name": f"all_reduce {group}", "ts": start, "dur": end - start,
+                "args": args}
     events = [comm(0, 0, 4000, 0), comm(0, 2000, 6000, 1500), comm(0, 10000, 12000, 500),
               comm(1, 0, 1000, 1000, "loss"), comm(1, 0, 9000, 9000, "tp", asynchronous=False)]
-    assert overlap(events) == {"fsdp": {0: (8.0, 0.75)}, "loss": {1: (1.0, 0.0)}}
+    assert overlap(events) == {"fsdp": {0: (8.0, 0.75, 0.0)}, "loss": {1: (1.0, 0.0, 0.0)}}
     table = overlap_table(events)
     assert "fsdp" in table and "75% of 8.0 ms" in table and "tp" not in table
 
 
+def test_overlap_counts_from_the_last_peer():
+    """Time blocked before every rank taking part has posted a collective (or both ends a message) is waiting for
+    a slower rank: counted apart, not as communication."""
+    def comm(rank, name, start, end, wait_at, waited, op="all_reduce"):
+        args = {"group": name.split()[1], "op": op, "async": True, "ranks": [0, 1], "wait_after_us": wait_at - start,
+                "waited_us": waited, "step": 1}
+        return {"pid": rank, "cat": "comm", "name": name, "ts": start, "dur": end - start, "args": args}
+    events = [comm(0, "all_reduce loss unit 0", 0, 10000, 6000, 4000),  # rank 1 posts it at 8000
+              comm(1, "all_reduce loss unit 0", 8000, 10000, 9000, 1000),
+              comm(0, "send_recv pp RECV_B(s0,m0)", 0, 5000, 1000, 4000, "send_recv"),  # its send is posted at 4000
+              comm(1, "send_recv pp SEND_B(s1,m0)", 4000, 5000, 20000, 0, "send_recv")]
+    assert overlap(events) == {"loss": {0: (2.0, 0.0, 2.0), 1: (2.0, 0.5, 0.0)},
+                               "pp": {0: (1.0, 0.0, 3.0), 1: (1.0, 1.0, 0.0)}}
+    assert "25% of 4.0 ms, 2.0 ms waiting for peers" in overlap_table(events)
+
+
 def test_run_reports_the_pipeline_messages_hidden(run):
     shares = overlap(read_chrome_trace(run[0] / "trace.json"))["pp"]
-    assert sorted(shares) == list(range(PP * TP)) and all(0 <= s <= 1 and ms > 0 for ms, s in shares.values())
+    assert sorted(shares) == list(range(PP * TP))
+    assert all(0 <= s <= 1 and ms > 0 and late >= 0 for ms, s, late in shares.values())
+    assert any(late > 0 for _, _, late in shares.values())  # stage 0 waits for stage 1's first backward
     assert "asynchronous communication hidden behind compute" in run[1]

@@ -76,7 +76,6 @@ class Unit:
         self.grad_at_forward = True
         self.read_elsewhere = False
         self.backward_reads_weights = True
-        self.done = False
         self.reduced: torch.Tensor | None = None
 
     @property
@@ -168,8 +167,8 @@ class Sharded:
             unit.expert, unit.zero = expert, self.zero if shards > 1 else 0
             unit.group = group if unit.zero else "edp" if expert else "loss"
             self.units.append(unit)
-        self.sync = False
-        self._next = len(self.units) - 1
+        self._due: list[Unit] = []  # reduce_when_done
+        self._done: set[int] = set()
         self._reducing: list[Unit] = []
         self.tp, self.splits = model.tp, model.splits()
         self.tied_across_stages = model.tied_across_stages
@@ -267,11 +266,23 @@ class Sharded:
         unit.ready = 0
         if unit.zero == 3 and not unit.keep_gathered:
             _free(unit.full)
-        if self.sync:
-            unit.done = True
-            while self._next >= 0 and self.units[self._next].done:
-                self.launch(self.units[self._next])
-                self._next -= 1
+        if unit in self._due:
+            self._done.add(unit.index)
+            while self._due and self._due[0].index in self._done:
+                self.launch(self._due.pop(0))
+
+    def reduce_when_done(self, units) -> None:
+        """The units whose gradients for the step complete in the backward (or weight-gradient action) about to run,
+        in the order it completes them: each one's reduction starts once it and those before it are done. Their
+        counts start over: earlier actions are finished."""
+        self._due, self._done = list(units), set()
+        for unit in self._due:
+            unit.ready = 0
+
+    def reduce_due(self) -> None:
+        """After that backward: start the reductions it did not, in order (a parameter it gave no gradient)."""
+        while self._due:
+            self.launch(self._due.pop(0))
 
     def launch(self, unit: Unit) -> None:
         """Start the unit's reduction (in reduce_dtype), once its gradients for the step are complete; in the
@@ -311,7 +322,7 @@ class Sharded:
                 self.launch(unit)
         for unit in self.units:
             self._complete(unit)
-            unit.reduced, unit.done = None, False
+            unit.reduced = None
         self._reducing = []
         if self.replicas > 1:
             for p in [self.comm.all_reduce(u.grad_shard, "dp_replicate", async_op=True)
@@ -323,8 +334,7 @@ class Sharded:
         for unit in self.units:
             if unit.zero == 3:
                 _free(unit.full)
-        self._next = len(self.units) - 1
-        self.sync = False
+        self._due = []
 
     def _partial_segments(self) -> list[tuple[torch.Tensor, Split]]:
         return [(u.grad_shard[a:b], self.splits[n]) for u in self.units for n, a, b, _ in u.segments()

@@ -5,8 +5,8 @@ Each run of sends and receives between two computes is posted at once; a receive
 that uses its data, the sends only at the end of the step (the simulator's default model, in which it proves every
 schedule deadlock-free). Shapes are known ahead: every
 micro-batch has the same [tokens, dim] hidden state (this rank's cp and sequence-TP part), so no metadata
-travels. A stage's gradient reduction starts right after its last backward or weight-gradient action of the
-step; with ZeRO-3 the weights are gathered once per step.
+travels. A unit's gradient reduction starts as its stage's last backward or weight-gradient action of the step
+completes it; with ZeRO-3 the weights are gathered once per step.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class Pipeline:
         return self.forward(tokens, cache=cache)
 
     def _launch_points(self) -> dict[int, list]:
-        """Action index -> the units whose gradients for the step are complete after it."""
+        """Action index -> the units whose gradients for the step are complete after it, last unit first."""
         model, finals = self.model, {}
         for i, a in enumerate(self.actions):
             if a.kind in (B, W):
@@ -60,7 +60,7 @@ class Pipeline:
             else:  # a block, or its experts: "layers.<i>...."
                 layer = int(unit.names[0].split(".")[1])
                 touching = [s for s in self.stages.values() if layer in s.layers]
-            out[max(finals[s.index] for s in touching)].append(unit)
+            out[max(finals[s.index] for s in touching)].insert(0, unit)  # the order a backward completes them
         return out
 
     def _hidden(self, t) -> torch.Tensor:
@@ -108,6 +108,9 @@ class Pipeline:
             received = arriving.pop((RECV_F if a.kind == F else RECV_B, s, m), None)
             if received:  # the data this compute uses, posted earlier
                 received.wait()
+            due = self.launch_after.get(i)
+            if due:
+                self.sharded.reduce_when_done(due)
             with self.tracer.span(f"{a.kind}{m}", "compute", mb=m, stage=s):
                 if a.kind == F:
                     out = model.run(stage, micro[m][0] if stage.embed else inputs[key], t)
@@ -137,8 +140,8 @@ class Pipeline:
                     work = deferred.pop(key)
                     self.deferred += len(work)
                     wg.run(work)
-            for unit in self.launch_after.get(i, []):
-                self.sharded.launch(unit)
+            if due:
+                self.sharded.reduce_due()
         self._post(batch, t, outbox, inputs, grads, sending, arriving)
         for pending in sending:
             pending.wait()
