@@ -322,7 +322,7 @@ class Sharded:
                 self.launch(unit)
         for unit in self.units:
             self._complete(unit)
-            unit.reduced = None
+            unit.reduced, unit.ready = None, 0
         self._reducing = []
         if self.replicas > 1:
             for p in [self.comm.all_reduce(u.grad_shard, "dp_replicate", async_op=True)
