@@ -121,7 +121,7 @@ class Trainer:
             skip = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
             if not skip:
                 self.optim.step(lr)
-                self.sharded.after_step()
+                self.sharded.after_step(wait=False)
             self.sharded.zero_grad()
         self.step += 1
         self.skipped = self.skipped + 1 if skip else 0
@@ -216,6 +216,7 @@ class Trainer:
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < t.steps:
                     self.save()
             self.tracer.enabled = False
+            self.sharded.settle()
             if cfg.checkpoint.save_final:
                 log.print(f"checkpoint: {self.save()}")
             self.saver.wait()

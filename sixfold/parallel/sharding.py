@@ -8,11 +8,12 @@ every rank's shard is equal and aligned:
   grad_shard  this rank's shard of the reduced gradients (`grad` itself when unsharded)
 zero 0: each unit's gradients are all-reduced over the loss group as soon as its backward is done on the
 last micro-batch (DDP). zero 1: reduce-scattered over fsdp instead; the shard is updated, then the weights
-all-gathered. zero 2: also a unit's full gradients exist only from its backward (the head's and a tied
-embedding's: from their forward; under pipelining: from the step's start) until its reduce-scatter is done,
-with at most REDUCING reductions in flight. zero 3: also the full weights are freed outside the unit's forward and
-backward and gathered just ahead of use (prefetch).
-With dp_replicate > 1 (HSDP) the gradient shards are then all-reduced across replicas.
+all-gathered, each unit's gather waited for by its next forward. zero 2: also a unit's full gradients exist
+only from its backward (the head's and a tied embedding's: from their forward; under pipelining: from the
+step's start) until its reduce-scatter is done, with at most REDUCING reductions in flight. zero 3: also the
+full weights are freed outside the unit's forward and backward and gathered just ahead of use (prefetch).
+With dp_replicate > 1 (HSDP) each unit's gradient shard is all-reduced across replicas once its reduce-scatter is
+done.
 Under tensor parallelism the units hold this tp rank's pieces, laid out alike on every tp rank; parameters
 whose replicas over tp each hold part of the gradient (norms under sequence-TP, shared kv heads) are summed
 over tp once per step.
@@ -71,6 +72,7 @@ class Unit:
             self.master.to(dtype)
         self.ready = 0
         self.reduce: Pending | None = None
+        self.replicate: Pending | None = None  # HSDP: the all-reduce of the reduced shard across replicas
         self.gather: Pending | None = None
         self.keep_gathered = False
         self.grad_at_forward = True
@@ -193,9 +195,12 @@ class Sharded:
                     unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self._grad_buffer(u))
                 unit.modules[-1].register_forward_hook(lambda m, a, out, u=unit: self._after_forward(u, out))
                 _free(unit.grad)
+            if unit.zero:
+                unit.read_elsewhere = tied_embedding  # by the head, not through its own module's forward
+            if unit.zero in (1, 2):  # the gather after a step, waited for by the unit's next forward
+                unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self._wait_gather(u))
             if unit.zero == 3:
                 unit.keep_gathered = not reshard_after_forward or last or tied_embedding
-                unit.read_elsewhere = tied_embedding  # by the head, not through its own module's forward
                 unit.backward_reads_weights = not all(isinstance(m, VocabEmbedding) for m in unit.modules)
                 unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self.before_forward(u))
                 _free(unit.full)
@@ -219,7 +224,7 @@ class Sharded:
             if unit.zero == 3:
                 self._start_gather(unit)
         for unit in self.units:
-            if unit.zero == 3 and unit.read_elsewhere:
+            if unit.read_elsewhere:
                 self._wait_gather(unit)
 
     def alloc_grads(self) -> None:
@@ -314,6 +319,9 @@ class Sharded:
             unit.grad_shard.copy_(unit.reduced)
         if unit.zero >= 2:
             _free(unit.grad)
+        if self.replicas > 1 and not unit.expert:
+            unit.replicate = self.comm.all_reduce(unit.grad_shard, "dp_replicate", async_op=True,
+                                                  label=f"unit {unit.index}")
 
     def finish(self) -> None:
         """After the last micro-batch's backward: reduce what has not started, wait, then across replicas."""
@@ -324,10 +332,10 @@ class Sharded:
             self._complete(unit)
             unit.reduced, unit.ready = None, 0
         self._reducing = []
-        if self.replicas > 1:
-            for p in [self.comm.all_reduce(u.grad_shard, "dp_replicate", async_op=True)
-                      for u in self.units if not u.expert]:
-                p.wait()
+        for unit in self.units:
+            if unit.replicate is not None:
+                unit.replicate.wait()
+                unit.replicate = None
         if self.tied_across_stages:
             self.comm.all_reduce(self.units[0].grad_shard, "pp_ends", label="tied embedding")
         self._sum_partial_grads()
@@ -390,15 +398,26 @@ class Sharded:
         for u in self.units:
             u.grad_shard.mul_(coef)
 
-    def after_step(self) -> None:
-        """The updated fp32 shards back into compute weights: copied, then gathered under ZeRO-1/2."""
+    def after_step(self, wait: bool = True) -> None:
+        """The updated fp32 shards back into compute weights: copied, then gathered under ZeRO-1/2. With wait=False
+        each unit's gather is waited for by its next forward (or by settle()), so it overlaps what comes first."""
+        self.settle()
         for u in self.units:
             if u.compute_shard is not u.master:
                 u.compute_shard.copy_(u.master)
-        if self.zero in (1, 2):
-            for p in [self.comm.all_gather(u.full, u.compute_shard, u.group, async_op=True)
-                      for u in self.units if u.zero]:
-                p.wait()
+        for u in self.units:
+            if u.zero in (1, 2):
+                u.gather = self.comm.all_gather(u.full, u.compute_shard, u.group, async_op=True,
+                                                label=f"unit {u.index}")
+        if wait:
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for the weight gathers in flight: the compute weights are then current."""
+        for u in self.units:
+            if u.gather is not None:
+                u.gather.wait()
+                u.gather = None
 
     def zero_grad(self) -> None:
         for u in self.units:
