@@ -61,6 +61,8 @@ JOBS = (
         ("bench/ep.py", "--ep", "1", "2", "--runs", "1", "--steps", "3"), ("ep",)),
     Job("collectives", ("bench/collectives.py", "--ranks", "2", "4", "--write"),
         ("bench/collectives.py", "--ranks", "2", "--blocks", "1", "--write"), ("collectives",)),
+    Job("overlap", ("bench/overlap.py", "--runs", "3"),
+        ("bench/overlap.py", "--runs", "1", "--steps", "4", "--demo-steps", "4"), ("overlap",)),
     Job("workload", ("-m", "sixfold.cli", "bench", "--table", "--write"),
         ("-m", "sixfold.cli", "bench", "--table", "--write", "--steps", "3"), ("workload",)),
 )
