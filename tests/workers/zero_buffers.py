@@ -1,7 +1,8 @@
 """Under each ZeRO stage, after a step: the bytes held in parameters, gradients and optimizer state equal
 the ZeRO formula for this model and layout (with padding), and the collectives equal theirs. During the step,
 ZeRO-2/3 hold the full gradients of the units that need them only: the head's unit in forward, the last
-REDUCING units reduced at the end of the backward."""
+REDUCING units reduced at the end of the backward. Under ZeRO-1/2 the next step's forward waits for each unit's
+weight gather just before the unit runs."""
 import sys
 
 from sixfold.config import load_config
@@ -77,6 +78,16 @@ elif zero == 3:
     calls_expected = k + micro * m.n_layers + (micro - 1) * (k - 1)
     bytes_expected = b * (padded + micro * blocks + (micro - 1) * (embed + blocks))
     assert calls["fsdp", "all_gather"] == calls_expected and ledger["fsdp", "all_gather"] == bytes_expected
+
+if zero in (1, 2):  # the weights gathered after a step: each unit's waited for by its next forward, in order
+    assert all(u.gather is not None for u in units), [u.index for u in units if u.gather is None]
+    pending = []  # at each unit's forward (after sharding's own hook): the units whose gathers are still pending
+    for u in units:
+        u.modules[0].register_forward_pre_hook(
+            lambda m, a, u=u: pending.append((u.index, {v.index for v in units if v.gather is not None})))
+    trainer.train_step()
+    assert pending[:k] == [(i, set(range(i + 1, k))) for i in range(k)], pending
+
 if ctx.rank == 0:
     print(f"zero {zero} {precision} {'once ' if once else ''}buffers OK: {held}")
 ctx.close()
