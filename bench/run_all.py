@@ -63,7 +63,7 @@ JOBS = (
         ("bench/collectives.py", "--ranks", "2", "--blocks", "1", "--write"), ("collectives",)),
     Job("overlap", ("bench/overlap.py", "--runs", "3"),
         ("bench/overlap.py", "--runs", "1", "--steps", "4", "--demo-steps", "4"), ("overlap",)),
-    Job("workload", ("-m", "sixfold.cli", "bench", "--table", "--write"),
+    Job("workload", ("-m", "sixfold.cli", "bench", "--table", "--write", "--runs", "3"),
         ("-m", "sixfold.cli", "bench", "--table", "--write", "--steps", "3"), ("workload",)),
 )
 

@@ -74,18 +74,27 @@ def fastest(peers: tuple[str, ...]) -> float:
     return min(float(v) for cell in peers for v in re.findall(r"\d+\.\d+", cell))
 
 
-def report(results: list[dict], argv: list[str], rev: str, steps: int) -> str:
-    """The --table section of docs/benchmarks.md."""
-    rows = [f"| {layout.name} | **{r['step_s']:.3f}** | {' | '.join(layout.peers)} | "
-            f"{r['step_s'] / fastest(layout.peers):.2f} | {max(r['peak_mb']):.0f} | {r['others']:.2f} |"
-            for layout, r in zip(TABLE, results)]
+def report(results: list[list[dict]], argv: list[str], rev: str, steps: int) -> str:
+    """The --table section of docs/benchmarks.md; results: each layout's jobs."""
+    rows = []
+    for layout, runs in zip(TABLE, results):
+        times = [r["step_s"] for r in runs]
+        median = statistics.median(times)
+        spread = f" ({min(times):.3f}-{max(times):.3f})" if len(runs) > 1 else ""
+        rows.append(f"| {layout.name} | **{median:.3f}**{spread} | {' | '.join(layout.peers)} | "
+                    f"{median / fastest(layout.peers):.2f} | {max(max(r['peak_mb']) for r in runs):.0f} | "
+                    f"{max(r['others'] for r in runs):.2f} |")
+    jobs = len(results[0])
     return "\n".join([
-        f"Command: `sixfold {' '.join(argv)}`  ", f"Machine: {machine(results[0]['accelerator'])}  ",
+        f"Command: `sixfold {' '.join(argv)}`  ", f"Machine: {machine(results[0][0]['accelerator'])}  ",
         f"sixfold: {rev}  ",
-        f"Date: {time.strftime('%Y-%m-%d')}; one job per layout, OMP_NUM_THREADS = cores / ranks (at least 1); "
-        f"rank 0's mean wall time per step over steps {WARMUP + 1}-{steps}. Other processes kept at most "
-        f"{max(r['others'] for r in results):.2f} cores busy during a job (last column; a job is run again, up to 3 "
-        f"times, while they keep more than {QUIET} busy, and the least disturbed one kept).",
+        f"Date: {time.strftime('%Y-%m-%d')}; "
+        + ("one job per layout" if jobs == 1 else f"{jobs} jobs per layout, one per round over the layouts; the "
+           "median (range)")
+        + f", OMP_NUM_THREADS = cores / ranks (at least 1); rank 0's mean wall time per step over steps "
+        f"{WARMUP + 1}-{steps}. Other processes kept at most "
+        f"{max(r['others'] for runs in results for r in runs):.2f} cores busy during a job (last column; a job is "
+        f"run again, up to 3 times, while they keep more than {QUIET} busy, and the least disturbed one kept).",
         "",
         "Seconds per step, lower is better. The peers' times are those measured for issue #11 on the same workload "
         "(`configs/bench.yaml`, 4 sequences of 256 tokens per data-parallel rank, fp32, CPU, gloo); \"sixfold / "
@@ -112,12 +121,15 @@ def threads_per_rank(cfg: Config) -> int:
     return max(1, (os.cpu_count() or 1) // cfg.parallel.world_size)
 
 
-def table(path: str | None, overrides: list[str], steps: int, write: bool, argv: list[str]) -> None:
+def table(path: str | None, overrides: list[str], steps: int, write: bool, argv: list[str], runs: int = 1) -> None:
+    """The layouts of TABLE, `runs` rounds over all of them (a slow spell of the machine then falls on every
+    layout alike), each layout's median job reported."""
     configs = [workload_config(path, [*overrides, *layout.overrides], steps) for layout in TABLE]  # all refused first
-    rev, results = revision(), []
-    for layout, cfg in zip(TABLE, configs):
-        results.append(undisturbed_run(cfg, str(threads_per_rank(cfg))))
-        print(line(layout.name, results[-1], steps), flush=True)
+    rev, results = revision(), [[] for _ in TABLE]
+    for _ in range(runs):
+        for layout, cfg, done in zip(TABLE, configs, results):
+            done.append(undisturbed_run(cfg, str(threads_per_rank(cfg))))
+            print(line(layout.name, done[-1], steps), flush=True)
     body = report(results, argv, rev, steps)
     print(body)
     if write:
@@ -134,6 +146,10 @@ def bench(args, path: str | None, overrides: list[str], argv: list[str]) -> None
     """The `sixfold bench` command: its flags checked, then a layout timed, the table, or --max-seq."""
     if under_torchrun():
         raise ConfigError("run sixfold bench outside torchrun: it starts a job of its own for each run")
+    if args.runs < 1:
+        raise ConfigError(f"--runs {args.runs}: give at least 1")
+    if args.runs != 1 and not args.table:
+        raise ConfigError(f"--runs {args.runs}: rounds over the --table's layouts; add --table")
     if args.max_seq:
         if _given(args, "--table", "--write", "--steps"):
             raise ConfigError(f"{', '.join(_given(args, '--table', '--write', '--steps'))}: not with --max-seq, "
@@ -149,7 +165,7 @@ def bench(args, path: str | None, overrides: list[str], argv: list[str]) -> None
     if steps <= WARMUP:
         raise ConfigError(f"--steps {steps}: the first {WARMUP} steps are not timed; give at least {WARMUP + 1}")
     if args.table:
-        table(path, overrides, steps, args.write, argv)
+        table(path, overrides, steps, args.write, argv, args.runs)
         return
     cfg = workload_config(path, overrides, steps)
     print(line(cfg.parallel.describe(), time_run(cfg), steps))

@@ -185,6 +185,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=None, help="steps per run (default 10); the first 2 are not timed")
     b.add_argument("--table", action="store_true", help="time the 8 layouts of the table, beside the peers")
     b.add_argument("--write", action="store_true", help="with --table: write it into docs/benchmarks.md")
+    b.add_argument("--runs", type=int, default=1, help="with --table: rounds over the layouts, the median reported")
     b.add_argument("--max-seq", action="store_true", help="search the longest train.seq_len that fits, by probes "
                                                           "of 2 steps")
     b.add_argument("--budget-gb", type=float, default=None, help="--max-seq: GB a rank may use (required on CPU: "

@@ -64,6 +64,8 @@ def test_max_seq_on_cpu_needs_a_budget(capsys):
     (["bench", TINY, "parallel.tp=3"], "model.n_heads=4 is not divisible by parallel.tp=3"),
     (["bench", "--max-seq", TINY, "parallel.cp=3", "--budget-gb", "1"], "train.seq_len=32 must be divisible by 6"),
     (["bench", "--write"], "add --table"),
+    (["bench", "--runs", "3"], "add --table"),
+    (["bench", "--table", "--runs", "0"], "give at least 1"),
     (["bench", "--budget-gb", "1"], "--budget-gb: only with --max-seq"),
 ])
 def test_bad_input_is_refused_before_any_job(capsys, argv, message):
