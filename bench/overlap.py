@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, wait_quiet, write_doc
+from common import ROOT, spread, wait_quiet, write_doc
 from sixfold.measure import machine, revision
 
 BENCH, DEMO = "configs/bench.yaml", "configs/demo.yaml"
@@ -67,10 +67,6 @@ def summarize(runs: list[dict], group: str) -> tuple[list[float], list[float], l
     return flight, hidden, late
 
 
-def spread(values: list[float], fmt: str) -> str:
-    return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=3, help="runs per layout")
@@ -91,8 +87,8 @@ def main() -> None:
                 f"{g} {statistics.median(s for _, s, _ in r.values()):.0%}" for g, r in runs[-1].items()), flush=True)
         for group in sorted({g for r in runs for g in r}):
             flight, hidden, late = summarize(runs, group)
-            lines.append(f"| {name} | {ranks} | {group} | {spread(flight, '.1f')} | **{statistics.median(hidden):.0%}** "
-                         f"({min(hidden):.0%}-{max(hidden):.0%}) | {spread(late, '.1f')} |")
+            lines.append(f"| {name} | {ranks} | {group} | {spread(flight, 1)} | **{statistics.median(hidden):.0%}** "
+                         f"({min(hidden):.0%}-{max(hidden):.0%}) | {spread(late, 1)} |")
     body = "\n".join([
         f"Command: `python bench/overlap.py {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}  ",
         f"sixfold: {rev}  ",

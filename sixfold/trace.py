@@ -85,9 +85,10 @@ def _counterpart(label: str) -> str | None:
 def _joined(asyncs: list[dict]) -> dict[int, float]:
     """id(event) -> when the last rank it needs had posted its part: every member of the group for a collective
     (the k-th of that name and step on each), the other end of each message for pipeline sends and receives."""
+    ordered = sorted(asyncs, key=lambda e: e["ts"])
     runs: dict[tuple, list[float]] = defaultdict(list)
     posted: dict[tuple, float] = {}
-    for e in sorted(asyncs, key=lambda e: e["ts"]):
+    for e in ordered:
         a = e["args"]
         if a.get("op") == "send_recv":
             for label in e["name"].split()[2:]:
@@ -95,7 +96,7 @@ def _joined(asyncs: list[dict]) -> dict[int, float]:
         else:
             runs[e["pid"], a["step"], e["name"], tuple(a.get("ranks", ()))].append(e["ts"])
     out, seen = {}, defaultdict(int)
-    for e in sorted(asyncs, key=lambda e: e["ts"]):
+    for e in ordered:
         a, ranks = e["args"], [q for q in e["args"].get("ranks", ()) if q != e["pid"]]
         if a.get("op") == "send_recv":
             others = [_counterpart(label) for label in e["name"].split()[2:]]

@@ -198,7 +198,7 @@ class Sharded:
             if unit.zero:
                 unit.read_elsewhere = tied_embedding  # by the head, not through its own module's forward
             if unit.zero in (1, 2):  # the gather after a step, waited for by the unit's next forward
-                unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self._wait_gather(u))
+                unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self._end_gather(u))
             if unit.zero == 3:
                 unit.keep_gathered = not reshard_after_forward or last or tied_embedding
                 unit.backward_reads_weights = not all(isinstance(m, VocabEmbedding) for m in unit.modules)
@@ -213,6 +213,11 @@ class Sharded:
 
     def _wait_gather(self, unit: Unit) -> None:
         self._start_gather(unit)
+        self._end_gather(unit)
+
+    @staticmethod
+    def _end_gather(unit: Unit) -> None:
+        """Wait for the unit's gather in flight, if any."""
         if unit.gather is not None:
             unit.gather.wait()
             unit.gather = None
@@ -415,9 +420,7 @@ class Sharded:
     def settle(self) -> None:
         """Wait for the weight gathers in flight: the compute weights are then current."""
         for u in self.units:
-            if u.gather is not None:
-                u.gather.wait()
-                u.gather = None
+            self._end_gather(u)
 
     def zero_grad(self) -> None:
         for u in self.units:
