@@ -140,11 +140,13 @@ def tensor_parallel(model: TorchLlama, mesh) -> None:
 
 def fully_shard_summed(model: nn.Module, mesh=None, reshard_after_forward: bool = True) -> None:
     """FSDP2 with a unit per block, as in sixfold; the root unit holds what is left (the embedding, final norm
-    and head: two units in sixfold). mesh: the data-parallel ranks (default: all)."""
+    and head: two units in sixfold). The last block is not resharded after its forward: its backward comes next
+    (torchtitan's choice, and sixfold's). mesh: the data-parallel ranks (default: all)."""
     from torch.distributed.fsdp import fully_shard  # not before it is used: bench/fsdp.py's memory counts it
 
-    units = [fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-             for block in model.layers.values()]
+    blocks = list(model.layers.values())
+    units = [fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+             for i, block in enumerate(blocks)]
     units.append(fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward))
     for unit in units:  # FSDP2 averages over ranks; sum instead, as in sixfold (gloo has no AVG op)
         unit.set_gradient_divide_factor(1.0)

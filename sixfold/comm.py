@@ -25,16 +25,22 @@ class CommError(RuntimeError):
 
 
 class _Watcher:
-    """While tracing: a thread that stamps the time each pending collective completes (polling every millisecond;
-    gloo gives some works no future to be told by). It drops a collective once waited for (gloo's reduce-scatter
-    never reports completion before), and stops when nothing is pending."""
+    """While tracing: stamps the time each pending collective completes. On gloo a collective's future tells it (a
+    point-to-point work has none and reports completion only once waited for, so it is not watched); on other
+    backends, whose futures complete at launch, a thread polls every millisecond while any is pending and drops a
+    collective once waited for."""
 
-    def __init__(self):
+    def __init__(self, polls: bool):
+        self.polls = polls
         self.pending: list["Pending"] = []
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
 
     def watch(self, p: "Pending") -> None:
+        if not self.polls:
+            if not isinstance(p.work, list):
+                p.work.get_future().then(lambda _: setattr(p, "done_at", now_us()))
+            return
         with self.lock:
             self.pending.append(p)
             if self.thread is None:
@@ -58,8 +64,8 @@ class _Watcher:
 
 class Pending:
     """An asynchronous collective; wait() completes it and closes its trace span, which ends when the collective
-    completed (while tracing, stamped by the watcher) or else when wait() returned (gloo's reduce-scatter reports
-    completion only then), and records how long wait() blocked."""
+    completed (while tracing, stamped by the watcher) or else when wait() returned (a message on gloo), and records
+    how long wait() blocked."""
 
     def __init__(self, work, tracer: Tracer, name: str, start: float, args: dict, ranks: tuple[int, ...] = (),
                  watcher: _Watcher | None = None):
@@ -91,7 +97,7 @@ class Comm:
     def __init__(self, ctx: ParallelContext, tracer: Tracer, ledger: Ledger | None = None):
         self.ctx, self.tracer = ctx, tracer
         self.ledger = ledger or Ledger()
-        self.watcher = _Watcher()
+        self.watcher = _Watcher(polls=ctx.backend != "gloo")
 
     def _run(self, op: str, group: str, nbytes: int, label: str, async_op: bool, call) -> Pending:
         self.ledger.record(group, op, nbytes)

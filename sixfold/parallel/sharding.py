@@ -11,7 +11,8 @@ last micro-batch (DDP). zero 1: reduce-scattered over fsdp instead; the shard is
 all-gathered, each unit's gather waited for by its next forward. zero 2: also a unit's full gradients exist
 only from its backward (the head's and a tied embedding's: from their forward; under pipelining: from the
 step's start) until its reduce-scatter is done, with at most REDUCING reductions in flight. zero 3: also the
-full weights are freed outside the unit's forward and backward and gathered just ahead of use (prefetch).
+full weights are freed outside the unit's forward and backward and gathered just ahead of use (prefetch); the
+head's unit and the one before it stay gathered through the step.
 With dp_replicate > 1 (HSDP) each unit's gradient shard is all-reduced across replicas once its reduce-scatter is
 done.
 Under tensor parallelism the units hold this tp rank's pieces, laid out alike on every tp rank; parameters
@@ -200,7 +201,10 @@ class Sharded:
             if unit.zero in (1, 2):  # the gather after a step, waited for by the unit's next forward
                 unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self._end_gather(u))
             if unit.zero == 3:
-                unit.keep_gathered = not reshard_after_forward or last or tied_embedding
+                # so does the backward of the unit before the head's, right after the head's (which has no hook
+                # to prefetch it by): freed after its forward, it would be gathered again at once
+                before_head = model.norm is not None and unit.index == len(self.units) - 2
+                unit.keep_gathered = not reshard_after_forward or last or before_head or tied_embedding
                 unit.backward_reads_weights = not all(isinstance(m, VocabEmbedding) for m in unit.modules)
                 unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self.before_forward(u))
                 _free(unit.full)
@@ -238,9 +242,11 @@ class Sharded:
             self._grad_buffer(unit)
 
     def before_forward(self, unit: Unit) -> None:
-        self._wait_gather(unit)
+        """The next unit's gather starts before this one's is waited for (at the step's start both are in flight)."""
+        self._start_gather(unit)
         if unit.index + 1 < len(self.units):
             self._start_gather(self.units[unit.index + 1])
+        self._end_gather(unit)
 
     def _after_forward(self, unit: Unit, out):
         if not torch.is_grad_enabled():

@@ -37,17 +37,17 @@ def transient(rank: Rank) -> int:
     """Buffers alive during a step only: ZeRO-2/3 full gradients (all of them under pipelining or with several
     micro-batches; else the head's and a tied embedding's, from their forward, and the REDUCING + 1 largest of the
     rest: those being reduced and the one in backward), ZeRO-3 gathered weights (all of the rank's under
-    pipelining or kept gathered; else a unit and the next one, prefetched), and the loss's logits-sized
-    temporaries on the head's rank: the logits in the compute dtype and their fp32 gradient over the micro-batch,
-    or with model.loss_chunk, a chunk's logits, their fp32 copy and gradient."""
+    pipelining; else those kept through the step, and of the rest a unit and the next one, prefetched), and the
+    loss's logits-sized temporaries on the head's rank: the logits in the compute dtype and their fp32 gradient over
+    the micro-batch, or with model.loss_chunk, a chunk's logits, their fp32 copy and gradient."""
     b, units = rank.compute_bytes, rank.sharded.units
     early = sum(b * u.padded for u in units if u.zero >= 2 and u.grad_at_forward)
     later = [b * u.padded for u in units if u.zero >= 2 and not u.grad_at_forward]
     if rank.schedule is None and rank.cfg.train.micro_batches == 1:
         later = sorted(later)[-(REDUCING + 1):]
-    gathered = [b * u.padded for u in units if u.zero == 3]
-    if rank.schedule is None and not all(u.keep_gathered for u in units if u.zero == 3):
-        gathered = sorted(gathered)[-2:]
+    gathered = [b * u.padded for u in units if u.zero == 3 and (u.keep_gathered or rank.schedule is not None)]
+    if rank.schedule is None:
+        gathered += sorted(b * u.padded for u in units if u.zero == 3 and not u.keep_gathered)[-2:]
     loss = 0
     if rank.model.norm is not None:
         vocab, chunk = rank.model.head_layer.weight.shape[0], rank.cfg.model.loss_chunk

@@ -72,10 +72,10 @@ if zero in (1, 2):
 if zero == 3 and once:  # every unit gathered once per step; bf16 moves half the bytes
     assert calls["fsdp", "all_gather"] == k and ledger["fsdp", "all_gather"] == b * padded
 elif zero == 3:
-    # each forward gathers every unit but the head's (kept from the first forward on); each backward
-    # gathers the blocks (the embedding's backward reads no weights); bf16 moves half the bytes
-    embed, blocks = pad(unit_sizes[0]), sum(pad(x) for x in unit_sizes[1:-1])
-    calls_expected = k + micro * m.n_layers + (micro - 1) * (k - 1)
+    # each forward gathers every unit but the head's and the last block's (kept from the first forward on);
+    # each backward gathers the other blocks (the embedding's backward reads no weights); bf16 moves half the bytes
+    embed, blocks = pad(unit_sizes[0]), sum(pad(x) for x in unit_sizes[1:-2])
+    calls_expected = k + micro * (m.n_layers - 1) + (micro - 1) * (k - 2)
     bytes_expected = b * (padded + micro * blocks + (micro - 1) * (embed + blocks))
     assert calls["fsdp", "all_gather"] == calls_expected and ledger["fsdp", "all_gather"] == bytes_expected
 
