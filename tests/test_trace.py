@@ -11,7 +11,7 @@ from sixfold.cli import main
 from sixfold.config import load_config
 from sixfold.logs import read_metrics
 from sixfold.trace import overlap, overlap_table, read_chrome_trace
-from helpers import TINY, sixfold
+from helpers import TINY, sixfold, torchrun
 
 STEPS, MICRO, PP, TP = 3, 4, 2, 2
 PICTURES = ("timeline.png", "schedule.png", "mesh.png")
@@ -136,3 +136,9 @@ def test_run_reports_the_pipeline_messages_hidden(run):
     assert all(0 <= s <= 1 and ms > 0 and late >= 0 for ms, s, late in shares.values())
     assert any(late > 0 for _, _, late in shares.values())  # stage 0 waits for stage 1's first backward
     assert "asynchronous communication hidden behind compute" in run[1]
+
+
+def test_completion_is_stamped_before_the_wait_on_gloo():
+    proc = torchrun("completion.py", 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("completion OK") == 2
