@@ -7,8 +7,7 @@ The workload is configs/bench.yaml with uniform stages: 8 blocks of dim 256, a 3
 embedding and head cost about a tenth of a block), 8 sequences of 256 tokens per step, one per micro-batch.
 Each run is a torchrun job (OMP_NUM_THREADS=1 per rank, bench/common.py); at pp=2 sixfold and torch alternate
 per schedule, --runs times. The timed steps (after the warm-up) come before the last 3, which sixfold's jobs
-trace: tracing's watcher thread slows steps on the busy cores (breadth-first, 2 jobs each: 1.08 s/step traced,
-0.97 untraced).
+trace.
 
 Bubble: per rank, 1 - (its F, B and W spans) / (the step's makespan: first compute start to last compute end
 over all ranks), averaged over the traced steps, then the median over runs. The simulator gets the median F,

@@ -138,6 +138,26 @@ def test_run_reports_the_pipeline_messages_hidden(run):
     assert "asynchronous communication hidden behind compute" in run[1]
 
 
+def test_receives_are_posted_a_compute_ahead_on_gloo(run):
+    """Each receive is posted before the compute ahead of the one that uses its data starts (the step's first
+    ones before its first compute), so its data never waits at the receiver unposted."""
+    events = read_chrome_trace(run[0] / "trace.json")
+    checked = 0
+    for rank in range(PP * TP):
+        for step in range(1, STEPS + 1):
+            mine = [e for e in events if e["pid"] == rank and e["args"]["step"] == step]
+            computes = sorted((e for e in mine if e["cat"] == "compute" and e["name"][0] in "FB"), key=lambda e: e["ts"])
+            order = {(e["name"][0], e["args"]["stage"], e["args"]["mb"]): i for i, e in enumerate(computes)}
+            for e in mine:
+                label = e["name"].split()[-1]
+                if e["cat"] == "comm" and label.startswith("RECV_"):
+                    stage, micro = (int(x[1:]) for x in label[7:-1].split(","))
+                    i = order[label[5], stage, micro]
+                    assert e["ts"] < computes[max(i - 1, 0)]["ts"], (rank, step, label)
+                    checked += 1
+    assert checked == STEPS * (PP - 1) * TP * 2 * MICRO  # each stage boundary: activations and gradients
+
+
 def test_completion_is_stamped_before_the_wait_on_gloo():
     proc = torchrun("completion.py", 2)
     assert proc.returncode == 0, proc.stderr[-3000:]

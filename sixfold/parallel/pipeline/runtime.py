@@ -3,7 +3,10 @@ holds, in the schedule's order, with activations and their gradients passed betw
 
 Each run of sends and receives between two computes is posted at once; a receive is waited for only by the compute
 that uses its data, the sends only at the end of the step (the simulator's default model, in which it proves every
-schedule deadlock-free). Shapes are known ahead: every
+schedule deadlock-free). On gloo a run's receives are posted one compute earlier, before the data can have arrived:
+posted after it, a receive blocks the call while the sender, busy computing, hands it over (up to 8 ms on a
+shared CPU). NCCL runs a group's operations in order on one stream, where a receive posted ahead of a send that
+the peer waits for would deadlock. Shapes are known ahead: every
 micro-batch has the same [tokens, dim] hidden state (this rank's cp and sequence-TP part), so no metadata
 travels. A unit's gradient reduction starts as its stage's last backward or weight-gradient action of the step
 completes it; with ZeRO-3 the weights are gathered once per step.
@@ -31,6 +34,10 @@ class Pipeline:
         self.split = {(a.stage, a.micro) for a in self.actions if a.kind == W}
         model.tp.weight_grads.used = bool(self.split)
         self.launch_after = self._launch_points()
+        # the index of each compute action, the run of sends and receives before each, and the run after the last
+        self.computes = [i for i, a in enumerate(self.actions) if a.kind in COMPUTE]
+        starts = [0] + [i + 1 for i in self.computes]
+        self.runs = [self.actions[a:b] for a, b in zip(starts, self.computes)], self.actions[starts[-1]:]
         self.peak_in_flight = 0  # in the last step: most (stage, micro) pairs whose saved activations were alive
         self.deferred = 0  # in the last step: weight gradients computed by W actions
 
@@ -70,13 +77,15 @@ class Pipeline:
         return torch.empty(tokens, self.model.cfg.dim, dtype=self.sharded.units[0].full.dtype,
                            device=self.comm.ctx.device)
 
-    def _post(self, batch: list, t, outbox: dict, inputs: dict, grads: dict, sending: list, arriving: dict) -> None:
-        """Post a run of sends (one batch, added to `sending`) and receives (one each, into `arriving`, so that a
-        compute waits only for its own)."""
+    def _send(self, batch: list, outbox: dict, sending: list) -> None:
+        """Post a run's sends as one batch, added to `sending`."""
         sends = [a for a in batch if a.kind in (SEND_F, SEND_B)]
         if sends:
             tensors = [(outbox.pop((a.kind, a.stage, a.micro)), self.schedule.peer(a)) for a in sends]
             sending.append(self.comm.exchange(tensors, [], "pp", label=" ".join(map(repr, sends))))
+
+    def _receive(self, batch: list, t, inputs: dict, grads: dict, arriving: dict) -> None:
+        """Post a run's receives, one each into `arriving`, so that a compute waits only for its own."""
         for a in batch:
             if a.kind in (RECV_F, RECV_B):
                 key, buf = (a.stage, a.micro), self._hidden(t)
@@ -96,13 +105,15 @@ class Pipeline:
         inputs, outputs, grads, outbox, deferred, sending, arriving = {}, {}, {}, {}, {}, [], {}
         self.peak_in_flight = self.deferred = 0
         loss = torch.zeros((), dtype=torch.float64, device=self.comm.ctx.device)
-        batch = []
-        for i, a in enumerate(self.actions):
-            if a.kind not in COMPUTE:
-                batch.append(a)
-                continue
-            self._post(batch, t, outbox, inputs, grads, sending, arriving)
-            batch = []
+        runs, tail = self.runs
+        ahead = 1 if self.comm.ctx.backend == "gloo" else 0
+        for run in runs[:ahead]:
+            self._receive(run, t, inputs, grads, arriving)
+        for k, i in enumerate(self.computes):
+            a = self.actions[i]
+            self._send(runs[k], outbox, sending)
+            if k + ahead < len(runs):
+                self._receive(runs[k + ahead], t, inputs, grads, arriving)
             s, m = key = (a.stage, a.micro)
             stage = self.stages[s]
             received = arriving.pop((RECV_F if a.kind == F else RECV_B, s, m), None)
@@ -142,7 +153,8 @@ class Pipeline:
                     wg.run(work)
             if due:
                 self.sharded.reduce_due()
-        self._post(batch, t, outbox, inputs, grads, sending, arriving)
+        self._send(tail, outbox, sending)
+        self._receive(tail, t, inputs, grads, arriving)
         for pending in sending:
             pending.wait()
         return loss
