@@ -201,8 +201,8 @@ class Sharded:
             if unit.zero in (1, 2):  # the gather after a step, waited for by the unit's next forward
                 unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self._end_gather(u))
             if unit.zero == 3:
-                # so does the backward of the unit before the head's, right after the head's (which has no hook
-                # to prefetch it by): freed after its forward, it would be gathered again at once
+                # the unit before the head's has its backward right after the head's, which has no hook to
+                # prefetch it by: freed after its forward, it would be gathered again at once
                 before_head = model.norm is not None and unit.index == len(self.units) - 2
                 unit.keep_gathered = not reshard_after_forward or last or before_head or tied_embedding
                 unit.backward_reads_weights = not all(isinstance(m, VocabEmbedding) for m in unit.modules)
