@@ -15,11 +15,18 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
-from sixfold.model.llama import RMSNorm, apply_rope, init_weights, rope_tables
+from sixfold.model.llama import init_weights, rope_tables
 from sixfold.parallel.pipeline.stages import Stage, whole
 
 
 # ---- sixfold's Llama with plain torch layers, [batch, seq, dim], the same parameter names and shapes ----
+
+def rope(x, cos, sin):
+    """Rotate-half rotary embedding in autograd's own operations (as torchtitan's and Hugging Face's Llama);
+    x [batch, heads, seq, head_dim], cos and sin [seq, head_dim]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
 
 class Attention(nn.Module):
     def __init__(self, cfg):
@@ -36,7 +43,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -55,9 +62,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn_norm = nn.RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp_norm = nn.RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin):
@@ -76,7 +83,7 @@ class TorchLlama(nn.Module):
         self.cfg, self.seq_len = cfg, seq_len
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim) if stage.embed else None
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in stage.layers})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if stage.head else None
+        self.norm = nn.RMSNorm(cfg.dim, cfg.norm_eps) if stage.head else None
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if stage.head else None
 
     def forward(self, x):
@@ -84,7 +91,7 @@ class TorchLlama(nn.Module):
         if self.embed is not None:
             seq = x.shape[1]
             x = self.embed(x)
-        cos, sin = rope_tables(torch.arange(seq), self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = (t[:, 0].repeat(1, 2) for t in rope_tables(torch.arange(seq), self.cfg.head_dim, self.cfg.rope_theta))
         for block in self.layers.values():
             x = block(x, cos, sin)
         return x if self.head is None else self.head(self.norm(x))

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from .fused import rms_norm, rotary, swiglu
 from .head_loss import chunked_head_loss
 from .moe import MoE
 from ..parallel.context import ContextParallel
@@ -31,23 +32,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [len(positions), head_dim] for global token positions."""
+    """cos and sin of shape [len(positions), 1, head_dim / 2] for global token positions (each angle turns a
+    head's pair of elements i and i + head_dim / 2)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat([freqs, freqs], dim=-1)
+    angles = positions.float()[:, None, None] * inv_freq
     return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
 class KVCache:
@@ -94,11 +87,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, t: Tokens) -> torch.Tensor:
         (b, s), sp = t.shape, t.sequence_tp
-        q, k, v = linear(self.tp, x, [self.wq.weight, self.wk.weight, self.wv.weight], "column", sp)
-        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, t.cos, t.sin), apply_rope(k, t.cos, t.sin)
+        qkv = linear(self.tp, x, [self.wq.weight, self.wk.weight, self.wv.weight], "column", sp)
+        qk, v = qkv.view(b, s, self.n_heads + 2 * self.n_kv_heads, self.head_dim).split(
+            [self.n_heads + self.n_kv_heads, self.n_kv_heads], 2)
+        q, k = rotary(qk, t.cos, t.sin).split([self.n_heads, self.n_kv_heads], 2)  # one rotation for both
+        # v copied: saved for backward as a view, it would keep the whole product alive
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.contiguous().transpose(1, 2)
         attend = self.cp.attention if t.context else partial(self._local_attention, cache=t.cache)
         if self.recompute == "selective" and torch.is_grad_enabled() and t.cache is None:
             out = checkpoint(attend, q, k, v, use_reentrant=False)  # the core again in backward, not its saves
@@ -127,8 +121,7 @@ class MLP(nn.Module):
         self.w_down = Linear(tp, cfg.ffn_dim, cfg.dim, "row")
 
     def forward(self, x: torch.Tensor, sp: bool) -> torch.Tensor:
-        gate, up = linear(self.tp, x, [self.w_gate.weight, self.w_up.weight], "column", sp)
-        return self.w_down(F.silu(gate) * up, sp)
+        return self.w_down(swiglu(linear(self.tp, x, [self.w_gate.weight, self.w_up.weight], "column", sp)), sp)
 
 
 class Block(nn.Module):
@@ -224,8 +217,7 @@ class Llama(nn.Module):
 
     def logits(self, h: torch.Tensor, sp: bool) -> torch.Tensor:
         """This rank's logits [tokens, vocab piece] from the head's input."""
-        (logits,) = linear(self.tp, h, [self.head_layer.weight], "column", sp)
-        return logits
+        return linear(self.tp, h, [self.head_layer.weight], "column", sp)
 
     def local_logits(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Logits [b*s, this rank's vocab piece] for tokens [b, s], through the whole model."""

@@ -90,14 +90,14 @@ class WeightGrads:
     @torch.no_grad()
     def run(self, work: list | None = None) -> None:
         """Perform `work` (by default everything queued)."""
-        for weight, compute in self.take() if work is None else work:
-            grad = compute()
-            if weight.grad is None:
-                weight.grad = grad
-            else:
-                weight.grad.add_(grad)
-            if self.on_grad is not None:
-                self.on_grad(weight)
+        for weights, compute in self.take() if work is None else work:
+            for weight, grad in zip(weights, compute()):
+                if weight.grad is None:
+                    weight.grad = grad
+                else:
+                    weight.grad.add_(grad)
+                if self.on_grad is not None:
+                    self.on_grad(weight)
 
 
 class TensorParallel:
@@ -146,58 +146,59 @@ def _wait(p: Pending | None) -> None:
 
 
 class _Linear(torch.autograd.Function):
-    """y_i = x W_i^T for weights sharing one input; column mode gathers x, row mode reduces y."""
+    """y = x [W_1; W_2; ...]^T: weights sharing one input, stacked by rows into one product; column mode gathers
+    x, row mode reduces y."""
 
     @staticmethod
     def forward(ctx, x, tp: TensorParallel, mode: str, sp: bool, *weights):
         # the weights themselves, not saved copies: deferred gradients and their hooks need the parameters
         ctx.tp, ctx.mode, ctx.sp, ctx.weights = tp, mode, sp, weights
-        if mode == "column":
-            full, _ = tp.gather(x, sp)
-            ctx.save_for_backward(x)  # under sequence-TP the shard: gathered again in backward
-            return tuple(F.linear(full, w) for w in weights)
-        ctx.save_for_backward(x)
-        y = F.linear(x, weights[0])
+        ctx.save_for_backward(x)  # under sequence-TP the shard: gathered again in backward
+        full = tp.gather(x, sp)[0] if mode == "column" else x
+        y = F.linear(full, _stacked(weights))
         if mode == "row":
             y, _ = tp.reduce(y, sp)
         return y
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx, dy):
         tp, mode, sp = ctx.tp, ctx.mode, ctx.sp
         (x,), weights = ctx.saved_tensors, ctx.weights
         if mode == "column":
             full, gathering = tp.gather(x, sp, async_op=True)
-            dx = sum(dy @ w for dy, w in zip(grads, weights))
-            dx, reducing = tp.reduce(dx, sp, async_op=True)  # overlaps the weight gradients below
+            dx, reducing = tp.reduce(dy @ _stacked(weights), sp, async_op=True)  # overlaps the weight gradients
             _wait(gathering)
         else:
-            (dy,), full = grads, x
+            full = x
             if mode == "row":
                 dy, _ = tp.gather(dy, sp)
-                grads = (dy,)
             dx, reducing = dy @ weights[0], None
-        dws = [_weight_grad(tp, w, dy, full) for dy, w in zip(grads, weights)]
+        dws = _weight_grads(tp, weights, dy, full)
         _wait(reducing)
         return (dx, None, None, None, *dws)
 
 
-def _weight_grad(tp: TensorParallel, weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor):
+def _stacked(weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return weights[0] if len(weights) == 1 else torch.cat(weights)
+
+
+def _weight_grads(tp: TensorParallel, weights: tuple[torch.Tensor, ...], dy: torch.Tensor, x: torch.Tensor):
     def compute():
-        return dy.flatten(0, -2).t() @ x.flatten(0, -2)
+        return (dy.flatten(0, -2).t() @ x.flatten(0, -2)).split([w.shape[0] for w in weights])
 
     if tp.weight_grads.defer:
-        tp.weight_grads.pending.append((weight, compute))
-        return None
+        tp.weight_grads.pending.append((weights, compute))
+        return [None] * len(weights)
     return compute()
 
 
-def linear(tp: TensorParallel, x: torch.Tensor, weights: list[torch.Tensor], mode: str, sp: bool):
-    """Apply one or more weights to x in `mode` (plain, column or row); a tuple for column mode."""
+def linear(tp: TensorParallel, x: torch.Tensor, weights: list[torch.Tensor], mode: str, sp: bool) -> torch.Tensor:
+    """x times the weights stacked by rows, in `mode` (plain, column or row): one product whose last dimension
+    holds each weight's outputs in turn (the caller splits it; a split, not slices, keeps its gradient one
+    tensor)."""
     wg = tp.weight_grads
-    if not (wg.defer or wg.used) and (tp.size == 1 or mode == "plain"):  # autograd's own linear suffices
-        out = tuple(F.linear(x, w) for w in weights)
-        return out if mode == "column" else out[0]
+    if len(weights) == 1 and not (wg.defer or wg.used) and (tp.size == 1 or mode == "plain"):
+        return F.linear(x, weights[0])  # autograd's own linear suffices
     return _Linear.apply(x, tp, mode, sp and tp.size > 1, *weights)
 
 
@@ -218,8 +219,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape))
 
     def forward(self, x: torch.Tensor, sp: bool) -> torch.Tensor:
-        out = linear(self.tp, x, [self.weight], self.mode, sp)
-        return out[0] if self.mode == "column" else out
+        return linear(self.tp, x, [self.weight], self.mode, sp)
 
 
 class _Reduce(torch.autograd.Function):

@@ -11,19 +11,18 @@ Activations (saved for backward, per micro-batch; a per-layer count in the manne
 for this model: RMSNorm, SwiGLU, rotary embeddings, fused attention that keeps its log-sum-exp), with T tokens
 on the rank, T_h the hidden rows (T / tp under sequence-TP), and per tp rank q_dim and kv_dim the query and
 key/value widths, a the heads, f the ffn width:
-  per block   b * (6 * T_h * dim            each norm's input, normalised input and output (the linear's input)
+  per block   b * (4 * T_h * dim            each norm's input and output (the linear's input)
                    + 2 * T * q_dim          q after rotation, the attention output (the wo input)
                    + 2 * T * kv_dim         k after rotation, v
-                   + 4 * T * f)             gate, silu(gate), up, the w_down input
+                   + 3 * T * f)             gate and up (one product), the w_down input
               + 4 * (2 * T_h + T * a)       norm statistics, the attention log-sum-exp
-              + 2 * (4 - b) * T_h * dim     in bf16 each norm's input is kept as its fp32 copy
   recompute   full: each sub-layer's input only (2 * b * T_h * dim) plus one block rebuilt in backward;
               selective: the attention output and log-sum-exp are rebuilt
   context     all-gather KV keeps the gathered keys and values (cp times this rank's); Ulysses the query and
               output at both head splits
-  ends        the final norm ((3 * b + 4 - b) * T_h * dim and its statistics), the logits (4 * T * vocab / tp; with
+  ends        the final norm (2 * b * T_h * dim and its statistics), the logits (4 * T * vocab / tp; with
               model.loss_chunk the head weight's gradient instead, 4 * vocab * dim), token ids and labels
-              (16 * T), the rotary tables
+              (16 * T), the rotary tables (4 * seq * head_dim)
 A pipeline rank keeps its stages' activations for the (stage, micro-batch) pairs in flight (the simulator's
 peak).
 """
@@ -54,7 +53,7 @@ def block_activations(rank: Rank, layer: int, recompute: str) -> int:
     if recompute == "full":
         return 2 * b * th * cfg.dim
     core = 0 if recompute == "selective" else b * t * q + 4 * t * attn.n_heads
-    saved = b * (6 * th * cfg.dim + t * q + 2 * t * kv + 4 * t * ffn) + core + 4 * 2 * th + 2 * (4 - b) * th * cfg.dim
+    saved = b * (4 * th * cfg.dim + t * q + 2 * t * kv + 3 * t * ffn) + core + 4 * 2 * th
     cp = rank.model.cp
     if cp.size > 1 and cp.mode == "allgather":
         saved += b * 2 * (cp.size - 1) * t * kv
@@ -72,9 +71,9 @@ def activations(rank: Rank) -> dict[str, int]:
     if rank.model.norm is not None:
         vocab = rank.model.head_layer.weight.shape[0]
         logits = 4 * vocab * cfg.dim if cfg.loss_chunk else 4 * t * vocab
-        per_micro += (3 * b + 4 - b) * rank.hidden_tokens * cfg.dim + 4 * rank.hidden_tokens + logits + 16 * t
+        per_micro += 2 * b * rank.hidden_tokens * cfg.dim + 4 * rank.hidden_tokens + logits + 16 * t
     if rank.blocks:
-        per_micro += 2 * 4 * rank.cfg.train.seq_len // rank.model.cp.size * cfg.head_dim
+        per_micro += 4 * rank.cfg.train.seq_len // rank.model.cp.size * cfg.head_dim
     rebuilt = max(block_activations(rank, layer, "none") for layer in rank.blocks) \
         if cfg.recompute == "full" and rank.blocks else 0
     return {"saved": per_micro * in_flight(rank) // len(rank.model.stages), "rebuilt": rebuilt}
