@@ -91,7 +91,8 @@ class TorchLlama(nn.Module):
         if self.embed is not None:
             seq = x.shape[1]
             x = self.embed(x)
-        cos, sin = (t[:, 0].repeat(1, 2) for t in rope_tables(torch.arange(seq), self.cfg.head_dim, self.cfg.rope_theta))
+        tables = rope_tables(torch.arange(seq), self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = (t[:, 0].repeat(1, 2) for t in tables)  # [seq, head_dim]: both halves' angles
         for block in self.layers.values():
             x = block(x, cos, sin)
         return x if self.head is None else self.head(self.norm(x))

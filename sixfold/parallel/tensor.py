@@ -172,7 +172,7 @@ class _Linear(torch.autograd.Function):
             full = x
             if mode == "row":
                 dy, _ = tp.gather(dy, sp)
-            dx, reducing = dy @ weights[0], None
+            dx, reducing = dy @ _stacked(weights), None
         dws = _weight_grads(tp, weights, dy, full)
         _wait(reducing)
         return (dx, None, None, None, *dws)
