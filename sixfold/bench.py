@@ -168,4 +168,5 @@ def bench(args, path: str | None, overrides: list[str], argv: list[str]) -> None
         table(path, overrides, steps, args.write, argv, args.runs)
         return
     cfg = workload_config(path, overrides, steps)
-    print(line(cfg.parallel.describe(), time_run(cfg), steps))
+    threads = os.environ.get("OMP_NUM_THREADS") or str(threads_per_rank(cfg))
+    print(line(cfg.parallel.describe(), time_run(cfg, threads), steps))
