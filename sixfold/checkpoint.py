@@ -138,9 +138,16 @@ def start_staging(path: Path) -> Path:
     return tmp
 
 
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, the file then readable as its directory is: save_file makes it 0600 whatever the
+    umask, which would hide a checkpoint from the rest of a group sharing the run directory."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, path.parent.stat().st_mode & 0o666)
+
+
 def write_tensors(tmp: Path, fname: str, tensors: dict[str, torch.Tensor]) -> dict:
     """One safetensors file; its size and sha256 for meta.json."""
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp / fname))
+    save_tensors({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp / fname)
     return {"sha256": _sha256(tmp / fname), "bytes": (tmp / fname).stat().st_size}
 
 

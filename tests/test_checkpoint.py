@@ -81,6 +81,12 @@ def test_each_slice_is_written_once_by_one_replica(saved):
     assert {f.name.split("-")[1] for f in saved.glob("*.safetensors")} == {"00000.safetensors", "00001.safetensors"}
 
 
+def test_tensor_files_are_as_readable_as_the_rest(saved):
+    """safetensors alone would write them 0600 whatever the umask."""
+    mode = (saved / "meta.json").stat().st_mode
+    assert {f.stat().st_mode for f in saved.glob("*.safetensors")} == {mode}
+
+
 def _fingerprint(root: Path) -> dict:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
             if p.is_file()}

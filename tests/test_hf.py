@@ -63,6 +63,7 @@ def test_export_loads_in_transformers(tmp_path, tied):
                                                 output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert hf.config.tie_word_embeddings == tied
+    assert (tmp_path / "hf/model.safetensors").stat().st_mode == (tmp_path / "hf/config.json").stat().st_mode
     with torch.no_grad():
         assert max_diff(model(tokens()), hf.eval()(tokens()).logits) <= TOL
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from ..checkpoint import Checkpoint, CheckpointError, check_shapes, write_checkpoint
+from ..checkpoint import Checkpoint, CheckpointError, check_shapes, save_tensors, write_checkpoint
 from ..slices import Reader
 from ..config import Config, ConfigError, ModelConfig, config_from_dict
 from .llama import Llama, full_shapes
@@ -213,5 +213,5 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
                             for j, w in enumerate(v)})
         else:
             tensors[hf_name(k)] = v.contiguous()
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_tensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     return out_dir
