@@ -1,4 +1,4 @@
-"""RMSNorm, rotary embedding and SwiGLU as autograd Functions with hand-written backward.
+"""RMSNorm, the attention heads (rotary embedding) and SwiGLU as autograd Functions with hand-written backward.
 
 Autograd's chain of small operations makes several passes over memory and saves their intermediates; these make
 fewer passes and save only their input (the norm: and its per-token statistics) or nothing (rotation: the tables).
@@ -9,12 +9,17 @@ import torch
 import torch.nn.functional as F
 
 
+def _wide(x: torch.Tensor) -> torch.dtype:
+    """fp32, or x's dtype if wider."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 class RMSNormFunction(torch.autograd.Function):
     """weight * (x / rms(x)).to(x.dtype), the statistics in fp32 or wider (Hugging Face's LlamaRMSNorm)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
-        h = x.float()
+        h = x.to(_wide(x))
         rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True).add_(eps))
         ctx.save_for_backward(x, weight, rstd)
         y = (h * rstd).to(x.dtype)
@@ -23,10 +28,10 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
-        xhat = x.float() * rstd
-        g = grad.float()
+        xhat = x.to(rstd.dtype) * rstd
+        g = grad.to(rstd.dtype)
         dweight = (g * xhat).flatten(0, -2).sum(0).to(weight.dtype)
-        gy = g * weight.float()
+        gy = g * weight.to(rstd.dtype)
         # d/dx of x * rstd(x): rstd * (gy - xhat * mean(gy * xhat))
         mean = (gy * xhat).mean(-1, keepdim=True)
         dx = gy.sub_(xhat.mul_(mean)).mul_(rstd)
@@ -37,35 +42,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return RMSNormFunction.apply(x, weight, eps)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    """Each head's halves (x1, x2) turned by the angle (sign +1) or back (-1): (x1 cos - x2 sin, x2 cos + x1 sin)."""
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float, out: torch.Tensor) -> None:
+    """Each head's halves (x1, x2) turned by the angle (sign +1) or back (-1) into out: (x1 cos - x2 sin,
+    x2 cos + x1 sin)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     o1, o2 = out[..., :half], out[..., half:]
     torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-sign)
     torch.mul(x2, cos, out=o2).addcmul_(x1, sin, value=sign)
-    return out
 
 
-class RotaryFunction(torch.autograd.Function):
-    """Rotate-half rotary embedding; its gradient is the inverse rotation, so nothing but the tables is saved."""
+class HeadsFunction(torch.autograd.Function):
+    """The product of the stacked q, k, v weights into rotated q and k and v, as [b, heads, s, head_dim] views
+    of one new buffer; the gradient comes back as one tensor of the product's layout. The rotation's gradient is
+    the inverse rotation, so nothing but the tables is saved."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin):
+    def forward(ctx, x, n_q: int, n_kv: int, cos, sin):
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         ctx.save_for_backward(cos, sin)
-        return _rotate(x, cos, sin, 1.0)
+        ctx.n_qk = n_q + n_kv
+        out = torch.empty_like(x)
+        _rotate(x[:, :, :ctx.n_qk], cos, sin, 1.0, out[:, :, :ctx.n_qk])
+        out[:, :, ctx.n_qk:] = x[:, :, ctx.n_qk:]
+        q, k, v = out.transpose(1, 2).split([n_q, n_kv, n_kv], 1)
+        return q, k, v
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, dq, dk, dv):
         cos, sin = ctx.saved_tensors
-        return _rotate(grad, cos, sin, -1.0), None, None
+        n_q = dq.shape[1]
+        dx = torch.empty(dq.shape[0], dq.shape[2], ctx.n_qk + dv.shape[1], dq.shape[3], dtype=dq.dtype,
+                         device=dq.device)
+        _rotate(dq.transpose(1, 2), cos, sin, -1.0, dx[:, :, :n_q])
+        _rotate(dk.transpose(1, 2), cos, sin, -1.0, dx[:, :, n_q:ctx.n_qk])
+        dx[:, :, ctx.n_qk:] = dv.transpose(1, 2)
+        return dx, None, None, None, None
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., s, heads, head_dim] rotated by the angles of its s positions; cos, sin [s, 1, head_dim / 2]."""
-    return RotaryFunction.apply(x, cos, sin)
+def attention_heads(x: torch.Tensor, n_q: int, n_kv: int, cos: torch.Tensor, sin: torch.Tensor):
+    """x [b, s, n_q + 2 n_kv, head_dim] (q, k, v heads) -> q, k rotated by the angles of the s positions and v,
+    each [b, heads, s, head_dim]; cos, sin [s, 1, head_dim / 2]."""
+    return HeadsFunction.apply(x, n_q, n_kv, cos, sin)
 
 
 class SwiGLUFunction(torch.autograd.Function):

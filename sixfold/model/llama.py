@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
-from .fused import rms_norm, rotary, swiglu
+from .fused import attention_heads, rms_norm, swiglu
 from .head_loss import chunked_head_loss
 from .moe import MoE
 from ..parallel.context import ContextParallel
@@ -88,11 +88,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, t: Tokens) -> torch.Tensor:
         (b, s), sp = t.shape, t.sequence_tp
         qkv = linear(self.tp, x, [self.wq.weight, self.wk.weight, self.wv.weight], "column", sp)
-        qk, v = qkv.view(b, s, self.n_heads + 2 * self.n_kv_heads, self.head_dim).split(
-            [self.n_heads + self.n_kv_heads, self.n_kv_heads], 2)
-        q, k = rotary(qk, t.cos, t.sin).split([self.n_heads, self.n_kv_heads], 2)  # one rotation for both
-        # v copied: saved for backward as a view, it would keep the whole product alive
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.contiguous().transpose(1, 2)
+        q, k, v = attention_heads(qkv.view(b, s, self.n_heads + 2 * self.n_kv_heads, self.head_dim),
+                                  self.n_heads, self.n_kv_heads, t.cos, t.sin)
         attend = self.cp.attention if t.context else partial(self._local_attention, cache=t.cache)
         if self.recompute == "selective" and torch.is_grad_enabled() and t.cache is None:
             out = checkpoint(attend, q, k, v, use_reentrant=False)  # the core again in backward, not its saves
