@@ -320,6 +320,12 @@ def spread(values: list[float], digits: int) -> str:
     return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
+def paired(ours: list[float], theirs: list[float]) -> str:
+    """Each alternation's own ratio (its two runs minutes apart, so a slow spell of the machine falls on both):
+    median (range). Every one below 1 is a win that the spread of either side's times alone may hide."""
+    return spread([a / b for a, b in zip(ours, theirs)], 3)
+
+
 def report(bench: Bench, rows: list[dict], args, rev: str) -> str:
     sides, label = ("sixfold", bench.side), bench.label
     kept = [r for row in rows for side in sides for r in row[side]]
@@ -331,18 +337,20 @@ def report(bench: Bench, rows: list[dict], args, rev: str) -> str:
              f"{args.steps} timed; {repeats} run(s) repeated because other processes were busy; in the runs kept "
              f"they used at most {others:.2f} cores.",
              "",
-             "Times are s/step and memory MB: median over runs (range).",
+             "Times are s/step and memory MB: median over runs (range). Paired: the time ratio of each alternation "
+             "(a sixfold run and the next run of the other side): median (range).",
              "",
-             f"| layout | sixfold s/step | {label} s/step | time ratio | sixfold peak MB | {label} peak MB | "
-             "memory ratio |",
-             "|---|---|---|---|---|---|---|"]
+             f"| layout | sixfold s/step | {label} s/step | time ratio | paired | sixfold peak MB | {label} peak MB "
+             "| memory ratio |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         t = {side: [r["step_s"] for r in row[side]] for side in sides}
         m = {side: [r["peak_mb"] for r in row[side]] for side in sides}
         time_ratio = statistics.median(t["sixfold"]) / statistics.median(t[bench.side])
         mem_ratio = statistics.median(m["sixfold"]) / statistics.median(m[bench.side])
         lines.append(f"| {bench.describe(row['world'])} ({row['world']} ranks) | {spread(t['sixfold'], 3)} | "
-                     f"{spread(t[bench.side], 3)} | **{time_ratio:.3f}** | {spread(m['sixfold'], 0)} | "
+                     f"{spread(t[bench.side], 3)} | **{time_ratio:.3f}** | {paired(t['sixfold'], t[bench.side])} | "
+                     f"{spread(m['sixfold'], 0)} | "
                      f"{spread(m[bench.side], 0)} | **{mem_ratio:.3f}** |")
     return "\n".join(lines)
 

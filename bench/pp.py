@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import (QUIET, ROOT, WARMUP, Pipe, leave, machine, pipeline_worker, revision, save_result,
+from common import (QUIET, ROOT, WARMUP, Pipe, leave, machine, paired, pipeline_worker, revision, save_result,
                     sixfold_worker, spread, torchrun, wait_quiet, write_doc)
 
 MODEL = ["model.vocab_size=320", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8"]
@@ -276,8 +276,8 @@ def main() -> None:
     rows = [bubble_row(name, pp, args.micro, rs) for (name, pp), rs in runs.items()]
     notes = [note for _, note in rows if note]
     bubble += [row for row, _ in rows] + ([""] + notes if notes else [])
-    versus = ["| schedule | sixfold s/step | torch s/step | time ratio | sixfold peak MB | torch peak MB | "
-              "memory ratio | step-1 loss sixfold / torch |", "|---|---|---|---|---|---|---|---|"]
+    versus = ["| schedule | sixfold s/step | torch s/step | time ratio | paired | sixfold peak MB | torch peak MB | "
+              "memory ratio | step-1 loss sixfold / torch |", "|---|---|---|---|---|---|---|---|---|"]
     for name, theirs in torch_runs.items():
         ours = runs[name, 2]
         st = [[step_time(r[0]) for r in side] for side in (ours, theirs)]
@@ -285,7 +285,8 @@ def main() -> None:
         loss = [ours[0][0]["loss"][0], theirs[0][0]["loss"][0]]
         flag = "" if abs(loss[0] - loss[1]) <= 1e-5 * abs(loss[0]) else " **differ**"
         versus.append(f"| {name} | {spread(st[0], 3)} | {spread(st[1], 3)} | "
-                      f"**{statistics.median(st[0]) / statistics.median(st[1]):.3f}** | {spread(mem[0], 0)} | "
+                      f"**{statistics.median(st[0]) / statistics.median(st[1]):.3f}** | {paired(*st)} | "
+                      f"{spread(mem[0], 0)} | "
                       f"{spread(mem[1], 0)} | **{statistics.median(mem[0]) / statistics.median(mem[1]):.3f}** | "
                       f"{loss[0]:.6f} / {loss[1]:.6f}{flag} |")
     cores, repeats = [o for o, _ in others], sum(n for _, n in others)
@@ -313,7 +314,8 @@ def main() -> None:
            "so its rows show each schedule's shape more than its cost." if args.pp4 else ""), "", *bubble,
         "", "### sixfold vs torch.distributed.pipelining (pp=2)", "",
         "Times are s/step and memory MB (peak RSS above the mark before the model, max over ranks): median over "
-        "runs (range).", "", *versus])
+        "runs (range). Paired: the time ratio of each alternation (a sixfold job and the next torch job): median "
+        "(range).", "", *versus])
     print(body)
     write_doc("pp", "Pipeline bubble: measured, simulated, theory; sixfold vs torch.distributed.pipelining", body)
     print(f"wrote {Path('docs/benchmarks.md')}")
