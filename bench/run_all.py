@@ -49,7 +49,7 @@ JOBS = (
         ("bench/tp.py", "--ranks", "2", "--runs", "1", "--steps", "3"), ("tp",)),
     Job("pp", ("bench/pp.py", "--runs", "3", "--pp4"),
         ("bench/pp.py", "--runs", "1", "--schedules", "1f1b", "zb-v"), ("pp",)),
-    Job("e2e", ("bench/e2e.py", "--ranks", "4", "8", "--runs", "3"),
+    Job("e2e", ("bench/e2e.py", "--ranks", "1", "4", "8", "--runs", "3"),
         ("bench/e2e.py", "--ranks", "4", "8", "--runs", "1", "--steps", "3"), ("e2e",)),
     Job("tp-activations", ("bench/activations.py", "--tp", "1", "2", "4"),
         ("bench/activations.py", "--tp", "1", "2"), ("tp-activations",)),
