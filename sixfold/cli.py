@@ -224,11 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
     from .benchjob import BenchError
     from .comm import CommError
+    from .stop import Stopped
     from .train import TrainingError
+    rank = os.environ.get("RANK")
     try:
         return args.fn(args, argv)
+    except Stopped as e:
+        print(f"sixfold{f' (rank {rank})' if rank else ''}: {e}", file=sys.stderr)
+        return e.exit_code
     except (*KNOWN_ERRORS, TrainingError, CommError, BenchError) as e:
-        rank = os.environ.get("RANK")
         print(f"sixfold error{f' (rank {rank})' if rank else ''}: {e}", file=sys.stderr)
         return 2
 

@@ -27,6 +27,7 @@ from .parallel.pipeline.stages import split_stages
 from .parallel.sharding import Sharded
 from .parallel.tensor import IGNORE_INDEX, TensorParallel
 from .pictures import draw_pictures
+from .stop import StopSignal, Stopped
 from .trace import Tracer, overlap_table, write_chrome_trace
 
 TRACE_STEPS = 3
@@ -201,33 +202,56 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         log = RunLog(self.run_dir, self.ctx.is_main, t.steps, self.step, cfg.log.progress, cfg.log.tensorboard)
         history, began = [], time.perf_counter()
-        try:
-            while self.step < t.steps:
-                self.tracer.enabled = cfg.log.trace and self.step >= t.steps - TRACE_STEPS
-                self.tracer.step = self.step + 1
-                self.comm.ledger.close("other")  # since the last step: checkpoints, loading, setting up
-                m = self.train_step()
-                m["elapsed_s"] = time.perf_counter() - began
-                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
-                    m["val_loss"] = self.evaluate()
-                    self.comm.ledger.close("eval")
-                history.append(m)
-                log.step(m, show=self.step % cfg.log.every == 0 or self.step == t.steps)
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < t.steps:
-                    self.save()
-            self.tracer.enabled = False
-            self.sharded.settle()
-            if cfg.checkpoint.save_final:
-                log.print(f"checkpoint: {self.save()}")
-            self.saver.wait()
-            if cfg.log.sample_tokens:  # every rank: under ZeRO-3 each forward gathers weights from all
-                text = self.sample()
-                log.print("sample:\n" + text)
-                self.comm.ledger.close("sample")
-            self._write_outputs(log)
-        finally:
-            log.close()
+        with StopSignal() as stop:
+            try:
+                while self.step < t.steps:
+                    self.tracer.enabled = cfg.log.trace and self.step >= t.steps - TRACE_STEPS
+                    self.tracer.step = self.step + 1
+                    self.comm.ledger.close("other")  # since the last step: checkpoints, the stop check, loading
+                    m = self.train_step()
+                    m["elapsed_s"] = time.perf_counter() - began
+                    if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                        m["val_loss"] = self.evaluate()
+                        self.comm.ledger.close("eval")
+                    history.append(m)
+                    log.step(m, show=self.step % cfg.log.every == 0 or self.step == t.steps)
+                    due = cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < t.steps
+                    if due:
+                        self.save()
+                    if self._stop_heard(stop):
+                        raise self._stopped(saved=due)
+                self.tracer.enabled = False
+                self.sharded.settle()
+                if cfg.checkpoint.save_final:
+                    log.print(f"checkpoint: {self.save()}")
+                self.saver.wait()
+                if cfg.log.sample_tokens:  # every rank: under ZeRO-3 each forward gathers weights from all
+                    text = self.sample()
+                    log.print("sample:\n" + text)
+                    self.comm.ledger.close("sample")
+                self._write_outputs(log)
+            finally:
+                log.close()
         return history
+
+    def _stop_heard(self, stop: StopSignal) -> bool:
+        """Whether any rank has received SIGTERM: each one's flag summed over the world once a step, so that all
+        stop after the same step (counted in the ledger's "other" phase, outside the steps)."""
+        if self.ctx.world_size == 1:
+            return stop.received
+        (heard,) = self.comm.sum_scalars([float(stop.received)], "world")
+        return heard > 0
+
+    def _stopped(self, saved: bool) -> Stopped:
+        """The end of a run stopped by SIGTERM: the step's checkpoint (unless `saved` already, or checkpoints are
+        off) written, and the error saying how to go on."""
+        c, done = self.cfg.checkpoint, f"stopped by SIGTERM after step {self.step} of {self.cfg.train.steps}"
+        if not (c.every or c.save_final):
+            return Stopped(f"{done}; no checkpoint written (checkpoint.every=0, checkpoint.save_final=false)")
+        path = ckpt.step_dir(self.run_dir, self.step) if saved else self.save()
+        self.saver.wait()
+        return Stopped(f"{done}; checkpoint {path}: run the same command with checkpoint.resume=auto (or "
+                       f"checkpoint.resume={path}) to go on")
 
     def sample(self) -> str:
         from .generate import sample_text

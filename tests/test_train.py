@@ -17,6 +17,7 @@ from sixfold.checkpoint import Checkpoint
 from sixfold.logs import read_metrics
 from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
 from sixfold.slices import Reader
+from sixfold.stop import StopSignal
 from helpers import ROOT, TINY, sixfold, torchrun
 
 
@@ -185,28 +186,77 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def test_a_killed_rank_restarts_the_job_which_resumes_and_ends_as_if_never_stopped(tmp_path):
-    """torchrun --max-restarts: SIGKILL one rank mid-run; the restarted job resumes from the latest checkpoint
-    and ends with the uninterrupted run's final loss."""
-    common = ["train.steps=30", "checkpoint.every=3", "parallel.dp_replicate=2"]
-    assert _train(tmp_path / "whole", *common).returncode == 0
-    run = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}", "checkpoint.resume=auto", *common]
+LONG = ["train.steps=30", "parallel.dp_replicate=2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> float:
+    """The final loss of a 30-step run on 2 ranks that nothing stops."""
+    run = tmp_path_factory.mktemp("whole")
+    assert _train(run, *LONG).returncode == 0
+    return read_metrics(run)[-1]["loss"]
+
+
+def _start(run: Path, *overrides: str, restarts: int = 0) -> tuple[subprocess.Popen, list[int]]:
+    """LONG on 2 ranks under torchrun, resuming from the run directory's latest checkpoint if any; once it has
+    logged 3 steps, its two workers' pids."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           f"--max-restarts={restarts}", "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}",
+           "checkpoint.resume=auto", *LONG, *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run / "metrics.jsonl"
-    while job.poll() is None and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 5):
+    while job.poll() is None and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
         time.sleep(0.05)
     workers = _children(job.pid)
-    assert job.poll() is None and len(workers) == 2, "the run ended before a rank could be killed"
+    assert job.poll() is None and len(workers) == 2, "the run ended before a rank could be stopped"
+    return job, workers
+
+
+def test_a_killed_rank_restarts_the_job_which_resumes_and_ends_as_if_never_stopped(tmp_path, uninterrupted):
+    """torchrun --max-restarts: SIGKILL one rank mid-run; the restarted job resumes from the latest checkpoint
+    and ends with the uninterrupted run's final loss."""
+    run = tmp_path / "killed"
+    job, workers = _start(run, "checkpoint.every=3", restarts=1)
     os.kill(max(workers), signal.SIGKILL)
     out, err = job.communicate(timeout=300)
     assert job.returncode == 0, err[-3000:]
     assert "exitcode: -9" in err  # torchrun saw the kill and restarted the job
     steps = read_metrics(run)  # steps after the last checkpoint may appear twice
     assert sorted({m["step"] for m in steps}) == list(range(1, 31))
-    assert steps[-1]["loss"] == read_metrics(tmp_path / "whole")[-1]["loss"]
+    assert steps[-1]["loss"] == uninterrupted
+
+
+def test_sigterm_ends_the_run_with_a_checkpoint_and_it_goes_on_as_if_never_stopped(tmp_path, uninterrupted):
+    """A scheduler's preemption, sent to one rank only (no periodic checkpoints): both ranks finish the same
+    step, its checkpoint is written, and each exits with 128 + SIGTERM saying how to go on; run again with
+    checkpoint.resume=auto, it ends with the uninterrupted run's final loss."""
+    run = tmp_path / "stopped"
+    job, workers = _start(run)
+    os.kill(max(workers), signal.SIGTERM)
+    out, err = job.communicate(timeout=300)
+    last = read_metrics(run)[-1]["step"]
+    assert job.returncode != 0 and last < 30, err[-3000:]
+    assert err.count(f"stopped by SIGTERM after step {last} of 30; checkpoint ") == 2, err[-3000:]
+    assert "checkpoint.resume=auto" in err
+    assert (run / "checkpoints" / "latest").read_text() == f"step_{last:07d}"
+    assert _train(run, *LONG, "checkpoint.resume=auto", nproc=2).returncode == 0
+    steps = read_metrics(run)
+    assert [m["step"] for m in steps] == list(range(1, 31))
+    assert steps[-1]["loss"] == uninterrupted
+
+
+def test_sigterm_is_noted_while_training_and_the_handler_before_put_back():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopSignal() as stop:
+        assert not stop.received
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100):  # Python runs the handler between bytecodes, after the kill returns
+            if stop.received:
+                break
+            time.sleep(0.01)
+        assert stop.received
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_nproc_starts_the_ranks(tmp_path):
