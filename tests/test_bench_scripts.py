@@ -11,13 +11,14 @@ import common  # noqa: E402
 import run_all  # noqa: E402
 
 
-def test_e2e_sides_compute_the_same_steps():
-    """dp_shard=2 x tp=2 on the test model: sixfold's ZeRO-3 trainer, and FSDP2 over DTensor TP+SP (bench/e2e.py),
-    each a 4-rank torchrun job of 3 steps."""
+@pytest.mark.parametrize("world", [1, 4])
+def test_e2e_sides_compute_the_same_steps(world):
+    """On the test model, each side a torchrun job of 3 steps (bench/e2e.py): 1 process, sixfold's trainer and a
+    plain PyTorch loop; dp_shard=2 x tp=2, sixfold's ZeRO-3 trainer and FSDP2 over DTensor TP+SP."""
     losses = {}
     for side in ("sixfold", "composed"):
-        ranks, _ = common.torchrun(ROOT / "bench" / "e2e.py", 4, "--worker", side, "--steps", "3", "--config", TINY)
-        assert len(ranks) == 4 and all(r["peak_mb"] > 0 and len(r["step_s"]) == 3 for r in ranks)
+        ranks, _ = common.torchrun(ROOT / "bench" / "e2e.py", world, "--worker", side, "--steps", "3", "--config", TINY)
+        assert len(ranks) == world and all(r["peak_mb"] > 0 and len(r["step_s"]) == 3 for r in ranks)
         losses[side] = ranks[0]["loss"]
     assert losses["composed"] == pytest.approx(losses["sixfold"], rel=1e-5), losses
 
