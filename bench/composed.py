@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
@@ -103,7 +103,7 @@ class TorchLlama(nn.Module):
 
 
 class DTensorSplit:
-    """The part of sixfold's Split that init_weights uses, for a DTensor parameter."""
+    """The part of sixfold's Split that init_weights uses, for a DTensor parameter (a plain one is kept whole)."""
 
     def __init__(self, param):
         self.param = param
@@ -112,6 +112,8 @@ class DTensorSplit:
         return shape  # a DTensor's shape is the full one
 
     def local(self, full):
+        if not isinstance(self.param, DTensor):
+            return full
         # every rank drew the same full tensor: each keeps its piece, no communication
         return distribute_tensor(full, self.param.device_mesh, self.param.placements, src_data_rank=None)
 
