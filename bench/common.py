@@ -338,7 +338,8 @@ def report(bench: Bench, rows: list[dict], args, rev: str) -> str:
              f"they used at most {others:.2f} cores.",
              "",
              "Times are s/step and memory MB: median over runs (range). Paired: the time ratio of each alternation "
-             "(a sixfold run and the next run of the other side): median (range).",
+             "(a sixfold run and the other side's run next to it; sixfold goes first in odd alternations, the other "
+             "side in even ones): median (range).",
              "",
              f"| layout | sixfold s/step | {label} s/step | time ratio | paired | sixfold peak MB | {label} peak MB "
              "| memory ratio |",
@@ -370,7 +371,7 @@ def drive(bench: Bench, args) -> None:
     for world in args.ranks:
         row = {"world": world, "sixfold": [], bench.side: []}
         for i in range(args.runs):
-            for side in ("sixfold", bench.side):
+            for side in ("sixfold", bench.side)[::1 if i % 2 == 0 else -1]:  # who goes first alternates too
                 r = measure(bench, side, world, args)
                 row[side].append(r)
                 print(f"{world} ranks, run {i + 1}, {side:7}: {r['step_s']:.3f} s/step, peak {r['peak_mb']:.0f} MB, "
@@ -394,7 +395,8 @@ def drive(bench: Bench, args) -> None:
 def main(bench: Bench, description: str) -> None:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--ranks", type=int, nargs="+", default=list(bench.ranks), help="numbers of ranks to measure")
-    p.add_argument("--runs", type=int, default=3, help=f"alternations (sixfold then {bench.label}) per size")
+    p.add_argument("--runs", type=int, default=3, help=f"alternations (sixfold and {bench.label}, either first in "
+                   "turn) per size")
     p.add_argument("--steps", type=int, default=10, help=f"steps per run; the first {WARMUP} are not timed")
     p.add_argument("--config", default=str(ROOT / "configs" / "bench.yaml"))
     p.add_argument("--worker", choices=("sixfold", bench.side), help="(internal) run one rank of one side")

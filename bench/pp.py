@@ -1,7 +1,7 @@
 """Pipeline parallel: each schedule's bubble (measured from sixfold's trace, simulated, theory), and sixfold's
 pipeline beside torch.distributed.pipelining on the same stages and data.
 
-    python bench/pp.py --runs 3 --micro 8 --pp4
+    python bench/pp.py --runs 5 --micro 8 --pp4
 
 The workload is configs/bench.yaml with uniform stages: 8 blocks of dim 256, a 320-token vocabulary (the
 embedding and head cost about a tenth of a block), 8 sequences of 256 tokens per step, one per micro-batch.
@@ -34,7 +34,7 @@ SCHEDULES = {"gpipe": (1, "ScheduleGPipe"), "1f1b": (1, "Schedule1F1B"),
              "interleaved": (2, "ScheduleInterleaved1F1B"), "breadth-first": (2, "ScheduleLoopedBFS"),
              "zb-h1": (1, None), "zb-v": (2, "ScheduleZBVZeroBubble")}
 TRACED = 3  # steps sixfold's trainer traces (the last ones), after the timed ones
-TIMED = 3  # steps timed by default, untraced
+TIMED = 8  # steps timed by default, untraced
 COMPUTE = ("F", "B", "W")
 
 
@@ -238,7 +238,8 @@ def job(side: str, name: str, pp: int, args, log: list) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--runs", type=int, default=3, help="alternations (sixfold then torch) per schedule at pp=2")
+    p.add_argument("--runs", type=int, default=3, help="alternations (sixfold and torch, either first in turn) per "
+                   "schedule at pp=2")
     p.add_argument("--micro", type=int, default=8, help="micro-batches per step (one sequence each)")
     p.add_argument("--steps", type=int, default=WARMUP + TIMED + TRACED,
                    help=f"steps per job; the first {WARMUP} and the last {TRACED} (traced) untimed")
@@ -259,11 +260,13 @@ def main() -> None:
     rev, load, others, began = revision(), os.getloadavg(), [], time.perf_counter()
     runs = {(name, 2): [] for name in args.schedules}
     torch_runs = {name: [] for name in args.schedules if SCHEDULES[name][1]}
-    for _ in range(args.runs):
+    for i in range(args.runs):
         for name in args.schedules:
-            runs[name, 2].append(job("sixfold", name, 2, args, others))
-            if name in torch_runs:
-                torch_runs[name].append(job("torch", name, 2, args, others))
+            for side in ("sixfold", "torch")[::1 if i % 2 == 0 else -1]:  # who goes first alternates too
+                if side == "sixfold":
+                    runs[name, 2].append(job("sixfold", name, 2, args, others))
+                elif name in torch_runs:
+                    torch_runs[name].append(job("torch", name, 2, args, others))
     if args.pp4:
         for name in args.schedules:
             runs[name, 4] = [job("sixfold", name, 4, args, others)]
@@ -314,8 +317,8 @@ def main() -> None:
            "so its rows show each schedule's shape more than its cost." if args.pp4 else ""), "", *bubble,
         "", "### sixfold vs torch.distributed.pipelining (pp=2)", "",
         "Times are s/step and memory MB (peak RSS above the mark before the model, max over ranks): median over "
-        "runs (range). Paired: the time ratio of each alternation (a sixfold job and the next torch job): median "
-        "(range).", "", *versus])
+        "runs (range). Paired: the time ratio of each alternation (a sixfold job and the torch job next to it; "
+        "sixfold goes first in odd alternations, torch in even ones): median (range).", "", *versus])
     print(body)
     write_doc("pp", "Pipeline bubble: measured, simulated, theory; sixfold vs torch.distributed.pipelining", body)
     print(f"wrote {Path('docs/benchmarks.md')}")

@@ -47,7 +47,7 @@ JOBS = (
         ("bench/fsdp.py", "--ranks", "2", "--runs", "1", "--steps", "3"), ("fsdp",)),
     Job("tp", ("bench/tp.py", "--ranks", "2", "4", "--runs", "3"),
         ("bench/tp.py", "--ranks", "2", "--runs", "1", "--steps", "3"), ("tp",)),
-    Job("pp", ("bench/pp.py", "--runs", "3", "--pp4"),
+    Job("pp", ("bench/pp.py", "--runs", "5", "--pp4"),
         ("bench/pp.py", "--runs", "1", "--schedules", "1f1b", "zb-v"), ("pp",)),
     Job("e2e", ("bench/e2e.py", "--ranks", "1", "4", "8", "--runs", "3"),
         ("bench/e2e.py", "--ranks", "4", "8", "--runs", "1", "--steps", "3"), ("e2e",)),
