@@ -226,14 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     from .comm import CommError
     from .stop import Stopped
     from .train import TrainingError
-    rank = os.environ.get("RANK")
+    rank = f" (rank {os.environ['RANK']})" if os.environ.get("RANK") else ""
     try:
         return args.fn(args, argv)
     except Stopped as e:
-        print(f"sixfold{f' (rank {rank})' if rank else ''}: {e}", file=sys.stderr)
+        print(f"sixfold{rank}: {e}", file=sys.stderr)
         return e.exit_code
     except (*KNOWN_ERRORS, TrainingError, CommError, BenchError) as e:
-        print(f"sixfold error{f' (rank {rank})' if rank else ''}: {e}", file=sys.stderr)
+        print(f"sixfold error{rank}: {e}", file=sys.stderr)
         return 2
 
 
