@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from sixfold.model.fused import attention_heads, rms_norm, swiglu
-from sixfold.model.llama import rope_tables
+from sixfold.config import load_config
+from sixfold.model.llama import Llama, init_weights, rope_tables
 
 D = torch.float64
 
@@ -48,3 +49,51 @@ def test_swiglu():
     gate, up = x.chunk(2, -1)
     assert torch.allclose(swiglu(x), F.silu(gate) * up, rtol=0, atol=1e-12)
     assert torch.autograd.gradcheck(swiglu, (x,))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="a GPU's bf16 kernels"))])
+def test_bf16_forward_and_backward_are_fp64_to_bf16_round_off(device, compiled):
+    """Norm, heads and SwiGLU chained in bf16, eager or compiled into one graph: output and input gradients
+    against fp64 on the same rounded inputs."""
+    torch.manual_seed(0)
+    b, s, n_q, n_kv, hd = 2, 64, 4, 2, 16
+    dim = (n_q + 2 * n_kv) * hd
+    x, w = torch.randn(b, s, dim).bfloat16(), (1 + 0.1 * torch.randn(dim)).bfloat16()
+    cos, sin = rope_tables(torch.arange(s), hd, 10000.0)
+    grads = [torch.randn(b, n, s, hd).bfloat16() for n in (n_q, n_kv, n_kv)]
+    grads.append(torch.randn(b, s, dim // 2).bfloat16())
+
+    def chain(x, w, cos, sin):
+        h = rms_norm(x, w, 1e-5)
+        return (*attention_heads(h.view(b, s, n_q + 2 * n_kv, hd), n_q, n_kv, cos, sin), swiglu(h))
+
+    def run(dtype, where, fn):
+        inputs = [t.to(where, dtype).detach().requires_grad_() for t in (x, w)]
+        outs = fn(*inputs, cos.to(where), sin.to(where))
+        torch.autograd.backward(outs, [g.to(where, dtype) for g in grads])
+        return [t.detach().double().cpu() for t in (*outs, *(i.grad for i in inputs))]
+
+    ours = run(torch.bfloat16, device, torch.compile(chain, fullgraph=True) if compiled else chain)
+    for a, ref in zip(ours, run(D, "cpu", chain)):
+        assert float((a - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_a_block_compiles_into_one_graph():
+    """train.compile compiles each block's forward: a graph break would leave its pieces (and their backward)
+    eager. Compiled, the block gives eager's output and gradients."""
+    torch.manual_seed(0)
+    model = Llama(load_config("configs/tiny.yaml", []).model)
+    init_weights(model, 0)
+    block, x = model.layers["0"], torch.randn(2 * 16, model.cfg.dim)
+    t = model.tokens(2, 16, x.device)
+    results = []
+    for forward in (block.forward, torch.compile(block.forward, fullgraph=True)):
+        block.zero_grad()
+        inp = x.clone().requires_grad_()
+        out = forward(inp, t)
+        out.backward(torch.ones_like(out))
+        results.append([out.detach(), inp.grad, *(p.grad.clone() for p in block.parameters())])
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)

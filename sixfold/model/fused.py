@@ -2,6 +2,8 @@
 
 Autograd's chain of small operations makes several passes over memory and saves their intermediates; these make
 fewer passes and save only their input (the norm: and its per-token statistics) or nothing (rotation: the tables).
+Under torch.compile (train.compile) the plain operations run instead: the compiler derives their backward and fuses
+both into few kernels itself, where the Functions' writes into slices would split its graph.
 """
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        h = x.to(_wide(x))
+        y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return weight * y
     return RMSNormFunction.apply(x, weight, eps)
 
 
@@ -83,6 +89,13 @@ class HeadsFunction(torch.autograd.Function):
 def attention_heads(x: torch.Tensor, n_q: int, n_kv: int, cos: torch.Tensor, sin: torch.Tensor):
     """x [b, s, n_q + 2 n_kv, head_dim] (q, k, v heads) -> q, k rotated by the angles of the s positions and v,
     each [b, heads, s, head_dim]; cos, sin [s, 1, head_dim / 2]."""
+    if torch.compiler.is_compiling():
+        qk, v = x.transpose(1, 2).split([n_q + n_kv, n_kv], 1)
+        half = x.shape[-1] // 2
+        x1, x2 = qk[..., :half], qk[..., half:]
+        cos, sin = (t.to(x.dtype).transpose(0, 1) for t in (cos, sin))
+        q, k = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).split([n_q, n_kv], 1)
+        return q, k, v
     return HeadsFunction.apply(x, n_q, n_kv, cos, sin)
 
 
@@ -109,4 +122,7 @@ class SwiGLUFunction(torch.autograd.Function):
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        gate, up = x.chunk(2, -1)
+        return F.silu(gate) * up
     return SwiGLUFunction.apply(x)

@@ -383,13 +383,16 @@ class Sharded:
         A piece replicated on several tp ranks counts once: each replica adds its share; so does a tied
         embedding held by the first and last pipeline stages.
         """
+        units = self.units[1 if self.embed_copy else 0:]
+        replicated = [[(1 - self.splits[n].tp_parts / self.tp.size, u.grad_shard[a:b]) for n, a, b, _ in u.segments()
+                       if self.splits[n].tp_parts < self.tp.size] for u in units]
+        tensors = [t for u, pieces in zip(units, replicated) for t in (u.grad_shard, *(g for _, g in pieces))]
+        norms = iter(torch.stack([t.norm() for t in tensors]).tolist())  # one round trip to the device
         dense = experts = 0.0
-        for u in self.units[1 if self.embed_copy else 0:]:
-            sq = float(u.grad_shard.norm()) ** 2
-            for n, a, b, _ in u.segments():
-                split = self.splits[n]
-                if split.tp_parts < self.tp.size:
-                    sq -= (1 - split.tp_parts / self.tp.size) * float(u.grad_shard[a:b].norm()) ** 2
+        for u, pieces in zip(units, replicated):
+            sq = next(norms) ** 2
+            for share, _ in pieces:
+                sq -= share * next(norms) ** 2
             if u.expert:
                 experts += sq
             else:
