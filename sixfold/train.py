@@ -225,6 +225,7 @@ class Trainer:
                 if cfg.checkpoint.save_final:
                     log.print(f"checkpoint: {self.save()}")
                 self.saver.wait()
+                self.comm.ledger.close("other")  # the last step's stop check, the final checkpoint
                 if cfg.log.sample_tokens:  # every rank: under ZeRO-3 each forward gathers weights from all
                     text = self.sample()
                     log.print("sample:\n" + text)

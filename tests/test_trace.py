@@ -22,7 +22,7 @@ def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("traced") / "run"
     proc = sixfold("train", TINY, f"parallel.pp={PP}", f"parallel.tp={TP}", f"train.micro_batches={MICRO}",
                    f"train.steps={STEPS}", "train.eval_every=2", "log.trace=true", f"log.run_dir={run_dir}",
-                   "checkpoint.save_final=false")
+                   "log.sample_tokens=4", "checkpoint.save_final=false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc.stdout + proc.stderr
 
@@ -93,6 +93,8 @@ def test_ledger_steps_match_the_formulas(run):
             got = ledger.step_traffic(part, step)
             assert {k: {"bytes": t["bytes"]} for k, t in got.items()} == expected, (rank, step)
         assert part["phases"]["eval"]["pp/send_recv"]["calls"] > 0  # the evaluations' forwards, apart
+        assert part["phases"]["other"]["world/all_reduce"]["calls"] == STEPS  # each step's stop check
+        assert part["phases"]["sample"]["pp/send_recv"]["calls"] > 0
         for key, t in part["total"].items():
             assert t["bytes"] == sum(p.get(key, {"bytes": 0})["bytes"] for p in part["phases"].values()), key
     rank0 = ledger.step_traffic(data["ranks"]["0"], 1)

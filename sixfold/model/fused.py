@@ -67,7 +67,7 @@ class HeadsFunction(torch.autograd.Function):
     def forward(ctx, x, n_q: int, n_kv: int, cos, sin):
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         ctx.save_for_backward(cos, sin)
-        ctx.n_qk = n_q + n_kv
+        ctx.n_q, ctx.n_qk = n_q, n_q + n_kv
         out = torch.empty_like(x)
         _rotate(x[:, :, :ctx.n_qk], cos, sin, 1.0, out[:, :, :ctx.n_qk])
         out[:, :, ctx.n_qk:] = x[:, :, ctx.n_qk:]
@@ -77,12 +77,11 @@ class HeadsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk, dv):
         cos, sin = ctx.saved_tensors
-        n_q = dq.shape[1]
-        dx = torch.empty(dq.shape[0], dq.shape[2], ctx.n_qk + dv.shape[1], dq.shape[3], dtype=dq.dtype,
-                         device=dq.device)
+        n_q, n_qk = ctx.n_q, ctx.n_qk
+        dx = torch.empty(dq.shape[0], dq.shape[2], n_qk + dv.shape[1], dq.shape[3], dtype=dq.dtype, device=dq.device)
         _rotate(dq.transpose(1, 2), cos, sin, -1.0, dx[:, :, :n_q])
-        _rotate(dk.transpose(1, 2), cos, sin, -1.0, dx[:, :, n_q:ctx.n_qk])
-        dx[:, :, ctx.n_qk:] = dv.transpose(1, 2)
+        _rotate(dk.transpose(1, 2), cos, sin, -1.0, dx[:, :, n_q:n_qk])
+        dx[:, :, n_qk:] = dv.transpose(1, 2)
         return dx, None, None, None, None
 
 
