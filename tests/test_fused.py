@@ -82,18 +82,21 @@ def test_bf16_forward_and_backward_are_fp64_to_bf16_round_off(device, compiled):
 
 def test_a_block_compiles_into_one_graph():
     """train.compile compiles each block's forward: a graph break would leave its pieces (and their backward)
-    eager. Compiled, the block gives eager's output and gradients."""
+    eager. Compiled, the block gives eager's output and gradients, also at a second sequence length (which the
+    compiler traces again with the length symbolic)."""
     torch.manual_seed(0)
     model = Llama(load_config("configs/tiny.yaml", []).model)
     init_weights(model, 0)
-    block, x = model.layers["0"], torch.randn(2 * 16, model.cfg.dim)
-    t = model.tokens(2, 16, x.device)
-    results = []
-    for forward in (block.forward, torch.compile(block.forward, fullgraph=True)):
-        block.zero_grad()
-        inp = x.clone().requires_grad_()
-        out = forward(inp, t)
-        out.backward(torch.ones_like(out))
-        results.append([out.detach(), inp.grad, *(p.grad.clone() for p in block.parameters())])
-    for a, b in zip(*results):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    block = model.layers["0"]
+    compiled = torch.compile(block.forward, fullgraph=True)
+    for s in (16, 24):
+        x, t = torch.randn(2 * s, model.cfg.dim), model.tokens(2, s, torch.device("cpu"))
+        results = []
+        for forward in (block.forward, compiled):
+            block.zero_grad()
+            inp = x.clone().requires_grad_()
+            out = forward(inp, t)
+            out.backward(torch.ones_like(out))
+            results.append([out.detach(), inp.grad, *(p.grad.clone() for p in block.parameters())])
+        for a, b in zip(*results):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), s

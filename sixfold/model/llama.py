@@ -105,7 +105,9 @@ class Attention(nn.Module):
             if past:
                 causal = False
                 mask = torch.ones(s, past + s, dtype=torch.bool, device=q.device).tril(past)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and s > 1,
+        if s == 1:  # one query sees every key (a branch: under torch.compile a plain bool, not a symbolic one)
+            causal = False
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               enable_gqa=self.n_kv_heads != self.n_heads)
 
 
