@@ -55,11 +55,16 @@ class RunLog:
             self.bar.set_postfix(loss=f"{metrics['loss']:.3f}")
             self.bar.update(1)
 
+    def end_progress(self) -> None:
+        """Closes the bar once the steps are done, so that the summaries after it print plainly."""
+        if self.bar:
+            self.bar.close()
+            self.bar = None
+
     def close(self) -> None:
         if not self.enabled:
             return
-        if self.bar:
-            self.bar.close()
+        self.end_progress()
         if self.tb:
             self.tb.close()
         self.file.close()

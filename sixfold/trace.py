@@ -142,7 +142,10 @@ def overlap(events: list[dict]) -> dict[str, dict[int, tuple[float, float, float
 def overlap_table(events: list[dict]) -> str:
     rows = ["asynchronous communication hidden behind compute (traced steps; per rank: ms in flight once every rank "
             "taking part had posted it, share not spent waiting; apart: ms waiting for slower ranks to post)"]
-    for group, ranks in sorted(overlap(events).items()):
+    groups = overlap(events)
+    if not groups:
+        rows.append("  none traced")
+    for group, ranks in sorted(groups.items()):
         cells = ", ".join(f"r{r} {ms:.1f} ms {share:.0%}" for r, (ms, share, _) in sorted(ranks.items()))
         total = sum(ms for ms, _, _ in ranks.values())
         hidden = sum(ms * share for ms, share, _ in ranks.values()) / total if total else 1.0

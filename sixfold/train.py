@@ -221,6 +221,7 @@ class Trainer:
                     if self._stop_heard(stop):
                         raise self._stopped(saved=due)
                 self.tracer.enabled = False
+                log.end_progress()
                 self.sharded.settle()
                 if cfg.checkpoint.save_final:
                     log.print(f"checkpoint: {self.save()}")

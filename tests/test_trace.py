@@ -114,6 +114,7 @@ def test_overlap_of_asynchronous_collectives():
     assert overlap(events) == {"fsdp": {0: (8.0, 0.75, 0.0)}, "loss": {1: (1.0, 0.0, 0.0)}}
     table = overlap_table(events)
     assert "fsdp" in table and "75% of 8.0 ms" in table and "tp" not in table
+    assert overlap_table(events[-1:]).endswith("none traced")
 
 
 def test_overlap_counts_from_the_last_peer():
