@@ -65,9 +65,11 @@ def sixfold_side(cfg) -> dict:
     trainer.draw_pictures = lambda *a: []  # no picture: matplotlib would count in the peak memory
     out = {**sixfold_worker(cfg), "peak_in_flight": pipes[0].peak_in_flight}
     trace = Path(cfg.log.run_dir) / "trace.json"
-    if trace.exists():  # rank 0: every rank's compute spans (F, B or W), its sends (a batch per run) and receives
+    if trace.exists():  # rank 0: every rank's compute spans (F, B or W, with their stage and micro-batch), its sends
+        # (a batch per run) and receives
         out["spans"] = [(e["pid"], e["args"]["step"], e["name"] if e["cat"] == "comm" else e["name"][0], e["ts"],
-                         e["dur"]) for e in json.loads(trace.read_text())["traceEvents"]
+                         e["dur"], e["args"].get("stage"), e["args"].get("mb"))
+                        for e in json.loads(trace.read_text())["traceEvents"]
                         if e.get("cat") == "compute" or e["name"].startswith("send_recv")]
     return out
 
@@ -130,8 +132,8 @@ def worker(args) -> None:
 # ---- the bubble, measured and predicted ----
 
 def measured(spans: list, pp: int) -> dict:
-    """Per rank idle fraction of each traced step, averaged; the median F, B and W span and the message
-    latency (ms)."""
+    """Per rank idle fraction of each traced step, averaged; the median F, B and W span, over all stages and per
+    stage, and the message latency (ms)."""
     comm = [s for s in spans if s[2] not in COMPUTE]
     spans = [s for s in spans if s[2] in COMPUTE]
     idle = [[] for _ in range(pp)]
@@ -142,20 +144,24 @@ def measured(spans: list, pp: int) -> dict:
             idle[r].append(1 - sum(s[4] for s in mine if s[0] == r) / makespan)
     ms = {k: statistics.median(s[4] for s in spans if s[2] == k) / 1e3 for k in "FBW"
           if any(s[2] == k for s in spans)}
-    return {"idle": [statistics.mean(i) for i in idle], "ms": {**ms, "comm": latency(comm, spans)}}
+    stages = range(max(s[5] for s in spans) + 1)
+    per_stage = {k: [statistics.median(s[4] for s in spans if s[2] == k and s[5] == i) / 1e3 for i in stages]
+                 for k in ms}
+    return {"idle": [statistics.mean(i) for i in idle], "ms": {**ms, "comm": latency(comm, spans)},
+            "stage_ms": per_stage}
 
 
 def latency(comm: list, compute: list) -> float:
     """The median time from a send's posting to its data being usable on the receiver, over the receives whose
     rank had ended its last compute before the message was sent, so was waiting for it (ms)."""
-    sent = {(step, a): ts for _, step, name, ts, _ in comm for a in name.split()[2:] if a.startswith("SEND")}
+    sent = {(step, a): ts for _, step, name, ts, *_ in comm for a in name.split()[2:] if a.startswith("SEND")}
 
     def source(recv: str) -> str:  # RECV_F(s2,m0) comes from SEND_F(s1,m0), RECV_B(s0,m3) from SEND_B(s1,m3)
         kind, s, m = re.fullmatch(r"RECV_([FB])\(s(\d+),m(\d+)\)", recv).groups()
         return f"SEND_{kind}(s{int(s) + (-1 if kind == 'F' else 1)},m{m})"
 
     waits = []
-    for rank, step, name, ts, dur in comm:
+    for rank, step, name, ts, dur, *_ in comm:
         recv = name.split()[2]
         if recv.startswith("RECV"):
             t_sent, usable = sent[step, source(recv)], ts + dur
@@ -165,13 +171,30 @@ def latency(comm: list, compute: list) -> float:
     return statistics.median(waits) / 1e3 if waits else 0.0
 
 
-def simulated(name: str, pp: int, m: int, ms: dict, as_run: bool = False):
-    """The simulator's run of the schedule with these costs; as_run: with the message latency."""
+def simulated(name: str, pp: int, m: int, ms: dict, per_stage: dict | None = None):
+    """The simulator's run of the schedule with the median costs, messages instant; given per_stage (each kind's
+    costs by stage), as run: each stage with its own costs and the messages with the measured latency."""
     from sixfold.parallel.pipeline.schedules import build
     from sixfold.parallel.pipeline.simulate import Costs, simulate
 
-    costs = Costs(ms["F"], ms["B"], ms.get("W", 0.0), ms["comm"] if as_run else 0.0)
+    c = {k: tuple(v) for k, v in per_stage.items()} if per_stage else ms
+    costs = Costs(c["F"], c["B"], c.get("W", 0.0), ms["comm"] if per_stage else 0.0)
     return simulate(build(name, pp, SCHEDULES[name][0], m), costs)
+
+
+def replayed(name: str, pp: int, m: int, spans: list, latency_ms: float) -> list[float]:
+    """Per rank, the simulator's idle fraction with every compute action costing its own measured span in each
+    traced step (and messages the measured latency), averaged over the steps: what the measured idle would be
+    if the runtime spent no time between actions beyond waiting for messages."""
+    from sixfold.parallel.pipeline.schedules import Action, build
+    from sixfold.parallel.pipeline.simulate import Costs, simulate
+
+    schedule, idle = build(name, pp, SCHEDULES[name][0], m), [[] for _ in range(pp)]
+    for step in sorted({s[1] for s in spans if s[2] in COMPUTE}):
+        durations = {Action(s[2], s[5], s[6]): s[4] / 1e3 for s in spans if s[1] == step and s[2] in COMPUTE}
+        for r, stats in enumerate(simulate(schedule, Costs(comm=latency_ms), durations=durations).ranks):
+            idle[r].append(stats.bubble)
+    return [statistics.mean(i) for i in idle]
 
 
 def theory(name: str, p: int, v: int, m: int) -> float:
@@ -196,12 +219,18 @@ def bubble_row(name: str, pp: int, m: int, runs: list[dict]) -> tuple[str, str]:
     stats = [measured(r[0]["spans"], pp) for r in runs]
     idle = [statistics.median(s["idle"][k] for s in stats) for k in range(pp)]
     ms = {k: statistics.median(s["ms"][k] for s in stats) for k in stats[0]["ms"]}
-    sim = simulated(name, pp, m, ms)
+    per_stage = {k: [statistics.median(s["stage_ms"][k][i] for s in stats) for i in range(len(costs))]
+                 for k, costs in stats[0]["stage_ms"].items()}
+    sim, as_run = simulated(name, pp, m, ms), simulated(name, pp, m, ms, per_stage)
+    replay = [statistics.median(x) for x in zip(*(replayed(name, pp, m, r[0]["spans"], s["ms"]["comm"])
+                                                  for r, s in zip(runs, stats)))]
     costs = " / ".join(f"{ms[k]:.1f}" if k in ms else "-" for k in ("F", "B", "W", "comm"))
     row = (f"| {name} | {pp} | {v} | {per_rank(idle)} | **{statistics.mean(idle):.3f}** | "
            f"{per_rank([r.bubble for r in sim.ranks])} | **{sim.bubble:.3f}** | "
-           f"{simulated(name, pp, m, ms, as_run=True).bubble:.3f} | {theory(name, pp, v, m):.3f} | "
-           f"{costs} | {per_rank([r.peak_in_flight for r in sim.ranks], 0)} | "
+           f"{per_rank([r.bubble for r in as_run.ranks])} | **{as_run.bubble:.3f}** | {per_rank(replay)} | "
+           f"**{statistics.mean(replay):.3f}** | {theory(name, pp, v, m):.3f} | "
+           f"{costs} | {per_rank([sum(c) for c in zip(*per_stage.values())], 1)} | "
+           f"{per_rank([r.peak_in_flight for r in sim.ranks], 0)} | "
            f"{per_rank([r['peak_in_flight'] for r in runs[0]], 0)} |")
     note = ""
     if "W" in ms and ms["W"] < 0.05 * ms["B"]:
@@ -273,9 +302,10 @@ def main() -> None:
     if revision() != rev:
         rev += f", then {revision()} before the last run ended"
 
-    bubble = ["| schedule | pp | v | measured idle per rank | mean | simulated per rank | mean | simulated as run | "
-              "theory | F / B / W / latency ms | in flight per rank (simulator) | runtime's peak |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    bubble = ["| schedule | pp | v | measured idle per rank | mean | simulated per rank | mean | simulated as run, "
+              "per rank | mean | replayed per rank | mean | theory | F / B / W / latency ms | F + B + W per stage ms | "
+              "in flight per rank (simulator) | runtime's peak |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = [bubble_row(name, pp, args.micro, rs) for (name, pp), rs in runs.items()]
     notes = [note for _, note in rows if note]
     bubble += [row for row, _ in rows] + ([""] + notes if notes else [])
@@ -307,9 +337,12 @@ def main() -> None:
         "", "### Bubble: idle fraction of the step", "",
         "Per rank (rank 0 / rank 1 / ...) and the mean over ranks. Simulated: sixfold's simulator on the schedule's "
         "lists with the job's median F, B and W spans (B holds W where the schedule does not split them), messages "
-        "instant. As run: with the measured message latency (median time from a send to its data being usable, over "
-        "the receives whose rank was already waiting for them); as in the runtime, each receive is waited "
-        "for by the compute that uses it. Theory: (p-1)/(m+p-1) for "
+        "instant. As run: each stage with its own median F, B and W spans (next to last column) and the measured "
+        "message latency (median time from a send to its data being usable, over the receives whose rank was "
+        "already waiting for them); as in the runtime, each receive is waited for by the compute that uses it. "
+        "Replayed: as run, but every action costs its own measured span in each traced step, so the rest of the "
+        "measured idle is time the runtime spends between actions (Python, posting messages, the step's own work "
+        "around the schedule), not the spans' lengths. Theory: (p-1)/(m+p-1) for "
         "GPipe and 1F1B, ((p-1)/v)/(m+(p-1)/v) for interleaved and breadth-first, (p-1)/(3m+p-1) for ZB-H1 (a third "
         "of 1F1B's idle time at F = B = W), 0 for ZB-V. In flight: the most micro-batches whose activations a rank "
         "holds at once."

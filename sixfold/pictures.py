@@ -10,7 +10,8 @@ from . import ledger
 from .config import Config, load_config
 from .mesh import GROUP_DIMS, GROUP_NAMES, ORDER, ParallelDims
 from .parallel.pipeline import schedules
-from .parallel.pipeline.simulate import Costs, simulate
+from .parallel.pipeline.simulate import simulate
+from .parallel.pipeline.stages import split_stages, stage_costs
 from .trace import read_chrome_trace
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2", "optim": "#C44E52", "comm": "#DD8452", "data": "#937860"}
@@ -36,10 +37,11 @@ def draw_pictures(run_dir: str | Path, cfg: Config | None = None) -> list[Path]:
                                      f"sixfold {p.describe()}: steps {steps[0]}-{steps[-1]} of {cfg.train.steps}"))
     if p.pp > 1:
         s = schedules.build(p.pp_schedule, p.pp, p.pp_virtual_stages, cfg.train.micro_batches)
-        plan = simulate(s, Costs(f=1.0, b=1.0, w=1.0))
+        stages = split_stages(cfg.model, s.stages, cfg.train.seq_len)
+        plan = simulate(s, stage_costs(cfg.model, stages, cfg.train.seq_len))
         written.append(draw_timeline(schedule_events(plan), run_dir / "schedule.png",
                                      f"{s.name} pp={s.pp} v={s.v} m={s.m}, as planned (simulator; bubble "
-                                     f"{plan.bubble:.0%})", "time (F = B = W = 1 unit)"))
+                                     f"{plan.bubble:.0%})", "time (1 = the mean stage's forward; each stage costs its FLOPs)"))
     if (run_dir / "comm_ledger.json").is_file():
         written.append(draw_mesh(ParallelDims.from_config(p), ledger.read(run_dir), run_dir / "mesh.png",
                                  f"sixfold {p.describe()}"))

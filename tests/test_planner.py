@@ -7,7 +7,9 @@ import pytest
 
 from sixfold import cli
 from sixfold.config import load_config
+from sixfold.planner.devices import DEVICES
 from sixfold.planner.memory import activations, persistent
+from sixfold.planner.plan import plan
 from sixfold.planner.rank import build_rank
 from sixfold.planner.traffic import step_bytes
 from helpers import TINY, torchrun
@@ -55,3 +57,18 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     steps = [float(line.split()[-3]) for line in table[1:-1]]
     assert steps == sorted(steps) and len(steps) == 10
     assert cli.main(["plan", *args[:2], "parallel.tp=3", *args[2:]]) == 2  # an impossible layout is refused
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_uneven_stages_wait_for_the_heaviest(recompute):
+    """Llama-3-8B in 4 stages (8, 9, 9 and 6 blocks; the head on the last): each stage costs its FLOPs in the
+    simulated schedule, so the lighter stages idle more, and every stage's compute over its busy share comes to
+    the same step, the makespan."""
+    cfg = load_config("configs/llama3-8b.yaml", ["parallel.pp=4", "parallel.tp=8", "train.micro_batches=8",
+                                                 "train.precision=bf16", f"model.recompute={recompute}"])
+    stages = plan(cfg, DEVICES["h100"], 8).stages
+    estimates = [s.estimate for s in stages]
+    assert [len(build_rank(cfg, s.rank).blocks) for s in stages] == [8, 9, 9, 6]
+    assert estimates[0].bubble > estimates[1].bubble and estimates[3].bubble > estimates[1].bubble
+    makespans = [e.compute_s / (1 - e.bubble) for e in estimates]
+    assert max(makespans) == pytest.approx(min(makespans), rel=1e-3)

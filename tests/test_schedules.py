@@ -167,6 +167,24 @@ def test_costs_and_latency():
         assert sim.makespan >= simulate(build(name, 4, v, 8), Costs(1.0, 1.7, 0.6)).makespan
 
 
+def test_costs_per_stage():
+    # GPipe, stage 1 twice as costly: F 0-1 and 1-2 on rank 0, 1-3 and 3-5 on rank 1, its B's 5-7 and 7-9, then
+    # rank 0's B's 7-8 and 9-10
+    sim = simulate(build("gpipe", 2, 1, 2), Costs(f=(1.0, 2.0), b=(1.0, 2.0), w=0.0))
+    assert sim.makespan == 10.0 and [r.busy for r in sim.ranks] == [4.0, 8.0]
+    assert [e[:2] for e in sim.ranks[0].events if e[2].kind == B] == [(7.0, 8.0), (9.0, 10.0)]
+    # 1F1B: the first F, m times the heavier stage's F + B (with W), the last B
+    sim = simulate(build("1f1b", 2, 1, 8), Costs(f=(1.0, 1.2), b=(1.0, 1.2), w=(1.0, 1.2)))
+    assert sim.makespan == pytest.approx(1.0 + 8 * 3.6 + 2.0)
+    assert sim.ranks[0].bubble > sim.ranks[1].bubble
+    # a replay: each action its own cost (rank 1's second F takes 3), the rest from costs
+    replay = simulate(build("gpipe", 2, 1, 2), Costs(f=(1.0, 2.0), b=(1.0, 2.0), w=0.0),
+                      durations={Action(F, 1, 1): 3.0})
+    assert replay.makespan == 11.0 and replay.ranks[1].busy == 9.0
+    with pytest.raises(ValueError, match="costs.f has 3 values, one per stage needs 4"):
+        simulate(build("zb-v", 2, 2, 4), Costs(f=(1.0, 1.0, 1.0)))
+
+
 def _replace(s: Schedule, rank: int, acts: list[Action]) -> Schedule:
     ranks = list(s.ranks)
     ranks[rank] = tuple(acts)

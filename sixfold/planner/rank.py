@@ -16,7 +16,7 @@ from ..parallel.expert import ExpertParallel
 from ..parallel.pipeline import schedules
 from ..parallel.pipeline.schedules import Schedule
 from ..parallel.pipeline.simulate import Costs, RankStats, simulate
-from ..parallel.pipeline.stages import split_stages
+from ..parallel.pipeline.stages import Stage, split_stages, stage_costs
 from ..parallel.sharding import Sharded
 from ..parallel.tensor import TensorParallel
 from ..trace import Tracer
@@ -29,6 +29,7 @@ class Rank:
     model: Llama
     sharded: Sharded
     schedule: Schedule | None
+    stages: list[Stage]  # every stage of the model, this rank's and the others'
 
     @property
     def compute_bytes(self) -> int:
@@ -51,11 +52,13 @@ class Rank:
 
     @property
     def pipeline(self) -> RankStats | None:
-        """This rank's line of the simulated schedule (unit costs): its bubble and peak in flight."""
+        """This rank's line of the simulated schedule, each stage costing its FLOPs: its bubble (which counts the
+        time it waits for heavier stages) and peak in flight."""
         if self.schedule is None:
             return None
         p = self.cfg.parallel
-        return _simulation(p.pp_schedule, p.pp, p.pp_virtual_stages, self.cfg.train.micro_batches).ranks[
+        costs = stage_costs(self.cfg.model, self.stages, self.cfg.train.seq_len)
+        return _simulation(p.pp_schedule, p.pp, p.pp_virtual_stages, self.cfg.train.micro_batches, costs).ranks[
             self.ctx.rank_in("pp")]
 
     @property
@@ -69,8 +72,8 @@ def _schedule(name: str, pp: int, v: int, m: int) -> Schedule:
 
 
 @functools.lru_cache(maxsize=256)
-def _simulation(name: str, pp: int, v: int, m: int):
-    return simulate(_schedule(name, pp, v, m), Costs(f=1.0, b=1.0, w=1.0))
+def _simulation(name: str, pp: int, v: int, m: int, costs: Costs):
+    return simulate(_schedule(name, pp, v, m), costs)
 
 
 def build_rank(cfg: Config, rank: int) -> Rank:
@@ -85,4 +88,4 @@ def build_rank(cfg: Config, rank: int) -> Rank:
                       p.cp_zigzag), mine, ExpertParallel(comm))
     dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
     sharded = Sharded(model, comm, p.zero, p.reshard, dtype)
-    return Rank(cfg, ctx, model, sharded, schedule)
+    return Rank(cfg, ctx, model, sharded, schedule, stages)

@@ -1,6 +1,7 @@
 """A step's estimated time on a cluster: compute at a fraction of the peak, each group's traffic over the
 links it crosses (NVLink inside a node, the network between nodes, ring algorithms' factors), the pipeline
-bubble from the simulator, and the data-parallel traffic hidden behind backward compute.
+bubble from the simulator (each stage costing its FLOPs, so a lighter stage's bubble holds its wait for the
+heaviest), and the data-parallel traffic hidden behind backward compute.
 
     step = compute / (1 - bubble) + exposed tp, cp and pp traffic + max(0, dp traffic - backward compute)
 """
@@ -29,10 +30,14 @@ class Estimate:
 def matmul_params(model) -> tuple[int, int]:
     """The parameters of `model` (this rank's part) that multiply activations, dense and expert: all but the
     norms' scales and an embedding that is only looked up (a tied one multiplies where it makes the logits)."""
-    dense = experts = 0
     head_reads_embedding = model.norm is not None and model.head is None
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight") or (name == "embed.weight" and not head_reads_embedding):
+    return _multiplying(model.named_parameters(), skip_embedding=not head_reads_embedding)
+
+
+def _multiplying(named, skip_embedding: bool = False) -> tuple[int, int]:
+    dense = experts = 0
+    for name, p in named:
+        if name.endswith("norm.weight") or (name == "embed.weight" and skip_embedding):
             continue
         if ".experts." in name:
             experts += p.numel()
@@ -49,16 +54,19 @@ def attention_flops(seq_len: int, dim: int) -> float:
 
 def flops(rank: Rank) -> float:
     """Training FLOPs of one step on this rank: 6 per multiplying parameter per token for its stages' weights
-    (2 in forward, 4 in backward; each token visits top_k of the experts), attention_flops per block, a forward
-    more for what recomputation rebuilds; under tp each rank does 1/tp, under cp each its tokens."""
+    (2 in forward, 4 in backward; each token visits top_k of the experts), attention_flops per block, and the
+    forward again of what recomputation rebuilds (the blocks, or their attention cores); under tp each rank does
+    1/tp, under cp each its tokens."""
     cfg, t = rank.cfg.model, rank.cfg.train
     tokens = rank.micro_tokens * t.micro_batches
-    dense, experts = matmul_params(rank.model)
-    if experts:
-        dense += experts * cfg.moe_top_k * rank.ctx.size("ep") / max(cfg.moe_experts, 1)
-    matmul = 6 * dense * tokens
+
+    def active(dense: int, experts: int) -> float:
+        return dense + experts * cfg.moe_top_k * rank.ctx.size("ep") / max(cfg.moe_experts, 1)
+
+    matmul = 6 * active(*matmul_params(rank.model)) * tokens
     attention = attention_flops(t.seq_len, cfg.dim) * tokens * len(rank.blocks) / rank.model.tp.size
-    extra = {"full": matmul / 3 + attention / 3, "selective": attention / 3}.get(cfg.recompute, 0.0)
+    blocks = 2 * active(*_multiplying(rank.model.layers.named_parameters())) * tokens
+    extra = {"full": blocks + attention / 3, "selective": attention / 3}.get(cfg.recompute, 0.0)
     return matmul + attention + extra
 
 

@@ -24,12 +24,20 @@ class ScheduleError(ValueError):
     """A schedule that cannot run as written."""
 
 
+Cost = float | tuple[float, ...]  # one value for every stage, or one per stage
+
+
 @dataclass(frozen=True)
 class Costs:
-    f: float = 1.0  # forward of one stage for one micro-batch
-    b: float = 1.0  # input gradient
-    w: float = 1.0  # weight gradient; a B with no W of its own computes both and costs b + w
+    f: Cost = 1.0  # forward of one stage for one micro-batch
+    b: Cost = 1.0  # input gradient
+    w: Cost = 1.0  # weight gradient; a B with no W of its own computes both and costs b + w
     comm: float = 0.0  # latency from a message's posting to its data being usable
+
+    def of(self, kind: str, stage: int) -> float:
+        """The cost of a compute action of `kind` (F, B or W) on `stage`."""
+        cost = self.f if kind == F else self.w if kind == W else self.b
+        return cost[stage] if isinstance(cost, tuple) else cost
 
 
 @dataclass(frozen=True)
@@ -60,9 +68,16 @@ def _source(a: Action) -> Action:
 
 
 class _Run:
-    def __init__(self, schedule: Schedule, costs: Costs, batched: bool, release: str):
+    def __init__(self, schedule: Schedule, costs: Costs, batched: bool, release: str,
+                 durations: dict[Action, float] | None):
         self.s, self.costs, self.batched, self.release = schedule, costs, batched, release
+        self.durations = durations or {}
         self.head = f"{schedule.name} pp={schedule.pp} v={schedule.v} m={schedule.m}"
+        for name in ("f", "b", "w"):
+            cost = getattr(costs, name)
+            if isinstance(cost, tuple) and len(cost) != schedule.stages:
+                raise ValueError(f"{self.head}: costs.{name} has {len(cost)} values, one per stage needs "
+                                 f"{schedule.stages}")
         self.split = {(a.stage, a.micro) for acts in schedule.ranks for a in acts if a.kind == W}
         n = schedule.pp
         self.pos, self.clock, self.busy, self.peak = [0] * n, [0.0] * n, [0.0] * n, [0] * n
@@ -128,9 +143,9 @@ class _Run:
             self.need(r, a, dep)
         s, m = a.stage, a.micro
         split = (s, m) in self.split
-        cost = self.costs.f if a.kind == F else self.costs.w if a.kind == W else self.costs.b
-        if a.kind == B and not split:
-            cost += self.costs.w
+        cost = self.durations.get(a)
+        if cost is None:
+            cost = self.costs.of(a.kind, s) + (self.costs.of(W, s) if a.kind == B and not split else 0.0)
         self.clock[r] = start + cost
         self.busy[r] += cost
         self.done[a] = self.clock[r]
@@ -254,9 +269,10 @@ class _Run:
 
 
 def simulate(schedule: Schedule, costs: Costs = Costs(), batched: bool = False,
-             release: str = "W") -> Simulation:
+             release: str = "W", durations: dict[Action, float] | None = None) -> Simulation:
     """Check and time a schedule. release says when a (stage, micro) stops counting as in flight: at its
-    B, or at its W ("W", the default, since W still needs the saved input; a B with no W releases)."""
+    B, or at its W ("W", the default, since W still needs the saved input; a B with no W releases). durations:
+    compute actions' own costs in place of costs' (a B with no W of its own: both), to replay a measured run."""
     if release not in ("B", "W"):
         raise ValueError(f"release={release!r} must be 'B' or 'W'")
-    return _Run(schedule, costs, batched, release).run()
+    return _Run(schedule, costs, batched, release, durations).run()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from ...config import ConfigError, ModelConfig
+from .simulate import Costs
 
 
 @dataclass(frozen=True)
@@ -21,12 +22,32 @@ def whole(cfg: ModelConfig) -> Stage:
     return Stage(0, range(cfg.n_layers), True, True)
 
 
-def layer_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
-    """Forward FLOPs per token of the embedding, each block, and the head (norm, logits, cross-entropy)."""
+def _block_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
+    """Forward FLOPs per token of a block's matrix products and of its attention core."""
     d, hd = cfg.dim, cfg.head_dim
     matmuls = 2 * (d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.ffn_dim)
     attention = 2 * cfg.n_heads * hd * seq_len  # scores and weighted values over half the sequence (causal)
-    return [2.0 * d] + [float(matmuls + attention)] * cfg.n_layers + [2.0 * d * cfg.vocab_size + 5.0 * cfg.vocab_size]
+    return float(matmuls), float(attention)
+
+
+def layer_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
+    """Forward FLOPs per token of the embedding, each block, and the head (norm, logits, cross-entropy)."""
+    block = sum(_block_costs(cfg, seq_len))
+    return [2.0 * cfg.dim] + [block] * cfg.n_layers + [2.0 * cfg.dim * cfg.vocab_size + 5.0 * cfg.vocab_size]
+
+
+def stage_costs(cfg: ModelConfig, stages: list[Stage], seq_len: int) -> Costs:
+    """The simulator's costs of each stage from its FLOPs, in units of the mean stage's forward: F its forward; B
+    and W as much again each (the gradients of the input and of the weights), B more by what cfg.recompute runs
+    again (the blocks' forward, or their attention cores)."""
+    matmuls, attention = _block_costs(cfg, seq_len)
+    again = {"full": matmuls + attention, "selective": attention}.get(cfg.recompute, 0.0)
+    costs = layer_costs(cfg, seq_len)
+    f = [(costs[0] if s.embed else 0.0) + len(s.layers) * (matmuls + attention) + (costs[-1] if s.head else 0.0)
+         for s in stages]
+    unit = sum(f) / len(f)
+    b = [(x + len(s.layers) * again) / unit for x, s in zip(f, stages)]
+    return Costs(tuple(x / unit for x in f), tuple(b), tuple(x / unit for x in f))
 
 
 def check_stages(cfg: ModelConfig, stages: int) -> None:
