@@ -72,3 +72,5 @@ def test_uneven_stages_wait_for_the_heaviest(recompute):
     assert estimates[0].bubble > estimates[1].bubble and estimates[3].bubble > estimates[1].bubble
     makespans = [e.compute_s / (1 - e.bubble) for e in estimates]
     assert max(makespans) == pytest.approx(min(makespans), rel=1e-3)
+    # the search plans the ends and, of the middle stages, the one with the most blocks
+    assert [s.rank for s in plan(cfg, DEVICES["h100"], 8, ends_only=True).stages] == [0, 8, 24]

@@ -7,6 +7,8 @@ import itertools
 from dataclasses import dataclass
 
 from ..config import Config, ConfigError, validate
+from ..parallel.pipeline.schedules import placement
+from ..parallel.pipeline.stages import split_stages
 from ..parallel.sharding import REDUCING
 from .devices import Device
 from .memory import activations, persistent
@@ -55,13 +57,25 @@ def transient(rank: Rank) -> int:
     return early + sum(later) + sum(gathered) + loss
 
 
+def _pp_ranks(cfg: Config, ends_only: bool) -> list[int]:
+    """The pipeline ranks to plan: all; or with `ends_only`, the first and last (the embedding's and the head's)
+    and of the others, which hold blocks only, the one with the most."""
+    p = cfg.parallel
+    if not ends_only or p.pp <= 2:
+        return list(range(p.pp))
+    blocks = [0] * p.pp
+    where = placement(p.pp, p.pp_virtual_stages, p.pp_schedule)
+    for stage in split_stages(cfg.model, p.pp * p.pp_virtual_stages, cfg.train.seq_len):
+        blocks[where[stage.index]] += len(stage.layers)
+    return sorted({0, p.pp - 1, max(range(1, p.pp - 1), key=lambda r: blocks[r])})
+
+
 def plan(cfg: Config, device: Device, per_node: int, ends_only: bool = False) -> Plan:
-    """Every pipeline stage's first rank planned (with `ends_only`, the first and last stage's: the others
-    hold blocks only, as the first stage does besides the embedding)."""
+    """Every pipeline stage's first rank planned (with `ends_only`, three at most: see _pp_ranks)."""
     p = cfg.parallel
     world = p.world_size
     stride = world // p.pp  # pp is the outermost mesh dimension
-    chosen = sorted({0, p.pp - 1}) if ends_only else range(p.pp)
+    chosen = _pp_ranks(cfg, ends_only)
     stages, work = [], 0.0
     for stage in chosen:
         rank = build_rank(cfg, stage * stride)
