@@ -16,7 +16,7 @@ from ..parallel.expert import ExpertParallel
 from ..parallel.pipeline import schedules
 from ..parallel.pipeline.schedules import Schedule
 from ..parallel.pipeline.simulate import Costs, RankStats, simulate
-from ..parallel.pipeline.stages import Stage, split_stages, stage_costs
+from ..parallel.pipeline.stages import split_stages, stage_costs
 from ..parallel.sharding import Sharded
 from ..parallel.tensor import TensorParallel
 from ..trace import Tracer
@@ -29,7 +29,7 @@ class Rank:
     model: Llama
     sharded: Sharded
     schedule: Schedule | None
-    stages: list[Stage]  # every stage of the model, this rank's and the others'
+    costs: Costs | None  # under pipelining, the simulator's costs of every stage (stage_costs)
 
     @property
     def compute_bytes(self) -> int:
@@ -57,9 +57,8 @@ class Rank:
         if self.schedule is None:
             return None
         p = self.cfg.parallel
-        costs = stage_costs(self.cfg.model, self.stages, self.cfg.train.seq_len)
-        return _simulation(p.pp_schedule, p.pp, p.pp_virtual_stages, self.cfg.train.micro_batches, costs).ranks[
-            self.ctx.rank_in("pp")]
+        return _simulation(p.pp_schedule, p.pp, p.pp_virtual_stages, self.cfg.train.micro_batches,
+                           self.costs).ranks[self.ctx.rank_in("pp")]
 
     @property
     def blocks(self) -> list[int]:
@@ -88,4 +87,5 @@ def build_rank(cfg: Config, rank: int) -> Rank:
                       p.cp_zigzag), mine, ExpertParallel(comm))
     dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
     sharded = Sharded(model, comm, p.zero, p.reshard, dtype)
-    return Rank(cfg, ctx, model, sharded, schedule, stages)
+    costs = stage_costs(cfg.model, stages, t.seq_len) if schedule else None
+    return Rank(cfg, ctx, model, sharded, schedule, costs)

@@ -42,12 +42,12 @@ def stage_costs(cfg: ModelConfig, stages: list[Stage], seq_len: int) -> Costs:
     again (the blocks' forward, or their attention cores)."""
     matmuls, attention = _block_costs(cfg, seq_len)
     again = {"full": matmuls + attention, "selective": attention}.get(cfg.recompute, 0.0)
-    costs = layer_costs(cfg, seq_len)
-    f = [(costs[0] if s.embed else 0.0) + len(s.layers) * (matmuls + attention) + (costs[-1] if s.head else 0.0)
+    costs = layer_costs(cfg, seq_len)  # piece p: the embedding (0), block p - 1, or the head (last)
+    f = [(costs[0] if s.embed else 0.0) + sum(costs[1 + i] for i in s.layers) + (costs[-1] if s.head else 0.0)
          for s in stages]
     unit = sum(f) / len(f)
-    b = [(x + len(s.layers) * again) / unit for x, s in zip(f, stages)]
-    return Costs(tuple(x / unit for x in f), tuple(b), tuple(x / unit for x in f))
+    forward = tuple(x / unit for x in f)
+    return Costs(forward, tuple((x + len(s.layers) * again) / unit for x, s in zip(f, stages)), forward)
 
 
 def check_stages(cfg: ModelConfig, stages: int) -> None:
