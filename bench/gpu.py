@@ -34,19 +34,6 @@ def model_config(config: str, seq: int):
     return load_config(config, [f"model.max_seq_len={max(seq, 2048)}"]).model
 
 
-def flops_per_token(config: str, seq: int) -> float:
-    """The planner's count (sixfold.planner.timing) for the whole model."""
-    import torch
-
-    from sixfold.model.llama import Llama
-    from sixfold.planner.timing import attention_flops, matmul_params
-
-    m = model_config(config, seq)
-    with torch.device("meta"):
-        dense, _ = matmul_params(Llama(m))
-    return 6 * dense + attention_flops(seq, m.dim) * m.n_layers
-
-
 def device() -> str:
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to try the script on a small config
@@ -174,10 +161,11 @@ def name_of_device() -> str:
 
 def mfu(r: dict, device: str) -> tuple[float, float]:
     from sixfold.planner.devices import DEVICES
+    from sixfold.planner.timing import model_flops_per_token
     peak = next((d.peak_flops for k, d in DEVICES.items() if k in device.lower()), DEVICES["h100"].peak_flops)
     step = statistics.median(r["times"])
     tokens_s = r["tokens"] / step
-    return tokens_s, tokens_s * flops_per_token(r["config"], r["seq"]) / peak
+    return tokens_s, tokens_s * model_flops_per_token(model_config(r["config"], r["seq"]), r["seq"]) / peak
 
 
 def line(r: dict, device: str) -> str:

@@ -201,8 +201,9 @@ class Report:
         lines = [
             "# Parity matrix",
             "",
-            f"Written by the run that checks it (`tests/test_parity.py`, or `sixfold matrix configs/tiny.yaml "
-            f"--table docs/parity.md`): {len(rows)} layouts, {passed} passed, one torchrun job of "
+            f"Written by `sixfold matrix configs/tiny.yaml --table docs/parity.md` (`tests/test_parity.py` runs "
+            f"the same matrix in CI and checks that this table lists its layouts): {len(rows)} layouts, {passed} "
+            f"passed, one torchrun job of "
             f"{max(row.ranks for row in rows)} gloo ranks, {self.seconds:.0f}s on {os.cpu_count()} CPU cores "
             f"(shared: load average {self.load:.1f} as it started).",
             "",

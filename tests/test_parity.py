@@ -1,6 +1,7 @@
 """Every layout of the parity matrix (sixfold.matrix) reproduces the single-process run: fp32 losses and final
-weights in round-off, bf16 learning like fp32. The matrix runs in one torchrun job and writes docs/parity.md;
-it covers every pair of dimensions. ZeRO's buffers and bytes equal the formulas."""
+weights in round-off, bf16 learning like fp32. The matrix runs in one torchrun job; docs/parity.md, written by
+`sixfold matrix --table`, must list its layouts. It covers every pair of dimensions. ZeRO's buffers and bytes
+equal the formulas."""
 import itertools
 
 import pytest
@@ -14,9 +15,11 @@ DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    """The whole matrix, once; its table goes to docs/parity.md whatever the verdicts."""
-    report = matrix.run(TINY, workdir=str(tmp_path_factory.mktemp("matrix")))
-    (ROOT / "docs" / "parity.md").write_text(report.table())
+    """The whole matrix, once; its table is written beside the runs whatever the verdicts."""
+    workdir = tmp_path_factory.mktemp("matrix")
+    report = matrix.run(TINY, workdir=str(workdir))
+    (workdir / "parity.md").write_text(report.table())
+    print(f"table: {workdir / 'parity.md'}")
     return {row.layout.name: row for row in report.rows}
 
 
@@ -25,6 +28,13 @@ def test_parity(rows, name):
     row = rows[name]
     print(row.line())
     assert row.ok, row.line()
+
+
+def test_docs_parity_lists_the_matrix():
+    rows = [line for line in (ROOT / "docs" / "parity.md").read_text().splitlines() if line.startswith("| ")][1:]
+    assert [row.split(" | ")[0][2:] for row in rows] == [layout.name for layout in matrix.LAYOUTS], \
+        "docs/parity.md is out of date: run `sixfold matrix configs/tiny.yaml --table docs/parity.md`"
+    assert all(row.endswith("| ok |") for row in rows), "docs/parity.md records a failed layout"
 
 
 def _parallel(layout):

@@ -74,3 +74,21 @@ def test_uneven_stages_wait_for_the_heaviest(recompute):
     assert max(makespans) == pytest.approx(min(makespans), rel=1e-3)
     # the search plans the ends and, of the middle stages, the one with the most blocks
     assert [s.rank for s in plan(cfg, DEVICES["h100"], 8, ends_only=True).stages] == [0, 8, 24]
+
+
+def test_mfu_counts_the_model_once():
+    """MFU divides the whole model's FLOPs (6 per multiplying weight per token, attention 6 * seq * dim per token
+    and block), not what a rank computes: neither recomputation nor which ranks were planned changes it."""
+    h100 = DEVICES["h100"]
+    base = ["parallel.pp=4", "parallel.tp=8", "train.micro_batches=8", "train.precision=bf16"]
+    cfg = load_config("configs/llama3-8b.yaml", base)
+    m, t = cfg.model, cfg.train
+    weights = m.dim * (m.dim + 2 * m.n_kv_heads * m.dim // m.n_heads + m.dim) + 3 * m.dim * m.ffn_dim
+    per_token = 6 * (m.n_layers * weights + m.vocab_size * m.dim) + 6 * t.seq_len * m.dim * m.n_layers
+    work = []
+    for recompute in ("none", "full"):
+        for ends_only in (False, True):
+            cfg = load_config("configs/llama3-8b.yaml", [*base, f"model.recompute={recompute}"])
+            p = plan(cfg, h100, 8, ends_only)
+            work.append(p.mfu * p.step_s * cfg.parallel.world_size * h100.peak_flops)
+    assert work == pytest.approx([per_token * t.global_batch * t.seq_len] * 4, rel=1e-9)

@@ -13,7 +13,7 @@ from ..parallel.sharding import REDUCING
 from .devices import Device
 from .memory import activations, persistent
 from .rank import Rank, build_rank
-from .timing import Estimate, estimate, flops
+from .timing import Estimate, estimate, model_flops_per_token
 
 RESERVE = 0.9  # of device memory usable by the model (the rest: allocator, kernels' workspace, NCCL)
 
@@ -76,17 +76,16 @@ def plan(cfg: Config, device: Device, per_node: int, ends_only: bool = False) ->
     world = p.world_size
     stride = world // p.pp  # pp is the outermost mesh dimension
     chosen = _pp_ranks(cfg, ends_only)
-    stages, work = [], 0.0
+    stages = []
     for stage in chosen:
         rank = build_rank(cfg, stage * stride)
         memory = {**persistent(rank), **activations(rank), "transient": transient(rank)}
         memory["peak"] = sum(memory.values())
         stages.append(StagePlan(stage * stride, memory, estimate(rank, device, per_node)))
-        work += flops(rank)
     step = max(s.estimate.step_s for s in stages)
     tokens = cfg.train.global_batch * cfg.train.seq_len
-    model_flops = work / len(chosen) * world
-    return Plan(cfg, stages, step, tokens / step, model_flops / (step * world * device.peak_flops),
+    work = model_flops_per_token(cfg.model, cfg.train.seq_len) * tokens
+    return Plan(cfg, stages, step, tokens / step, work / (step * world * device.peak_flops),
                 all(s.memory["peak"] <= RESERVE * device.memory for s in stages))
 
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from ..config import ModelConfig
+from ..model.llama import Llama
 from .devices import Device
 from .rank import Rank
 from .traffic import step_bytes
@@ -50,6 +54,15 @@ def attention_flops(seq_len: int, dim: int) -> float:
     """Causal attention's training FLOPs per token and block (scores and their use: 4 * seq * dim, half of them
     masked, times 3 for forward and backward)."""
     return 6 * seq_len * dim
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """The whole model's training FLOPs per token, what MFU counts: 6 per multiplying parameter (an expert's
+    weighted by top_k / experts) and attention_flops per block; recomputation not counted."""
+    with torch.device("meta"):
+        dense, experts = matmul_params(Llama(cfg))
+    return 6 * (dense + experts * cfg.moe_top_k / max(cfg.moe_experts, 1)) + attention_flops(seq_len, cfg.dim) * \
+        cfg.n_layers
 
 
 def flops(rank: Rank) -> float:
