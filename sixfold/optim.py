@@ -13,47 +13,57 @@ MOMENTS = ("exp_avg", "exp_avg_sq")  # the optimizer state a checkpoint keeps pe
 
 
 class AdamW:
-    """torch.optim.AdamW's fused kernel over this rank's shard of each unit, one segment per parameter.
+    """AdamW on this rank's shard of each unit: the fp32 master weights, their gradients and both moments are
+    flat buffers of one layout, updated in place by torch's fused AdamW kernel (the one torch.optim.AdamW's
+    fused=True runs) over runs of segments: the norm weights (`no_decay`) take no weight decay.
 
-    Norm weights (`no_decay`) take no weight decay. Unsharded, the segments are the parameters themselves.
-    """
+    Unsharded, the master is the parameters' own flat buffer."""
 
     def __init__(self, sharded: Sharded, cfg: TrainConfig, no_decay):
-        self.sharded = sharded
-        self.segments: list[list[tuple[int, int, torch.Tensor]]] = []  # per unit: (start, end, view of master)
-        groups = ([], [])
-        for unit in sharded.units:
-            self.segments.append([])
-            for name, a, b, _ in unit.segments():
-                view = unit.master[a:b]
-                view.grad = unit.grad_shard[a:b]
-                self.segments[-1].append((a, b, view))
-                groups[no_decay(name)].append(view)
-        self.opt = torch.optim.AdamW([{"params": groups[0], "weight_decay": cfg.weight_decay},
-                                      {"params": groups[1], "weight_decay": 0.0}],
-                                     lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+        self.cfg = cfg
+        # the moments end where the last parameter does: a shard's padding has none
+        ends = [max((b for _, _, b, _ in unit.segments()), default=0) for unit in sharded.units]
+        self.moments = [{k: unit.master.new_zeros(end) for k in MOMENTS} for unit, end in zip(sharded.units, ends)]
+        # per decay group (decays, does not): lists of master, gradient and moment views, one per run of segments,
+        # and the run's step count (a tensor each, as torch.optim keeps them)
+        self.runs = tuple(([], [], [], [], []) for _ in range(2))
+        for unit, moments in zip(sharded.units, self.moments):
+            cuts = [(a, b, int(no_decay(name))) for name, a, b, _ in unit.segments()]
+            for a, b, group in _merged(cuts):
+                views = (unit.master[a:b], unit.grad_shard[a:b], moments["exp_avg"][a:b], moments["exp_avg_sq"][a:b],
+                         torch.zeros((), dtype=torch.float32, device=unit.master.device))
+                for lst, view in zip(self.runs[group], views):
+                    lst.append(view)
+        self.steps = self.runs[0][4] + self.runs[1][4]
 
     @property
     def step_count(self) -> int:
-        state = next(iter(self.opt.state.values()), None)
-        return int(state["step"]) if state else 0
+        return int(self.steps[0]) if self.steps else 0
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-        self.opt.step()
-
-    def state_of(self, view: torch.Tensor) -> dict:
-        if view not in self.opt.state:
-            self.opt.state[view] = {"step": torch.zeros((), dtype=torch.float32, device=view.device),
-                                    "exp_avg": torch.zeros_like(view), "exp_avg_sq": torch.zeros_like(view)}
-        return self.opt.state[view]
+        c = self.cfg
+        if self.steps:
+            torch._foreach_add_(self.steps, 1)
+        for (weights, grads, exp_avg, exp_avg_sq, steps), decay in zip(self.runs, (c.weight_decay, 0.0)):
+            if weights:
+                torch._fused_adamw_(weights, grads, exp_avg, exp_avg_sq, [], steps, lr=lr, beta1=c.beta1,
+                                    beta2=c.beta2, weight_decay=decay, eps=c.eps, amsgrad=False, maximize=False)
 
     def set_step_count(self, count: int) -> None:
-        for segments in self.segments:
-            for _, _, view in segments:
-                self.state_of(view)["step"].fill_(count)
+        for t in self.steps:
+            t.fill_(count)
+
+
+def _merged(cuts: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Adjacent (start, end, group) ranges of one group joined."""
+    out: list[tuple[int, int, int]] = []
+    for a, b, g in cuts:
+        if out and out[-1][1] == a and out[-1][2] == g:
+            out[-1] = (out[-1][0], b, g)
+        else:
+            out.append((a, b, g))
+    return out
 
 
 def clip_grad_norm(sharded: Sharded, max_norm: float) -> float:

@@ -45,22 +45,22 @@ class Piece:
         return self.kind, self.name, self.shape, tuple(self.cut.as_list()), self.start, self.stop
 
 
-def _slices(sharded: Sharded, optim: AdamW):
-    """(unit, shard range, name, shape, cut, range in the flattened piece, optimizer segment) of each
-    parameter's part in this rank's shards."""
-    for unit, segments in zip(sharded.units, optim.segments):
-        for (name, a, b, start), (_, _, view) in zip(unit.segments(), segments):
+def _slices(sharded: Sharded):
+    """(unit, shard range, name, shape, cut, range in the flattened piece) of each parameter's part in this
+    rank's shards."""
+    for unit in sharded.units:
+        for name, a, b, start in unit.segments():
             split = sharded.splits[name]
             shape = tuple(split.full_shape(unit.params[unit.names.index(name)].shape))
-            yield unit, a, b, name, shape, Cut.of(split), start, start + b - a, view
+            yield unit, a, b, name, shape, Cut.of(split), start, start + b - a
 
 
 def pieces(sharded: Sharded, optim: AdamW) -> list[Piece]:
     out = []
-    for unit, a, b, name, shape, cut, start, stop, view in _slices(sharded, optim):
+    for unit, a, b, name, shape, cut, start, stop in _slices(sharded):
         out.append(Piece("model", name, shape, cut, start, stop, unit.master[a:b]))
-        state = optim.state_of(view)
-        out += [Piece("optim", f"{name}.{k}", shape, cut, start, stop, state[k]) for k in MOMENTS]
+        moments = optim.moments[unit.index]
+        out += [Piece("optim", f"{name}.{k}", shape, cut, start, stop, moments[k][a:b]) for k in MOMENTS]
     return out
 
 
@@ -209,12 +209,11 @@ def load(checkpoint: Checkpoint, sharded: Sharded, optim: AdamW, cfg: Config) ->
     if state is not None and any(k not in FREE for k in diffs):
         raise CheckpointError(f"{checkpoint.path} is a training checkpoint of another model: {hint} to resume from it")
     flats = [torch.zeros_like(u.master) for u in sharded.units]
-    for unit, a, b, name, _, cut, start, stop, view in _slices(sharded, optim):
+    for unit, a, b, name, _, cut, start, stop in _slices(sharded):
         flats[unit.index][a:b] = weights.read(name, cut, start, stop)
         if state is not None:
-            for k, t in optim.state_of(view).items():
-                if k in MOMENTS:
-                    t.copy_(state.read(f"{name}.{k}", cut, start, stop))
+            for k in MOMENTS:
+                optim.moments[unit.index][k][a:b] = state.read(f"{name}.{k}", cut, start, stop)
     for unit, flat in zip(sharded.units, flats):
         unit.master.copy_(flat)
     sharded.after_step()

@@ -4,7 +4,7 @@ import torch
 
 from sixfold.config import ModelConfig, TrainConfig
 from sixfold.model.llama import Llama, init_weights, no_decay
-from sixfold.optim import AdamW, clip_grad_norm, learning_rate
+from sixfold.optim import MOMENTS, AdamW, clip_grad_norm, learning_rate
 from sixfold.comm import Comm
 from sixfold.mesh import ParallelContext
 from sixfold.parallel.sharding import Sharded
@@ -55,20 +55,27 @@ def _run_both(tie, fused):
         flat.zero_grad()
         ref.zero_grad()
     assert opt.step_count == t.steps
-    return ours, plain
+    return ours, plain, (flat, opt, ref)
 
 
 def test_adamw_on_flat_views_matches_torch_bitwise():
-    """AdamW over the flat buffers' views, with the schedule, equals torch.optim.AdamW(fused=True) exactly."""
+    """AdamW over the flat buffers, with the schedule, equals torch.optim.AdamW(fused=True) exactly: weights and
+    both moments."""
     for tie in (False, True):
-        ours, plain = _run_both(tie, fused=True)
+        ours, plain, (flat, opt, ref) = _run_both(tie, fused=True)
         for (name, p), q in zip(ours.named_parameters(), plain.parameters()):
             assert torch.equal(p, q), name
+        params = dict(plain.named_parameters())
+        for unit in flat.units:
+            for name, a, b, _ in unit.segments():
+                state = ref.state[params[name]]
+                for k in MOMENTS:
+                    assert torch.equal(opt.moments[unit.index][k][a:b], state[k].flatten()), (name, k)
 
 
 def test_adamw_matches_torch_default_implementation():
     """Against the default (for-loop) AdamW: a different kernel, so equal to fp32 round-off."""
-    ours, plain = _run_both(False, fused=False)
+    ours, plain, _ = _run_both(False, fused=False)
     for (name, p), q in zip(ours.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
 

@@ -56,8 +56,7 @@ extra = lambda t, *counted: 0 if any(t is c for c in counted) else size(t)  # a 
 held = {
     "parameters": sum(size(u.full) + extra(u.master, u.full) + extra(u.compute_shard, u.master, u.full) for u in units),
     "gradients": sum(size(u.grad) + extra(u.grad_shard, u.grad) for u in units),
-    "optimizer": sum(t.numel() * t.element_size() for s in trainer.optim.opt.state.values()
-                     for k, t in s.items() if k != "step"),
+    "optimizer": sum(t.numel() * t.element_size() for m in trainer.optim.moments for t in m.values()),
 }
 assert held == expected, (zero, precision, held, expected)
 assert cfg.model.num_params() == sum(unit_sizes)
