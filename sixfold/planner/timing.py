@@ -7,6 +7,8 @@ heaviest), and the data-parallel traffic hidden behind backward compute.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,10 +61,22 @@ def attention_flops(seq_len: int, dim: int) -> float:
 def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """The whole model's training FLOPs per token, what MFU counts: 6 per multiplying parameter (an expert's
     weighted by top_k / experts) and attention_flops per block; recomputation not counted."""
+    dense, experts = _whole_model_params(dataclasses.astuple(cfg))
+    return 6 * _active(cfg, dense, experts) + attention_flops(seq_len, cfg.dim) * cfg.n_layers
+
+
+@functools.lru_cache(maxsize=4)
+def _whole_model_params(fields: tuple) -> tuple[int, int]:
+    """matmul_params of the whole model of ModelConfig(*fields), built on the meta device once per model (the
+    search plans hundreds of layouts of one model)."""
     with torch.device("meta"):
-        dense, experts = matmul_params(Llama(cfg))
-    return 6 * (dense + experts * cfg.moe_top_k / max(cfg.moe_experts, 1)) + attention_flops(seq_len, cfg.dim) * \
-        cfg.n_layers
+        return matmul_params(Llama(ModelConfig(*fields)))
+
+
+def _active(cfg: ModelConfig, dense: int, experts: int, ep: int = 1) -> float:
+    """The parameters a token multiplies: the dense ones and top_k of all the experts, from `experts` expert
+    parameters that are 1/ep of them."""
+    return dense + experts * cfg.moe_top_k * ep / max(cfg.moe_experts, 1)
 
 
 def flops(rank: Rank) -> float:
@@ -71,14 +85,10 @@ def flops(rank: Rank) -> float:
     forward again of what recomputation rebuilds (the blocks, or their attention cores); under tp each rank does
     1/tp, under cp each its tokens."""
     cfg, t = rank.cfg.model, rank.cfg.train
-    tokens = rank.micro_tokens * t.micro_batches
-
-    def active(dense: int, experts: int) -> float:
-        return dense + experts * cfg.moe_top_k * rank.ctx.size("ep") / max(cfg.moe_experts, 1)
-
-    matmul = 6 * active(*matmul_params(rank.model)) * tokens
+    tokens, ep = rank.micro_tokens * t.micro_batches, rank.ctx.size("ep")
+    matmul = 6 * _active(cfg, *matmul_params(rank.model), ep) * tokens
     attention = attention_flops(t.seq_len, cfg.dim) * tokens * len(rank.blocks) / rank.model.tp.size
-    blocks = 2 * active(*_multiplying(rank.model.layers.named_parameters())) * tokens
+    blocks = 2 * _active(cfg, *_multiplying(rank.model.layers.named_parameters()), ep) * tokens
     extra = {"full": blocks + attention / 3, "selective": attention / 3}.get(cfg.recompute, 0.0)
     return matmul + attention + extra
 
