@@ -6,6 +6,7 @@ A checkpoint is a directory:
     meta.json                 format, step, resolved config, loader state, the index (for each tensor: its
                               shape and the slices that hold it, see slices.py) and the size and sha256 of
                               every file
+    meta.sha256               the sha256 of meta.json
 Each slice is written by one rank (one replica of it); a checkpoint written in one layout loads in any
 other. It is staged in a hidden directory and renamed when complete, so a crash mid-save leaves the last good
 checkpoint; nothing is ever unpickled. A run directory keeps checkpoints under checkpoints/step_NNNNNNN with
@@ -25,6 +26,7 @@ from safetensors.torch import save_file
 
 FORMAT = "sixfold-checkpoint-2"
 META = "meta.json"
+META_SHA256 = "meta.sha256"  # meta.json's own checksum (checkpoints written before it have none)
 KINDS = ("model", "optim")
 
 
@@ -59,12 +61,26 @@ def find_checkpoint(path: str | Path) -> Path:
 def read_meta(path: str | Path) -> dict:
     path = find_checkpoint(path)
     try:
-        meta = json.loads((path / META).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        text = (path / META).read_bytes()
+        meta = json.loads(text)
+    except (OSError, ValueError) as e:
         raise CheckpointError(f"{path / META} is unreadable: {e}") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path / META} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    digest = path / META_SHA256
+    if digest.is_file() and digest.read_text().strip() != hashlib.sha256(text).hexdigest():
+        raise CheckpointError(f"{path / META} is corrupt: its sha256 does not match {META_SHA256}")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{path / META} has format {found!r}, expected {FORMAT!r}")
+    require(meta, {"files": dict, "index": dict}, path / META)
     return meta
+
+
+def require(meta: dict, fields: dict[str, type], where: Path) -> None:
+    """Refuse a meta.json that lacks a field, or holds one of another type."""
+    for key, kind in fields.items():
+        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            raise CheckpointError(f"{where} has no valid {key!r} (a {kind.__name__}); the checkpoint is incomplete "
+                                  f"or was not written by sixfold")
 
 
 class Checkpoint:
@@ -126,7 +142,11 @@ def staging_dir(path: Path) -> Path:
 
 
 def start_staging(path: Path) -> Path:
-    """An empty hidden directory beside `path` to write into (a failed save's leftover is removed)."""
+    """An empty hidden directory beside `path` to write into (a failed save's leftover is removed). An existing
+    `path` is replaced once the new checkpoint is complete, so it must be a checkpoint or an empty directory."""
+    if path.is_file() or (path.is_dir() and not (path / META).is_file() and any(path.iterdir())):
+        raise CheckpointError(f"{path} exists and is not a sixfold checkpoint, which writing one there would "
+                              f"replace; choose another output path, or move it away")
     tmp = staging_dir(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,7 +178,9 @@ def publish(path: Path, tmp: Path, meta: dict, files: dict, blobs: dict[str, byt
     for fname, data in (blobs or {}).items():
         (tmp / fname).write_bytes(data)
         files[fname] = {"sha256": _sha256(tmp / fname), "bytes": len(data)}
-    (tmp / META).write_text(json.dumps({**meta, "format": FORMAT, "files": files}, indent=1))
+    text = json.dumps({**meta, "format": FORMAT, "files": files}, indent=1).encode()
+    (tmp / META).write_bytes(text)
+    (tmp / META_SHA256).write_text(hashlib.sha256(text).hexdigest() + "\n")
     old = path.parent / f".{path.name}.old-{os.getpid()}"
     if path.exists():
         path.rename(old)
@@ -193,11 +215,12 @@ def step_dir(run_dir: str | Path, step: int) -> Path:
 
 
 def mark_latest(run_dir: str | Path, path: Path, keep: int) -> None:
-    """Point `latest` at `path` (atomically) and keep only the newest `keep` checkpoints."""
+    """Point `latest` at `path` (atomically) and keep only the newest `keep` checkpoints up to it: those of later
+    steps (left by an earlier, longer run in this directory) are not this run's to remove."""
     root = Path(run_dir) / "checkpoints"
     tmp = root / f".latest.tmp-{os.getpid()}"
     tmp.write_text(path.name)
     tmp.replace(root / "latest")
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name <= path.name)
     for old in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)

@@ -14,6 +14,19 @@ from .launch import run_torchrun, under_torchrun
 KNOWN_ERRORS = (ValueError, CheckpointError)  # ConfigError and DataError are ValueErrors
 
 
+def _at_least(low: int):
+    """An argparse type: an integer of at least `low`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be at least {low}")
+        return value
+    return parse
+
+
 def _split(items: list[str]) -> tuple[str | None, list[str]]:
     """An optional YAML path first, then key=value overrides."""
     if items and "=" not in items[0]:
@@ -57,6 +70,12 @@ def _config(args):
 def cmd_train(args, argv) -> int:
     cfg = _config(args)
     make_run_dir(cfg)
+    if not under_torchrun() and (args.nproc or cfg.parallel.world_size) > 1:
+        # the corpus read and tokenized (and cached for the ranks) here, so that its errors come before any rank
+        # starts and no rank waits through the tokenizing for the first one
+        from .data import load_data
+        from .train import check_inputs
+        check_inputs(cfg, load_data(cfg.data))
     code = _relaunch(args, _without_nproc(argv), cfg.parallel.world_size)
     if code is not None:
         return code
@@ -157,12 +176,12 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a model: sixfold train CONFIG [key=value ...] [--nproc N]")
     t.add_argument("config", nargs="*", help="a YAML file, then section.key=value overrides")
-    t.add_argument("--nproc", type=int, default=0, help="start N ranks on this machine with torchrun")
+    t.add_argument("--nproc", type=_at_least(0), default=0, help="start N ranks on this machine with torchrun")
     t.set_defaults(fn=cmd_train)
     c = sub.add_parser("check", help="compare a layout with the single-process run: parity OK / FAILED")
     c.add_argument("config", nargs="*", help="an optional YAML file, then section.key=value overrides")
-    c.add_argument("--nproc", type=int, default=0)
-    c.add_argument("--steps", type=int, default=5)
+    c.add_argument("--nproc", type=_at_least(0), default=0)
+    c.add_argument("--steps", type=_at_least(1), default=5)
     c.add_argument("--workdir", default=None, help="keep both runs here (default: a temporary directory)")
     c.set_defaults(fn=cmd_check)
     r = sub.add_parser("trace", help="redraw a run directory's pictures from its trace.json, comm_ledger.json and "
@@ -172,9 +191,9 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="memory per rank and estimated step time of a layout on a cluster, or "
                                      "--search: every layout ranked")
     pl.add_argument("config", nargs="*", help="a YAML file, then section.key=value overrides")
-    pl.add_argument("--gpus", type=int, required=True)
+    pl.add_argument("--gpus", type=_at_least(1), required=True)
     pl.add_argument("--gpu", choices=["h100", "h200", "a100"], default="h100")
-    pl.add_argument("--nodes", type=int, default=1)
+    pl.add_argument("--nodes", type=_at_least(1), default=1)
     pl.add_argument("--search", action="store_true", help="rank every layout of --gpus GPUs that fits")
     pl.set_defaults(fn=cmd_plan)
     b = sub.add_parser("bench", help="step time and peak memory of a layout on the common workload (--table: the "
@@ -202,9 +221,9 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="sample text from a checkpoint or run directory")
     g.add_argument("checkpoint")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--max-new-tokens", type=_at_least(0), default=200)
     g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-k", type=_at_least(0), default=40)
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(fn=cmd_generate)
     i = sub.add_parser("import-hf", help="convert a transformers LlamaForCausalLM directory to a checkpoint")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,6 +171,9 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+PATHS = ("data.source", "data.tokenizer", "data.cache_dir", "checkpoint.resume", "log.run_dir")  # "~" expanded
+
+
 def _fields(obj) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(obj)}
 
@@ -198,7 +203,17 @@ def _coerce(value, typ, name: str):
             return float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{name} must be a number, got {value!r}") from None
-    return str(value) if value is not None else ""
+    text = str(value) if value is not None else ""
+    return os.path.expanduser(text) if name in PATHS else text
+
+
+def _text_field(obj, path: list[str]) -> bool:
+    """Whether the dotted path names a string setting (its override is then taken as written, not as YAML)."""
+    for key in path[:-1]:
+        obj = getattr(obj, key, None)
+        if not dataclasses.is_dataclass(obj):
+            return False
+    return path[-1] in _fields(obj) and typing.get_type_hints(type(obj))[path[-1]] is str
 
 
 def _set(obj, path: list[str], value, where: str = "") -> None:
@@ -230,7 +245,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist (see configs/ for examples)")
-        data = yaml.safe_load(p.read_text()) or {}
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections")
         for k, v in data.items():
@@ -239,8 +257,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like section.key=value")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw else ""
-        _set(cfg, key.strip().split("."), value)
+        path = key.strip().split(".")
+        try:
+            value = raw if _text_field(cfg, path) or not raw else yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise ConfigError(f"override '{item}': the value is not valid YAML") from None
+        _set(cfg, path, value)
     if check:
         validate(cfg)
     return cfg
@@ -317,6 +339,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"holds logits for 1/tp of the vocabulary already; set model.loss_chunk=0")
     if m.moe_experts < 0 or m.moe_every < 1:
         raise ConfigError("model.moe_experts must be 0 or more and model.moe_every at least 1")
+    for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+        if getattr(m, key) < 1:
+            raise ConfigError(f"model.{key}={getattr(m, key)} must be at least 1")
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
     if m.head_dim % 2:
@@ -365,10 +390,25 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(
             f"train.global_batch={t.global_batch} must be divisible by data-parallel size "
             f"({p.dp} = dp_replicate*dp_shard) times train.micro_batches={t.micro_batches}")
-    if t.steps < 1 or t.seq_len < 1:
-        raise ConfigError("train.steps and train.seq_len must be at least 1")
-    if t.warmup_steps < 0 or t.lr <= 0 or t.min_lr < 0:
+    for key in ("steps", "seq_len", "global_batch"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"train.{key}={getattr(t, key)} must be at least 1")
+    if not (math.isfinite(t.lr) and math.isfinite(t.min_lr)) or t.warmup_steps < 0 or t.lr <= 0 or t.min_lr < 0:
         raise ConfigError("train.lr must be positive; train.min_lr and train.warmup_steps non-negative")
+    if t.eval_every < 0 or (t.eval_every and t.eval_batches < 1):
+        raise ConfigError(f"train.eval_every={t.eval_every} must be 0 (no evaluation) or more, and "
+                          f"train.eval_batches={t.eval_batches} at least 1 when it is set")
+    if p.timeout_s <= 0:
+        raise ConfigError(f"parallel.timeout_s={p.timeout_s} must be a positive number of seconds")
+    for key in ("every", "keep"):
+        if getattr(cfg.checkpoint, key) < 0:
+            raise ConfigError(f"checkpoint.{key}={getattr(cfg.checkpoint, key)} must be 0 (never / keep all) or more")
+    if cfg.log.sample_tokens < 0 or (cfg.log.sample_tokens and not cfg.log.sample_prompt):
+        raise ConfigError(f"log.sample_tokens={cfg.log.sample_tokens} must be 0 (no sample) or more, with a "
+                          f"non-empty log.sample_prompt to start from")
+    if not cfg.data.source.strip() or cfg.data.max_bytes < 0:
+        raise ConfigError("data.source must name a file or directory (or stdlib), and data.max_bytes be 0 (all) "
+                          "or more")
     for key in ("precision", "grad_reduce"):
         if getattr(t, key) not in DTYPES:
             raise ConfigError(f"train.{key}={getattr(t, key)!r}: choose fp32 or bf16")

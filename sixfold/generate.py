@@ -25,7 +25,8 @@ def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int
     `model` is the whole model, or a pipeline run on every one of its ranks."""
     limit = model.cfg.max_seq_len
     if not 0 < len(prompt_ids) <= limit:
-        raise ValueError(f"prompt has {len(prompt_ids)} tokens; it needs 1 to model.max_seq_len={limit}")
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; give one of 1 to {limit} tokens (the model's "
+                         f"max_seq_len)")
     if temperature < 0:
         raise ValueError(f"temperature={temperature} must be 0 (greedy) or positive")
     device = model.device

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 
 
 def under_torchrun() -> bool:
@@ -21,7 +23,27 @@ def run_torchrun(nproc: int, argv: list[str], capture: bool = False, module: str
     rendezvous on a free port)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", module, *argv]
-    return subprocess.run(cmd, env=_env(threads), text=True, capture_output=capture)
+    if capture:
+        return subprocess.run(cmd, env=_env(threads), text=True, capture_output=True)
+    return _forwarding_signals(cmd, _env(threads))
+
+
+def _forwarding_signals(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run torchrun in its own session and pass SIGTERM or SIGINT (Ctrl-C) on to it as SIGTERM, which it sends
+    its ranks: they finish the step, write a checkpoint and end (stop.py). Without this a scheduler's SIGTERM
+    to this launcher would leave torchrun and the ranks running, and Ctrl-C would interrupt every rank mid-step."""
+    job = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def forward(signum, frame) -> None:
+        job.send_signal(signal.SIGTERM)
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
+    try:
+        return subprocess.CompletedProcess(cmd, job.wait())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run_ranks(nproc: int, module: str, argv: list[str], threads: str | None = None) -> subprocess.CompletedProcess:

@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .checkpoint import CheckpointError, Checkpoint
 from .parallel.tensor import Split
@@ -32,16 +31,31 @@ class Cut:
             return cls()
         return cls(split.dim, split.parts, split.index, split.padded if split.padded > split.full else 0)
 
-    def positions(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """The flat index in the full tensor of each element of the flattened piece (-1 for padding)."""
-        idx = torch.arange(math.prod(shape)).view(shape)
+    def _sizes(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
+        """Rows along dim in the full tensor, in a piece, and elements per row (the dims after dim)."""
+        rows = shape[self.dim]
+        return rows, (self.padded or rows) // self.parts, math.prod(shape[self.dim + 1:])
+
+    def positions(self, shape: tuple[int, ...], start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The flat index in the full tensor of elements [start, stop) of the flattened piece (-1 for padding),
+        increasing apart from the padding."""
         if self.parts == 1:
-            return idx.reshape(-1)
-        if self.padded:
-            pad = [0, 0] * (len(shape) - 1 - self.dim) + [0, self.padded - shape[self.dim]]
-            idx = F.pad(idx, pad, value=-1)
-        size = (self.padded or shape[self.dim]) // self.parts
-        return idx.narrow(self.dim, self.index * size, size).reshape(-1)
+            return torch.arange(start, math.prod(shape) if stop is None else stop)
+        rows, size, inner = self._sizes(shape)
+        i = torch.arange(start, math.prod(shape[:self.dim]) * size * inner if stop is None else stop)
+        outer, rest = i // (size * inner), i % (size * inner)
+        row = self.index * size + rest // inner
+        return ((outer * rows + row) * inner + rest % inner).masked_fill_(row >= rows, -1)
+
+    def locate(self, shape: tuple[int, ...], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For flat indices in the full tensor: the piece of this cut's parts that holds each, and the element's
+        place in that piece's flattening (the inverse of positions)."""
+        if self.parts == 1:
+            return torch.zeros_like(positions), positions
+        rows, size, inner = self._sizes(shape)
+        outer, row, col = positions // (rows * inner), positions // inner % rows, positions % inner
+        piece = row // size
+        return piece, (outer * size + row - piece * size) * inner + col
 
     def as_list(self) -> list[int]:
         return [self.dim, self.parts, self.index, self.padded]
@@ -79,25 +93,26 @@ class Reader:
         return self._matched(name, entry, cut, start, stop)
 
     def _matched(self, name: str, entry: dict, cut: Cut, start: int, stop: int) -> torch.Tensor:
-        """The general path: positions in the full tensor of what is wanted and of each saved slice."""
+        """The general path: each wanted element's place in the full tensor, then its place in each saved cut;
+        memory and work grow with what is wanted, not with the full tensor."""
         shape = tuple(entry["shape"])
-        want = cut.positions(shape)[start:stop]
-        real = want >= 0
-        wanted = torch.zeros(math.prod(shape), dtype=torch.bool)
-        wanted[want[real]] = True
-        full = torch.zeros(math.prod(shape))
-        have = torch.zeros_like(wanted)
-        for s in entry["slices"]:
-            pos = Cut(*s["cut"]).positions(shape)[s["start"]:s["stop"]]
-            keep = pos >= 0
-            if wanted[pos[keep]].any():
-                full[pos[keep]] = self._slice(name, s)[keep]
-                have[pos[keep]] = True
-        if not have[wanted].all():
-            raise CheckpointError(f"{self.ckpt.path}: no saved slice holds {int((wanted & ~have).sum())} element(s) "
-                                  f"of {name}; a shard of the checkpoint is missing from its index")
+        want = cut.positions(shape, start, stop)
+        real = (want >= 0).nonzero().squeeze(1)
+        found = torch.zeros(len(real), dtype=torch.bool)
         out = torch.zeros(stop - start)
-        out[real] = full[want[real]]
+        located = {}
+        for s in entry["slices"]:
+            saved = Cut(*s["cut"])
+            if saved not in located:
+                located[saved] = saved.locate(shape, want[real])
+            piece, at = located[saved]
+            hit = ((piece == saved.index) & (at >= s["start"]) & (at < s["stop"])).nonzero().squeeze(1)
+            if len(hit):
+                out[real[hit]] = self._slice(name, s)[at[hit] - s["start"]]
+                found[hit] = True
+        if not found.all():
+            raise CheckpointError(f"{self.ckpt.path}: no saved slice holds {int((~found).sum())} element(s) "
+                                  f"of {name}; a shard of the checkpoint is missing from its index")
         return out
 
     def full(self, name: str) -> torch.Tensor:

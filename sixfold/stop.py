@@ -1,36 +1,39 @@
 """Stopping early on SIGTERM, the signal of a scheduler's preemption (Slurm, Kubernetes) and of torchrun shutting
-its workers down: each gives some seconds' grace before SIGKILL. The trainer notes the signal, finishes the step
-under way, and once every rank has heard of it (a rank told alone passes it on) writes a checkpoint and ends."""
+its workers down (each gives some seconds' grace before SIGKILL), or on Ctrl-C (SIGINT). The trainer notes the
+signal, finishes the step under way, and once every rank has heard of it (a rank told alone passes it on) writes a
+checkpoint and ends."""
 from __future__ import annotations
 
 import signal
 import threading
 
-SIGNAL = signal.SIGTERM
+SIGNALS = (signal.SIGTERM, signal.SIGINT)  # a scheduler's preemption, Ctrl-C
+SIGNAL_NAMES = tuple(s.name for s in SIGNALS)
 
 
 class Stopped(RuntimeError):
-    """Training ended early on SIGTERM, after a checkpoint when checkpoints are on; the message says how to go on."""
+    """Training ended early on a signal, after a checkpoint when checkpoints are on; the message says how to go on."""
 
-    exit_code = 128 + SIGNAL  # what a shell reports for a process that SIGTERM ended
+    exit_code = 128 + signal.SIGTERM  # what a shell reports for a process that SIGTERM ended
 
 
 class StopSignal:
-    """While entered (in the main thread): SIGTERM is noted instead of ending the process at once."""
+    """While entered (in the main thread): SIGTERM or SIGINT is noted (`received`: the first one's name) instead of
+    ending the process at once. A second SIGINT is noted too: a torchrun that a terminal's Ctrl-C reached sends
+    its ranks the same signal again."""
 
     def __init__(self):
-        self.received = False
-        self._installed = False
-        self._previous = None
+        self.received = ""
+        self._previous: dict = {}
 
     def __enter__(self) -> "StopSignal":
         if threading.current_thread() is threading.main_thread():
-            self._previous, self._installed = signal.signal(SIGNAL, self._note), True
+            self._previous = {sig: signal.signal(sig, self._note) for sig in SIGNALS}
         return self
 
     def _note(self, signum, frame) -> None:
-        self.received = True
+        self.received = self.received or signal.Signals(signum).name
 
     def __exit__(self, *exc) -> None:
-        if self._installed:  # None: a handler not set from Python, which cannot be put back; the default then
-            signal.signal(SIGNAL, signal.SIG_DFL if self._previous is None else self._previous)
+        for sig, previous in self._previous.items():  # None: a handler not set from Python, which cannot be put
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)  # back; the default then

@@ -27,7 +27,7 @@ from .parallel.pipeline.stages import split_stages
 from .parallel.sharding import Sharded
 from .parallel.tensor import IGNORE_INDEX, TensorParallel
 from .pictures import draw_pictures
-from .stop import StopSignal, Stopped
+from .stop import SIGNAL_NAMES, StopSignal, Stopped
 from .trace import Tracer, overlap_table, write_chrome_trace
 
 TRACE_STEPS = 3
@@ -46,10 +46,7 @@ class Trainer:
         self.tracer = Tracer(False, ctx.rank)
         self.comm = Comm(ctx, self.tracer)
         self.data = data if data is not None else self._load_data()
-        if self.data.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                              f"{self.data.tokenizer.vocab_size} tokens; set "
-                              f"model.vocab_size>={self.data.tokenizer.vocab_size}")
+        check_inputs(cfg, self.data)
         torch.manual_seed(t.seed)
         p = cfg.parallel
         tp = TensorParallel(self.comm, p.sequence_parallel)
@@ -190,8 +187,24 @@ class Trainer:
         return self.saver.save(self.step, train_state.pieces(self.sharded, self.optim), meta, blobs)
 
     def load(self, where: str) -> None:
+        """Resume from a checkpoint; a rank that cannot read its part stops every rank with its message (a rank
+        reads only the files that hold its slices)."""
+        problem = ""
+        try:
+            self._load(where)
+        except ckpt.CheckpointError as e:
+            problem = str(e)
+        if self.ctx.world_size > 1:
+            problems = self.comm.all_gather_objects(problem, "world")
+            problem = next((f"{p} (rank {r})" for r, p in enumerate(problems) if p), "")
+        if problem:
+            raise ckpt.CheckpointError(problem)
+
+    def _load(self, where: str) -> None:
         checkpoint = ckpt.Checkpoint(where)
         meta = checkpoint.meta
+        if checkpoint.index("optim"):
+            ckpt.require(meta, {"step": int, "optimizer_steps": int, "loader": dict}, checkpoint.path / ckpt.META)
         if train_state.load(checkpoint, self.sharded, self.optim, self.cfg):
             self.optim.set_step_count(meta["optimizer_steps"])
             self.loader.load_state_dict(meta["loader"])
@@ -215,11 +228,13 @@ class Trainer:
                         self.comm.ledger.close("eval")
                     history.append(m)
                     log.step(m, show=self.step % cfg.log.every == 0 or self.step == t.steps)
-                    due = cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < t.steps
+                    due = cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and (
+                        self.step < t.steps or not cfg.checkpoint.save_final)
                     if due:
                         self.save()
-                    if self._stop_heard(stop):
-                        raise self._stopped(saved=due)
+                    heard = self._stop_heard(stop)
+                    if heard:
+                        raise self._stopped(due, heard)
                 self.tracer.enabled = False
                 log.end_progress()
                 self.sharded.settle()
@@ -236,18 +251,19 @@ class Trainer:
                 log.close()
         return history
 
-    def _stop_heard(self, stop: StopSignal) -> bool:
-        """Whether any rank has received SIGTERM: each one's flag summed over the world once a step, so that all
-        stop after the same step (counted in the ledger's "other" phase, outside the steps)."""
+    def _stop_heard(self, stop: StopSignal) -> str:
+        """The signal any rank has received ("" if none; SIGTERM over SIGINT): each one's summed over the world
+        once a step, so that all stop after the same step (counted in the ledger's "other" phase, outside the
+        steps)."""
         if self.ctx.world_size == 1:
             return stop.received
-        (heard,) = self.comm.sum_scalars([float(stop.received)], "world")
-        return heard > 0
+        heard = self.comm.sum_scalars([float(stop.received == name) for name in SIGNAL_NAMES], "world")
+        return next((name for name, n in zip(SIGNAL_NAMES, heard) if n > 0), "")
 
-    def _stopped(self, saved: bool) -> Stopped:
-        """The end of a run stopped by SIGTERM: the step's checkpoint (unless `saved` already, or checkpoints are
+    def _stopped(self, saved: bool, signal_name: str) -> Stopped:
+        """The end of a run stopped by a signal: the step's checkpoint (unless `saved` already, or checkpoints are
         off) written, and the error saying how to go on."""
-        c, done = self.cfg.checkpoint, f"stopped by SIGTERM after step {self.step} of {self.cfg.train.steps}"
+        c, done = self.cfg.checkpoint, f"stopped by {signal_name} after step {self.step} of {self.cfg.train.steps}"
         if not (c.every or c.save_final):
             return Stopped(f"{done}; no checkpoint written (checkpoint.every=0, checkpoint.save_final=false)")
         path = ckpt.step_dir(self.run_dir, self.step) if saved else self.save()
@@ -278,9 +294,31 @@ class Trainer:
                       f"{', '.join(map(str, pictures))}")
 
 
+def check_inputs(cfg: Config, data: TokenData) -> None:
+    """Refuse what the config and the data alone show cannot run, before any step (and, from `sixfold train`,
+    before its ranks start): a vocabulary smaller than the tokenizer's, a split too short for one sequence, a
+    checkpoint to resume from that is not there."""
+    t = cfg.train
+    if data.tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                          f"{data.tokenizer.vocab_size} tokens; set model.vocab_size>={data.tokenizer.vocab_size}")
+    BatchLoader(data.train, t.seq_len, t.global_batch, t.seed)
+    if t.eval_every:
+        eval_batches(data.val, t.seq_len, t.global_batch, 1)
+    if cfg.checkpoint.resume not in ("", "auto"):
+        ckpt.find_checkpoint(cfg.checkpoint.resume)
+
+
 def prepare_run_dir(cfg: Config, ctx: ParallelContext) -> None:
     if ctx.is_main:
-        (make_run_dir(cfg) / "config.yaml").write_text(cfg.to_yaml())
+        run_dir = make_run_dir(cfg)
+        resumes = cfg.checkpoint.resume not in ("", "auto") or (
+            cfg.checkpoint.resume == "auto" and (run_dir / "checkpoints" / "latest").is_file())
+        if not resumes and (run_dir / "metrics.jsonl").is_file():
+            warnings.warn(f"{run_dir} holds an earlier run: this one starts over, replacing its metrics.jsonl, "
+                          f"config.yaml and trace (its checkpoints stay); to continue it instead, set "
+                          f"checkpoint.resume=auto, or to keep both, another log.run_dir")
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
     ctx.barrier()
 
 

@@ -93,9 +93,17 @@ def _fingerprint(root: Path) -> dict:
 
 
 def _meta(path: Path, change) -> None:
+    """meta.json changed as a faulty writer would leave it: its own checksum made to match."""
     meta = json.loads((path / "meta.json").read_text())
     change(meta)
     (path / "meta.json").write_text(json.dumps(meta))
+    (path / "meta.sha256").write_text(hashlib.sha256((path / "meta.json").read_bytes()).hexdigest())
+
+
+def _flip_step(path):
+    """One digit of meta.json altered on disk."""
+    f = path / "meta.json"
+    f.write_text(f.read_text().replace('"step": 2', '"step": 3'))
 
 
 def _truncate(path):
@@ -135,6 +143,11 @@ BAD = {
     "another model config": (lambda p: None, ["model.rope_theta=500000"],
                              "training checkpoint of another model: .*model.rope_theta=10000.0 \\(here 500000"),
     "unreadable meta.json": (lambda p: (p / "meta.json").write_text("{"), [], "meta.json is unreadable"),
+    "altered meta.json": (_flip_step, [], "meta.json is corrupt: its sha256 does not match meta.sha256"),
+    "meta.json without a field": (lambda p: _meta(p, lambda m: m.pop("optimizer_steps")), [],
+                                  "meta.json has no valid 'optimizer_steps'"),
+    "meta.json of another shape": (lambda p: _meta(p, lambda m: m.update(files=[])), [],
+                                   "meta.json has no valid 'files'"),
     "another format": (lambda p: _meta(p, lambda m: m.update(format="v0")), [], "has format 'v0'"),
 }
 
@@ -175,3 +188,47 @@ def test_an_unfinished_save_is_ignored_and_cleared_and_the_last_k_are_kept(tmp_p
     assert [m["step"] for m in read_metrics(run)][-1:] == [3]
     assert not partial.exists() and (run / "checkpoints" / "latest").read_text() == "step_0000003"
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000002", "step_0000003"]  # keep=2
+
+
+def test_checkpoints_of_later_steps_from_an_earlier_run_are_left_and_latest_is_the_new_one(tmp_path):
+    """A shorter run in a run directory that holds an earlier run's later checkpoints keeps its own newest ones."""
+    run = tmp_path / "run"
+    common = [f"log.run_dir={run}", "checkpoint.every=1", "checkpoint.keep=1"]
+    train(load_config(TINY, [*common, "train.steps=3"]))
+    with pytest.warns(UserWarning, match="holds an earlier run: this one starts over"):
+        train(load_config(TINY, [*common, "train.steps=2"]))
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000002", "step_0000003"]
+    assert Checkpoint(run).path.name == "step_0000002"
+
+
+def test_the_last_periodic_checkpoint_is_written_without_a_final_one(tmp_path):
+    run = tmp_path / "run"
+    train(load_config(TINY, [f"log.run_dir={run}", "train.steps=4", "checkpoint.every=2",
+                             "checkpoint.save_final=false", "checkpoint.keep=0"]))
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000002", "step_0000004"]
+
+
+def test_a_directory_that_is_not_a_checkpoint_is_not_replaced(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="exists and is not a sixfold checkpoint"):
+        start_staging(out)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    again = _write(tmp_path / "ckpt", "w", torch.ones(4), [(Cut(0, 1, 0, 4), 0, 4)])
+    assert _write(again, "w", torch.zeros(4), [(Cut(0, 1, 0, 4), 0, 4)]) == again  # a checkpoint is replaced
+    assert torch.equal(Reader(Checkpoint(again), "model").full("w"), torch.zeros(4))
+
+
+def test_a_bad_file_that_one_rank_reads_stops_every_rank_with_its_message(saved, tmp_path):
+    """Under tp=2 rank 0 reads only model-00000 and rank 1 only model-00001: rank 1's error reaches rank 0, so both
+    end with it instead of rank 0 failing later in a collective."""
+    bad = tmp_path / "bad"
+    shutil.copytree(saved, bad)
+    f = bad / "model-00001.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    proc = sixfold("train", TINY, f"log.run_dir={tmp_path / 'run'}", "train.steps=3", "parallel.tp=2",
+                   f"checkpoint.resume={bad}")
+    assert proc.returncode != 0
+    assert proc.stderr.count("model-00001.safetensors is corrupt: its size or checksum does not match meta.json "
+                             "(rank 1)") == 2, proc.stderr[-3000:]

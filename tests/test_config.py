@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from sixfold.config import ConfigError, load_config, validate
@@ -10,6 +12,15 @@ def test_yaml_and_overrides(tmp_path):
     assert cfg.model.dim == 128 and cfg.model.n_heads == 8
     assert cfg.train.lr == pytest.approx(3e-4)
     assert cfg.parallel.dp_replicate == 2 and cfg.model.tie_embeddings is True
+
+
+def test_text_overrides_are_taken_as_written_and_home_is_expanded_in_paths():
+    """YAML would read 0100 as the integer 64 and 12:30 as 750; a path's ~ is the home directory."""
+    cfg = load_config(None, ["log.run_dir=runs/0100", "log.sample_prompt=12:30", "checkpoint.resume=~/run",
+                             "data.source=~/corpus"])
+    assert (cfg.log.run_dir, cfg.log.sample_prompt) == ("runs/0100", "12:30")
+    assert cfg.checkpoint.resume == os.path.expanduser("~/run") and not cfg.data.source.startswith("~")
+    assert load_config(None, ["log.run_dir=0100"]).log.run_dir == "0100"
 
 
 def test_unknown_key_names_nearest():

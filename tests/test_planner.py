@@ -57,6 +57,9 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     steps = [float(line.split()[-3]) for line in table[1:-1]]
     assert steps == sorted(steps) and len(steps) == 10
     assert cli.main(["plan", *args[:2], "parallel.tp=3", *args[2:]]) == 2  # an impossible layout is refused
+    capsys.readouterr()
+    assert cli.main(["plan", TINY, "--gpus", "3", "--search"]) == 2  # no layout of 3 divides the tiny model
+    assert "no layout of 3 GPUs divides this model and batch" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])

@@ -246,17 +246,50 @@ def test_sigterm_ends_the_run_with_a_checkpoint_and_it_goes_on_as_if_never_stopp
     assert steps[-1]["loss"] == uninterrupted
 
 
-def test_sigterm_is_noted_while_training_and_the_handler_before_put_back():
-    before = signal.getsignal(signal.SIGTERM)
-    with StopSignal() as stop:
-        assert not stop.received
-        os.kill(os.getpid(), signal.SIGTERM)
-        for _ in range(100):  # Python runs the handler between bytecodes, after the kill returns
-            if stop.received:
-                break
-            time.sleep(0.01)
-        assert stop.received
-    assert signal.getsignal(signal.SIGTERM) is before
+def test_sigterm_and_sigint_are_noted_while_training_and_the_handlers_before_put_back():
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with StopSignal() as stop:
+            assert not stop.received
+            os.kill(os.getpid(), sig)
+            for _ in range(100):  # Python runs the handler between bytecodes, after the kill returns
+                if stop.received:
+                    break
+                time.sleep(0.01)
+            assert stop.received == sig.name
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_ctrl_c_to_the_launcher_stops_its_ranks_after_a_step_with_a_checkpoint(tmp_path):
+    """`sixfold train --nproc 2` passes SIGINT (or SIGTERM) on to torchrun as SIGTERM, so the ranks end as under a
+    scheduler's preemption instead of running on or dying mid-step."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}", *LONG, "--nproc", "2"]
+    job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    while job.poll() is None and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    job.send_signal(signal.SIGINT)
+    out, err = job.communicate(timeout=300)
+    last = read_metrics(run)[-1]["step"]
+    assert job.returncode != 0 and last < 30, err[-3000:]
+    assert err.count(f"stopped by SIGTERM after step {last} of 30; checkpoint ") == 2, err[-3000:]
+    assert (run / "checkpoints" / "latest").read_text() == f"step_{last:07d}"
+
+
+def test_what_the_data_refuses_is_refused_before_the_ranks_start(tmp_path):
+    corpus = tmp_path / "small.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 100)
+    small = [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}"]
+    cases = [(["model.vocab_size=200"], "model.vocab_size=200 is smaller than the tokenizer's 257 tokens"),
+             ([*small, "train.eval_every=5"], "the val split has fewer than seq_len+1"),
+             ([*small, "model.max_seq_len=4096", "train.seq_len=4000"], "corpus has fewer than"),
+             ([f"checkpoint.resume={tmp_path / 'nowhere'}"], f"checkpoint path {tmp_path / 'nowhere'} does not exist")]
+    for overrides, message in cases:
+        proc = _train(tmp_path / "run", "parallel.dp_shard=2", *overrides)
+        assert proc.returncode == 2 and f"sixfold error: {message}" in proc.stderr, proc.stderr[-2000:]
+        assert "torch.distributed" not in proc.stderr  # no rank started
 
 
 def test_nproc_starts_the_ranks(tmp_path):

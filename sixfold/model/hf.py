@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..checkpoint import Checkpoint, CheckpointError, check_shapes, save_tensors, write_checkpoint
+from ..checkpoint import META, Checkpoint, CheckpointError, check_shapes, require, save_tensors, write_checkpoint
 from ..slices import Reader
 from ..config import Config, ConfigError, ModelConfig, config_from_dict
 from .llama import Llama, full_shapes
@@ -188,6 +188,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Llama, Config]:
     """A sixfold Llama (fp32) and its Config from a checkpoint or run directory."""
     checkpoint = Checkpoint(path)
+    require(checkpoint.meta, {"config": dict}, checkpoint.path / META)
     cfg = config_from_dict(checkpoint.meta["config"])
     weights = Reader(checkpoint, "model")
     check_shapes(full_shapes(cfg.model), weights.shapes(), f"{checkpoint.path} (model)")

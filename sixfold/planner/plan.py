@@ -124,4 +124,9 @@ def layouts(cfg: Config, world: int, per_node: int):
 def search(cfg: Config, world: int, device: Device, per_node: int) -> list[Plan]:
     """Plans of every layout that fits, fastest first."""
     plans = [plan(c, device, per_node, ends_only=True) for c in layouts(cfg, world, per_node)]
+    if not plans:
+        raise ConfigError(f"no layout of {world} GPUs divides this model and batch (tp must divide model.n_heads="
+                          f"{cfg.model.n_heads}, pp be at most model.n_layers={cfg.model.n_layers}, the data-parallel "
+                          f"size divide train.global_batch={cfg.train.global_batch}, cp divide train.seq_len="
+                          f"{cfg.train.seq_len}); choose another --gpus or change those settings")
     return sorted((p for p in plans if p.fits), key=lambda p: p.step_s)
