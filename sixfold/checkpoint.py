@@ -50,6 +50,8 @@ def find_checkpoint(path: str | Path) -> Path:
     latest = path / "checkpoints" / "latest"
     if latest.is_file():
         found = path / "checkpoints" / latest.read_text().strip()
+        for old in found.parent.glob(f".{found.name}.old-*"):  # a save replacing it stopped in between
+            restore_replaced(old)
         if (found / META).is_file():
             return found
         raise CheckpointError(f"{latest} points to {found}, which holds no {META}")
@@ -187,6 +189,15 @@ def publish(path: Path, tmp: Path, meta: dict, files: dict, blobs: dict[str, byt
     tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def restore_replaced(old: Path) -> None:
+    """A checkpoint moved aside by publish: put back if a crash left nothing in its place, else removed."""
+    path = old.parent / old.name[1:].rsplit(".old-", 1)[0]
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        old.rename(path)
 
 
 def whole_slices(fname: str, tensors: dict[str, torch.Tensor]) -> dict:

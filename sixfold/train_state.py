@@ -101,6 +101,8 @@ class Saver:
             for old in path.parent.glob(".step_*.tmp"):  # left by a save that did not finish
                 if old != ckpt.staging_dir(path):
                     shutil.rmtree(old, ignore_errors=True)
+            for old in path.parent.glob(".step_*.old-*"):  # a checkpoint a save was replacing when it stopped
+                ckpt.restore_replaced(old)
             try:
                 ckpt.start_staging(path)
             except CheckpointError as e:

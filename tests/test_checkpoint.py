@@ -178,14 +178,17 @@ def test_an_unwritable_run_directory_is_refused_before_training(tmp_path, capsys
 
 
 def test_an_unfinished_save_is_ignored_and_cleared_and_the_last_k_are_kept(tmp_path):
+    """A staging directory left by a crash is removed; a checkpoint a crash left moved aside is put back."""
     run = tmp_path / "run"
     common = [f"log.run_dir={run}", "checkpoint.every=1", "checkpoint.resume=auto"]
     train(load_config(TINY, [*common, "train.steps=2"]))
     partial = run / "checkpoints" / ".step_0000003.tmp"  # a save that crashed midway
     partial.mkdir()
     (partial / "model-00000.safetensors").write_bytes(b"half")
+    replaced = run / "checkpoints" / ".step_0000002.old-99"  # a save of step 2 again, stopped between its renames
+    (run / "checkpoints" / "step_0000002").rename(replaced)
     train(load_config(TINY, [*common, "train.steps=3"]))
-    assert [m["step"] for m in read_metrics(run)][-1:] == [3]
+    assert read_metrics(run)[-1]["step"] == 3 and not replaced.exists()  # resumed from the step 2 put back
     assert not partial.exists() and (run / "checkpoints" / "latest").read_text() == "step_0000003"
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000002", "step_0000003"]  # keep=2
 
