@@ -8,6 +8,7 @@ every data-parallel layout sees the same global batches.
 """
 from __future__ import annotations
 
+import codecs
 import fcntl
 import hashlib
 import json
@@ -98,7 +99,9 @@ class BPETokenizer:
             raise DataError(f"{where} has no {EOT} special token; set data.tokenizer to one that has it, or to bpe")
         self.name = "bpe-" + hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
         tok.encode_special_tokens = True  # text that spells <|endoftext|> stays text
-        self._tok, self.eot, self.vocab_size = tok, eot, tok.get_vocab_size()
+        # a tokenizer.json may leave gaps in its ids: the vocabulary must reach its largest id
+        self._tok, self.eot = tok, eot
+        self.vocab_size = max(tok.get_vocab_size(), max(tok.get_vocab().values(), default=-1) + 1)
 
     @classmethod
     def from_file(cls, path) -> BPETokenizer:
@@ -152,10 +155,14 @@ class BPETokenizer:
 # ---- documents ----
 
 def _walk(root: Path, skip=()) -> list[tuple[str, Path]]:
-    """(relative path, file) for every regular, non-hidden file under root, sorted."""
-    out = []
-    for d, dirs, names in os.walk(root):
+    """(relative path, file) for every regular, non-hidden file under root, sorted; linked directories are
+    followed, each real directory once."""
+    out, seen = [], {os.path.realpath(root)}
+    for d, dirs, names in os.walk(root, followlinks=True):
         dirs[:] = [x for x in dirs if not x.startswith(".") and x not in skip]
+        real = [os.path.realpath(os.path.join(d, x)) for x in dirs]
+        dirs[:] = [x for x, r in zip(dirs, real) if r not in seen]
+        seen.update(real)
         for n in names:
             p = Path(d, n)
             if not n.startswith(".") and p.is_file():
@@ -191,8 +198,8 @@ def _corpus(cfg: DataConfig) -> tuple[str, Path, list[tuple[str, Path]]]:
     return ("bin" if True in kinds else "text"), root, files
 
 
-def _jsonl(path: Path, doc_id: str, text: str, field: str):
-    bad = []
+def _jsonl(path: Path, doc_id: str, text: str, field: str) -> list[tuple[str, str]]:
+    docs, bad = [], []
     for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
@@ -200,44 +207,51 @@ def _jsonl(path: Path, doc_id: str, text: str, field: str):
             value = json.loads(line)[field]
         except (ValueError, KeyError, TypeError):
             value = None
-        if isinstance(value, str):
-            yield f"{doc_id}:{n}", value
+        if isinstance(value, str):  # JSON may escape a lone surrogate, which UTF-8 cannot hold: U+FFFD
+            docs.append((f"{doc_id}:{n}", value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")))
         else:
             bad.append(n)
     if bad:
         warnings.warn(f"{path}:{bad[0]}: skipped {len(bad)} line(s) that are not JSON objects with a string "
-                      f"field {field!r} (data.jsonl_field); lines {bad[:10]}", stacklevel=2)
+                      f"field {field!r} (data.jsonl_field); lines {bad[:10]}", stacklevel=3)
+    return docs
 
 
-def _read(cfg: DataConfig, files):
-    """Yield (id, text) for each document of the files, in order; skip non-UTF-8 files with one warning."""
-    skipped = []
-    for doc_id, path in files:
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            skipped.append(str(path))
-            continue
-        if _format(cfg, path) == "jsonl":
-            yield from _jsonl(path, doc_id, text, cfg.jsonl_field)
-        else:
-            yield doc_id, text
-    if skipped:
-        warnings.warn(f"skipped {len(skipped)} file(s) that are not UTF-8 text: {', '.join(skipped[:5])}"
-                      f"{' ...' if len(skipped) > 5 else ''}", stacklevel=2)
+def _text(path: Path, limit: int) -> tuple[str, bool]:
+    """A UTF-8 file's text (a leading byte-order mark dropped) and whether the limit cut it: with a limit, at most
+    that many bytes, a character it cuts left out. Raises UnicodeDecodeError for other bytes."""
+    with open(path, "rb") as f:
+        raw = f.read(limit + 1) if limit else f.read()
+    cut = bool(limit) and len(raw) > limit
+    return codecs.getincrementaldecoder("utf-8-sig")().decode(raw[:limit] if cut else raw, final=not cut), cut
 
 
 def _documents(cfg: DataConfig, root: Path, files) -> list[tuple[str, str]]:
-    docs, taken = [], 0
-    for doc_id, text in _read(cfg, files):
-        if cfg.max_bytes:
-            raw = text.encode()
-            text = raw[:cfg.max_bytes - taken].decode("utf-8", errors="ignore")
-            taken += len(raw)
-        if text:
-            docs.append((doc_id, text))
-        if cfg.max_bytes and taken >= cfg.max_bytes:
+    """(id, text) of each document of the files in order, up to data.max_bytes of text (a text file read only
+    as far as that); non-UTF-8 files skipped with one warning."""
+    docs, taken, skipped = [], 0, []
+    for doc_id, path in files:
+        jsonl = _format(cfg, path) == "jsonl"
+        left = cfg.max_bytes - taken if cfg.max_bytes else 0
+        try:
+            text, cut = _text(path, 0 if jsonl else left)
+        except UnicodeDecodeError:
+            skipped.append(str(path))
+            continue
+        for doc_id, text in _jsonl(path, doc_id, text, cfg.jsonl_field) if jsonl else [(doc_id, text)]:
+            if cfg.max_bytes:
+                raw = text.encode()
+                text = raw[:cfg.max_bytes - taken].decode("utf-8", errors="ignore")
+                taken += len(raw)
+            if text:
+                docs.append((doc_id, text))
+            if cfg.max_bytes and taken >= cfg.max_bytes:
+                break
+        if cut or (cfg.max_bytes and taken >= cfg.max_bytes):
             break
+    if skipped:
+        warnings.warn(f"skipped {len(skipped)} file(s) that are not UTF-8 text: {', '.join(skipped[:5])}"
+                      f"{' ...' if len(skipped) > 5 else ''}", stacklevel=2)
     if not docs:
         raise DataError(f"data.source={cfg.source!r}: no non-empty UTF-8 documents in {root} "
                         f"({len(files)} file(s) looked at); point data.source at text data")
@@ -253,12 +267,15 @@ def iter_documents(cfg: DataConfig) -> list[tuple[str, str]]:
 
 
 def split_documents(docs, val_fraction: float):
-    """(train, val) by a stable hash of each id; both non-empty when there are at least two documents."""
+    """(train, val) by a stable hash of each id; both non-empty when there are at least two documents (one
+    document is train, its tokens split later)."""
+    if len(docs) == 1:
+        return list(docs), []
     keys = [int.from_bytes(hashlib.sha256(d.encode()).digest()[:8], "big") / 2 ** 64 for d, _ in docs]
     is_val = [k < val_fraction for k in keys]
-    if len(docs) >= 2 and not any(is_val):
+    if not any(is_val):
         is_val[min(range(len(keys)), key=keys.__getitem__)] = True
-    if len(docs) >= 2 and all(is_val):
+    if all(is_val):
         is_val[max(range(len(keys)), key=keys.__getitem__)] = False
     return [d for d, v in zip(docs, is_val) if not v], [d for d, v in zip(docs, is_val) if v]
 
@@ -311,10 +328,10 @@ def _write_stream(path: Path, tok, docs, dtype) -> Path:
     tmp = _tmp(path)
     with open(tmp, "wb") as f:
         for texts in _chunks(docs):
-            parts = []
+            parts, eot = [], np.array([tok.eot], dtype)
             for ids in tok.encode_batch(texts):
-                parts += [ids, [tok.eot]]
-            f.write(np.concatenate(parts).astype(dtype).tobytes())
+                parts += [ids.astype(dtype, copy=False), eot]
+            f.write(np.concatenate(parts).tobytes())
     return tmp
 
 

@@ -13,7 +13,7 @@ from . import checkpoint as ckpt
 from . import ledger, train_state
 from .comm import Comm
 from .config import DTYPES, Config, ConfigError, check_available, make_run_dir
-from .data import BatchLoader, TokenData, eval_batches, load_data
+from .data import BatchLoader, DataError, TokenData, eval_batches, load_data
 from .logs import RunLog
 from .mesh import ParallelContext
 from .model.llama import Llama, init_weights, no_decay
@@ -181,7 +181,8 @@ class Trainer:
         meta, blobs = {}, {}
         if self.ctx.is_main:
             meta = {"step": self.step, "config": self.cfg.to_dict(), "loader": self.loader.state_dict(),
-                    "optimizer_steps": self.optim.step_count, "layout": self.cfg.parallel.describe()}
+                    "optimizer_steps": self.optim.step_count, "layout": self.cfg.parallel.describe(),
+                    "data": self._data_identity()}
             tok = self.data.tokenizer
             blobs = {"tokenizer.json": tok.to_json().encode()} if hasattr(tok, "to_json") else {}
         return self.saver.save(self.step, train_state.pieces(self.sharded, self.optim), meta, blobs)
@@ -205,10 +206,28 @@ class Trainer:
         meta = checkpoint.meta
         if checkpoint.index("optim"):
             ckpt.require(meta, {"step": int, "optimizer_steps": int, "loader": dict}, checkpoint.path / ckpt.META)
+        if checkpoint.index("optim") and "data" in meta:
+            self._check_same_data(meta["data"])
         if train_state.load(checkpoint, self.sharded, self.optim, self.cfg):
             self.optim.set_step_count(meta["optimizer_steps"])
             self.loader.load_state_dict(meta["loader"])
             self.step = meta["step"]
+
+    def _data_identity(self) -> dict:
+        return {"tokenizer": self.data.tokenizer.name, "train_tokens": len(self.data.train)}
+
+    def _check_same_data(self, saved: dict) -> None:
+        """Resume on the tokens the checkpoint was trained on: another tokenizer is refused (its ids mean other
+        text to the model); other training text is allowed, with a warning that the sample order changes."""
+        now = self._data_identity()
+        if saved.get("tokenizer") != now["tokenizer"]:
+            raise DataError(f"the checkpoint was trained with the tokenizer {saved.get('tokenizer')!r} and this "
+                            f"run's data.* settings give {now['tokenizer']!r}; set data.tokenizer (and data.source, "
+                            f"data.bpe_vocab_size) as the checkpoint's config.yaml has them")
+        if saved.get("train_tokens") != now["train_tokens"] and self.ctx.is_main:
+            warnings.warn(f"the training data differ from the checkpoint's ({saved.get('train_tokens')} tokens, now "
+                          f"{now['train_tokens']}): from here the samples are not those the first run would have "
+                          f"drawn")
 
     # the loop ---------------------------------------------------------------------------------
     def fit(self) -> list[dict]:

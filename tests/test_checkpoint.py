@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from sixfold import cli
 from sixfold.checkpoint import Checkpoint, CheckpointError, publish, start_staging, write_tensors
 from sixfold.config import load_config
+from sixfold.data import DataError
 from sixfold.logs import read_metrics
 from sixfold.mesh import ParallelContext
 from sixfold.parallel.tensor import Split
@@ -235,3 +236,11 @@ def test_a_bad_file_that_one_rank_reads_stops_every_rank_with_its_message(saved,
     assert proc.returncode != 0
     assert proc.stderr.count("model-00001.safetensors is corrupt: its size or checksum does not match meta.json "
                              "(rank 1)") == 2, proc.stderr[-3000:]
+
+
+def test_resuming_with_another_tokenizer_is_refused(saved, tmp_path):
+    """Its ids would mean other text to the model; the checkpoint names the tokenizer it was trained with."""
+    cfg = load_config(TINY, [f"checkpoint.resume={saved}", f"log.run_dir={tmp_path / 'run'}", "data.tokenizer=bpe",
+                             "data.bpe_vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}"])
+    with pytest.raises(DataError, match="trained with the tokenizer 'byte' and this run's data.* settings give 'bpe-"):
+        Trainer(cfg, ParallelContext.single())

@@ -91,6 +91,15 @@ def test_jsonl_field_and_bad_lines(tmp_path):
     assert docs == [("data.jsonl:1", "first\u2028line"), ("data.jsonl:5", "second")]
 
 
+def test_a_lone_surrogate_in_jsonl_becomes_a_replacement_character(tmp_path):
+    """Text cut mid-emoji by a scraper: JSON may escape half a surrogate pair, which UTF-8 cannot encode."""
+    path = tmp_path / "web.jsonl"
+    path.write_text('{"text": "cut \\ud83d"}\n{"text": "whole \\ud83d\\ude42"}\n')
+    docs = iter_documents(cfg(tmp_path, source=str(path)))
+    assert [t for _, t in docs] == ["cut \ufffd", "whole \U0001f642"]
+    assert len(load_data(cfg(tmp_path, source=str(path))).train)
+
+
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])
 def test_bin_round_trip(tmp_path, dtype):
     root = tmp_path / "bins"
@@ -158,13 +167,49 @@ def test_load_data_bpe_and_cache_reuse(tmp_path):
     assert "# document" in text and "<|endoftext|>" in text
 
 
-def test_single_file_is_split_by_tokens(tmp_path):
+@pytest.mark.parametrize("val_fraction", [0.1, 0.99])
+def test_single_file_is_split_by_tokens(tmp_path, val_fraction):
+    """Whatever its name hashes to (at 0.99 nearly every name hashes below it), one document is split by tokens."""
     path = tmp_path / "one.txt"
-    path.write_text(TEXT * 20)
-    data = load_data(cfg(tmp_path, source=str(path), val_fraction=0.1))
+    path.write_bytes(b"\xef\xbb\xbf" + (TEXT * 20).encode())  # with a byte-order mark, dropped
+    assert split_documents([("one.txt", "x")], val_fraction) == ([("one.txt", "x")], [])
+    data = load_data(cfg(tmp_path, source=str(path), val_fraction=val_fraction))
     total = len(TEXT.encode()) * 20 + 1
-    assert len(data.val) == total // 10 and len(data.train) + len(data.val) == total
-    assert data.val[-1] == 256
+    assert len(data.val) == int(total * val_fraction) and len(data.train) + len(data.val) == total
+    assert data.val[-1] == 256 and data.train[0] == TEXT.encode()[0]
+
+
+def test_max_bytes_reads_a_file_only_as_far_as_it_needs(tmp_path):
+    """Bytes past data.max_bytes are not read: here they are not even UTF-8, and a character the limit cuts is
+    left out."""
+    path = tmp_path / "big.txt"
+    path.write_bytes("ab\u00e9".encode() + b"\xff" * 100)
+    assert iter_documents(cfg(tmp_path, source=str(path), max_bytes=3)) == [("big.txt", "ab")]
+    with pytest.warns(UserWarning, match="not UTF-8"):
+        with pytest.raises(DataError, match="no non-empty UTF-8 documents"):
+            iter_documents(cfg(tmp_path, source=str(path)))
+
+
+def test_linked_directories_are_followed_once(tmp_path):
+    root = write_corpus(tmp_path / "corpus", 2)
+    write_corpus(tmp_path / "shard", 1)
+    (root / "linked").symlink_to(tmp_path / "shard")
+    (root / "loop").symlink_to(root)  # a cycle is not followed around
+    ids = [d for d, _ in iter_documents(cfg(tmp_path, source=str(root)))]
+    assert ids == ["doc00.txt", "doc01.txt", "linked/doc00.txt"]
+
+
+def test_a_tokenizer_with_gaps_in_its_ids_counts_up_to_its_largest(tmp_path):
+    docs = [t for _, t in iter_documents(cfg(tmp_path, source=str(write_corpus(tmp_path / "c"))))]
+    BPETokenizer.train(docs, 300).save(tmp_path / "tok.json")
+    spec = json.loads((tmp_path / "tok.json").read_text())
+    for t in spec["added_tokens"]:
+        if t["content"] == "<|endoftext|>":
+            t["id"] = 70000  # special tokens above a reserved range, as some tokenizers have them
+    spec["model"]["vocab"]["<|endoftext|>"] = 70000
+    (tmp_path / "gaps.json").write_text(json.dumps(spec))
+    data = load_data(cfg(tmp_path, source=str(tmp_path / "c"), tokenizer=str(tmp_path / "gaps.json")))
+    assert data.tokenizer.vocab_size == 70001 and data.train.dtype == np.uint32 and data.train[-1] == 70000
 
 
 def test_load_data_stdlib_bytes(tmp_path):
