@@ -11,7 +11,7 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Genera
     """The next token from fp32 CPU logits [vocab]."""
     if temperature == 0:
         return int(logits.argmax())
-    logits = logits / temperature
+    logits = (logits - logits.max()) / temperature  # a tiny temperature then tends to greedy, not to NaN
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -27,8 +27,8 @@ def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int
     if not 0 < len(prompt_ids) <= limit:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; give one of 1 to {limit} tokens (the model's "
                          f"max_seq_len)")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be 0 (greedy) or positive")
+    if not temperature >= 0 or temperature == float("inf"):
+        raise ValueError(f"temperature={temperature} must be 0 (greedy) or a positive number")
     device = model.device
     gen = torch.Generator().manual_seed(seed)
     cache = KVCache(model.cfg.n_layers)
@@ -60,6 +60,10 @@ def checkpoint_tokenizer(path, cfg):
     path = checkpoint.path
     if "tokenizer.json" in checkpoint.meta["files"]:
         return BPETokenizer.from_json(checkpoint.blob("tokenizer.json").decode(), str(path / "tokenizer.json"))
-    if cfg.data.tokenizer == "byte":
+    if str(checkpoint.meta.get("source", "")).startswith("import-hf"):
+        raise DataError(f"{path} holds weights imported from Hugging Face without their tokenizer, which sixfold "
+                        f"does not carry over; generate with transformers, or train from it with data.tokenizer "
+                        f"set to a tokenizer.json and generate from that run")
+    if cfg.data.tokenizer == "byte" and cfg.model.vocab_size >= ByteTokenizer.vocab_size:
         return ByteTokenizer()
     raise DataError(f"{path} holds no tokenizer.json and was not trained with the byte tokenizer")

@@ -7,6 +7,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from sixfold.checkpoint import CheckpointError, write_checkpoint
 from sixfold.config import Config, ModelConfig
+from sixfold.data import DataError
+from sixfold.generate import checkpoint_tokenizer
 from sixfold.model.hf import export_hf, hf_config_from_model, import_hf, load_model, model_config_from_hf
 from sixfold.model.llama import Llama, init_weights
 
@@ -49,6 +51,8 @@ def test_import_matches_transformers(tmp_path, tied, sharded):
     assert (model.head is None) == tied
     with torch.no_grad():
         assert max_diff(model(tokens()), hf(tokens()).logits) <= TOL
+    with pytest.raises(DataError, match="imported from Hugging Face without their tokenizer"):
+        checkpoint_tokenizer(tmp_path / "ckpt", cfg)  # not the byte tokenizer its default config names
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -63,6 +67,7 @@ def test_export_loads_in_transformers(tmp_path, tied):
                                                 output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert hf.config.tie_word_embeddings == tied
+    assert (hf.config.bos_token_id, hf.config.eos_token_id) == (None, 256)  # the byte tokenizer's end-of-text
     assert (tmp_path / "hf/model.safetensors").stat().st_mode == (tmp_path / "hf/config.json").stat().st_mode
     with torch.no_grad():
         assert max_diff(model(tokens()), hf.eval()(tokens()).logits) <= TOL

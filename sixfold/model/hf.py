@@ -69,8 +69,12 @@ def _stack_experts(tensors: dict[str, torch.Tensor], n_layers: int, n_experts: i
                         f"layers.{i}.mlp.experts.w_down": out.pop(f"{fused}.down_proj")})
         elif f"{legacy}.0.w1.weight" in out:
             for ours, theirs in EXPERTS.items():
-                out[f"layers.{i}.{ours}"] = torch.stack([out.pop(f"{legacy}.{j}.{theirs}.weight")
-                                                          for j in range(n_experts)])
+                names = [f"{legacy}.{j}.{theirs}.weight" for j in range(n_experts)]
+                missing = [n for n in names if n not in out]
+                if missing:
+                    raise CheckpointError(f"the weights hold no {missing[0]} ({len(missing)} of layer {i}'s "
+                                          f"{n_experts} experts, as config.json's num_local_experts says, missing)")
+                out[f"layers.{i}.{ours}"] = torch.stack([out.pop(n) for n in names])
     return out
 
 
@@ -201,11 +205,20 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Ll
 
 def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     """Write a sixfold checkpoint as a LlamaForCausalLM or MixtralForCausalLM directory (config.json,
-    model.safetensors)."""
+    model.safetensors, and tokenizer.json when it was trained with a BPE tokenizer)."""
+    from ..data import BPETokenizer, DataError
+    from ..generate import checkpoint_tokenizer
     model, cfg = load_model(path)
+    try:  # its end-of-text token is the model's eos (not LlamaConfig's default 2, a byte for a byte model)
+        tok = checkpoint_tokenizer(path, cfg)
+    except DataError:
+        tok = None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(hf_config_from_model(cfg.model), indent=2))
+    hf = {**hf_config_from_model(cfg.model), "bos_token_id": None, "eos_token_id": tok.eot if tok else None}
+    (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
+    if isinstance(tok, BPETokenizer):
+        (out_dir / "tokenizer.json").write_text(tok.to_json())
     tensors = {}
     for k, v in model.state_dict().items():
         layer, _, rest = k.removeprefix("layers.").partition(".")
