@@ -47,13 +47,18 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def _relaunch(args, argv: list[str], world: int) -> int | None:
-    """Outside torchrun, a multi-process layout starts its own ranks on this machine."""
+def _relaunch(args, argv: list[str], cfg) -> int | None:
+    """Outside torchrun, a multi-process layout starts its own ranks on this machine, once the corpus is read
+    and tokenized (and cached for the ranks) here: its errors come before any rank starts, and no rank waits
+    through the tokenizing for the first one."""
     if under_torchrun():
         return None
-    nproc = args.nproc or world
+    nproc = args.nproc or cfg.parallel.world_size
     if nproc == 1:
         return None
+    from .data import load_data
+    from .train import check_inputs
+    check_inputs(cfg, load_data(cfg.data))
     return run_torchrun(nproc, argv).returncode
 
 
@@ -70,13 +75,7 @@ def _config(args):
 def cmd_train(args, argv) -> int:
     cfg = _config(args)
     make_run_dir(cfg)
-    if not under_torchrun() and (args.nproc or cfg.parallel.world_size) > 1:
-        # the corpus read and tokenized (and cached for the ranks) here, so that its errors come before any rank
-        # starts and no rank waits through the tokenizing for the first one
-        from .data import load_data
-        from .train import check_inputs
-        check_inputs(cfg, load_data(cfg.data))
-    code = _relaunch(args, _without_nproc(argv), cfg.parallel.world_size)
+    code = _relaunch(args, _without_nproc(argv), cfg)
     if code is not None:
         return code
     from .train import train

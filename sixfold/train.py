@@ -204,10 +204,10 @@ class Trainer:
     def _load(self, where: str) -> None:
         checkpoint = ckpt.Checkpoint(where)
         meta = checkpoint.meta
-        if checkpoint.index("optim"):
+        if checkpoint.index("optim"):  # a training checkpoint: resumed, on the same tokens
             ckpt.require(meta, {"step": int, "optimizer_steps": int, "loader": dict}, checkpoint.path / ckpt.META)
-        if checkpoint.index("optim") and "data" in meta:
-            self._check_same_data(meta["data"])
+            if "data" in meta:
+                self._check_same_data(meta["data"])
         if train_state.load(checkpoint, self.sharded, self.optim, self.cfg):
             self.optim.set_step_count(meta["optimizer_steps"])
             self.loader.load_state_dict(meta["loader"])
