@@ -9,6 +9,7 @@ import difflib
 import math
 import os
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,7 @@ class ModelConfig:
     init_std: float = 0.02
     moe_experts: int = 0  # experts per MoE layer (0: dense)
     moe_top_k: int = 2
+    moe_norm_topk: bool = True  # weights: the chosen k probabilities renormalised (Mixtral); false: as routed (Switch)
     moe_every: int = 1  # layers 0, n, 2n, ... are MoE
     moe_shared_expert: bool = False  # a dense SwiGLU beside the routed experts
     moe_aux_weight: float = 0.01  # load-balancing loss
@@ -323,6 +325,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         check_world_size(p, world_size)
     if m.moe_experts and not 1 <= m.moe_top_k <= m.moe_experts:
         raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be between 1 and model.moe_experts={m.moe_experts}")
+    if m.moe_experts and m.moe_top_k == 1 and m.moe_norm_topk:
+        warnings.warn("model.moe_top_k=1 with model.moe_norm_topk=true gives every token the weight 1, so the router "
+                      "learns from the balancing loss only; set model.moe_norm_topk=false (Switch-style: the weight "
+                      "is the router's probability) to train it on the language-model loss too")
     if p.ep > 1 and (not m.moe_experts or m.moe_experts % p.ep):
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts} (the experts are "
                           f"split over ep); change parallel.ep or model.moe_experts")
@@ -380,6 +386,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if p.zero == 3 and p.reshard_after_forward:
             raise ConfigError("parallel.reshard_after_forward=true: under pipelining ZeRO-3 gathers each stage's "
                               "weights once per step; leave it unset or set it to false")
+    if p.reshard_after_forward is not None and p.zero != 3:
+        raise ConfigError(f"parallel.reshard_after_forward={str(p.reshard_after_forward).lower()} applies to "
+                          f"parallel.zero=3 (sharded weights) and this layout has zero={p.zero}: leave it unset or "
+                          f"set parallel.zero=3")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if t.skip_nonfinite < 0:

@@ -95,6 +95,8 @@ def _layouts() -> list[Layout]:
     out["ep2xpp2-zb-h1"] = (*MOE, "parallel.dp_shard=2", "parallel.ep=2", "parallel.pp=2",
                             "parallel.pp_schedule=zb-h1", *ACCUM)
     out["ep2xcp2"] = (*MOE, "parallel.cp=2", "parallel.ep=2")
+    out["ep2xtp2-top1-switch"] = ("model.moe_experts=4", "model.moe_top_k=1", "model.moe_norm_topk=false",
+                                  "parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2", *ACCUM)
     out["ep2-shared-every2-zero1"] = (*MOE, "model.moe_shared_expert=true", "model.moe_every=2",
                                       "parallel.dp_shard=2", "parallel.ep=2", "parallel.zero=1")
     out["dp_shard2-zero3-recompute-full"] = ("parallel.dp_shard=2", "parallel.zero=3", "model.recompute=full", *ACCUM)

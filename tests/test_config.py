@@ -64,6 +64,8 @@ def test_bad_values():
     (["train.seq_len=4096"], "exceeds model.max_seq_len"),
     (["data.format=parquet"], "data.format"),
     (["parallel.zero=4"], "parallel.zero=4: choose 0"),
+    (["parallel.dp_shard=2", "parallel.zero=2", "parallel.reshard_after_forward=true"],
+     "parallel.reshard_after_forward=true applies to parallel.zero=3 .* leave it unset"),
     (["parallel.zero=1", "parallel.dp_replicate=2"], "parallel.zero=1 shards over the dp_shard x cp ranks .*"
      "set parallel.dp_shard above 1, or parallel.zero=0"),
     (["train.precision=fp16"], "train.precision='fp16': choose fp32 or bf16"),

@@ -119,6 +119,9 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     if cfg.moe_experts and (cfg.moe_every != 1 or cfg.moe_shared_expert):
         raise ConfigError("only MoE on every layer without a shared expert (Mixtral) can be exported: "
                           f"model.moe_every={cfg.moe_every}, model.moe_shared_expert={cfg.moe_shared_expert}")
+    if cfg.moe_experts and not cfg.moe_norm_topk:
+        raise ConfigError("Mixtral renormalises the chosen experts' weights: a model trained with "
+                          "model.moe_norm_topk=false cannot be exported as one")
     moe = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": cfg.moe_experts,
            "num_experts_per_tok": cfg.moe_top_k, "router_aux_loss_coef": cfg.moe_aux_weight,
            "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None} \

@@ -1,5 +1,6 @@
-"""Mixture of experts (Mixtral-style): a top-k softmax router, SwiGLU experts run grouped per rank, an optional
-shared expert, and dropless dispatch (every token reaches its k experts; nothing depends on how tokens split).
+"""Mixture of experts: a top-k softmax router (weights renormalised over the k as in Mixtral, or as routed as in
+Switch), SwiGLU experts run grouped per rank, an optional shared expert, and dropless dispatch (every token
+reaches its k experts; nothing depends on how tokens split).
 
 The load-balancing loss (Switch / Mixtral: E * sum_e f_e * P_e) takes its expert counts f over all the tokens
 of the step's micro-batch on every data, context (and, under sequence-TP, tensor) parallel rank, so with one
@@ -84,7 +85,7 @@ class MoE(nn.Module):
         logits = F.linear(x, self.router.weight).float()
         probs = logits.softmax(-1)
         top, chosen = probs.topk(k, dim=-1)
-        weights = top / top.sum(-1, keepdim=True)
+        weights = top / top.sum(-1, keepdim=True) if cfg.moe_norm_topk else top
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)  # rows sorted by expert
         token = order // k  # the token of each row

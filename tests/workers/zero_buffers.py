@@ -13,7 +13,7 @@ from sixfold.train import Trainer
 zero, precision, micro, shards = int(sys.argv[1]), sys.argv[2], 2, 4
 once = sys.argv[3:] == ["once"]  # ZeRO-3 gathering once per step
 cfg = load_config("configs/tiny.yaml", [f"parallel.dp_shard={shards}", f"parallel.zero={zero}",
-                                        f"parallel.reshard_after_forward={not once}",
+                                        *(["parallel.reshard_after_forward=false"] if once else []),
                                         f"train.precision={precision}", f"train.micro_batches={micro}",
                                         "log.run_dir=/tmp/unused"])
 ctx = ParallelContext.initialize(cfg.parallel)
