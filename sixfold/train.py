@@ -77,15 +77,14 @@ class Trainer:
             self.load(resume)
 
     def _load_data(self):
-        cfg = self.cfg
-        first = int(os.environ.get("LOCAL_RANK", 0)) == 0
-        data = load_data(cfg.data) if first else None
-        self.ctx.barrier()
-        if data is None:
+        """The corpus: read (and tokenized into the cache) by this machine's first rank, then by the others."""
+        def load():
+            if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+                return load_data(self.cfg.data)
             with warnings.catch_warnings():  # the first rank of this machine has shown them
                 warnings.simplefilter("ignore")
-                data = load_data(cfg.data)
-        return data
+                return load_data(self.cfg.data)
+        return self.ctx.local_first(load)
 
     def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch's tokens and labels on this rank's device, cut to its part of each sequence under cp."""

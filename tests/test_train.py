@@ -296,3 +296,14 @@ def test_nproc_starts_the_ranks(tmp_path):
     proc = _train(tmp_path / "run", "parallel.dp_replicate=2", "train.steps=2", nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(read_metrics(tmp_path / "run")) == 2
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_ranks_wait_for_the_first_rank_loading_beyond_the_timeout(tmp_path, fail):
+    proc = torchrun("local_first.py", 3, str(tmp_path), *(["fail"] if fail else []))
+    if fail:
+        for rank in (1, 2):
+            assert f"rank {rank} stopped: rank 0: ValueError: corpus broken" in proc.stdout, proc.stderr[-3000:]
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.count("local_first OK") == 3
