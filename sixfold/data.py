@@ -101,6 +101,7 @@ class BPETokenizer:
         tok.encode_special_tokens = True  # text that spells <|endoftext|> stays text
         # a tokenizer.json may leave gaps in its ids: the vocabulary must reach its largest id
         self._tok, self.eot = tok, eot
+        self.path: Path | None = None  # the file it was read from
         self.vocab_size = max(tok.get_vocab_size(), max(tok.get_vocab().values(), default=-1) + 1)
 
     @classmethod
@@ -113,7 +114,9 @@ class BPETokenizer:
             tok = Tokenizer.from_file(str(path))
         except Exception as e:
             raise DataError(f"data.tokenizer={str(path)!r} is not a tokenizers JSON file: {e}") from None
-        return cls(tok, str(path))
+        out = cls(tok, str(path))
+        out.path = path
+        return out
 
     @classmethod
     def train(cls, docs, vocab_size: int) -> BPETokenizer:
@@ -382,11 +385,36 @@ def _load_bin(cfg: DataConfig, root: Path, files) -> TokenData:
     return TokenData(tokens[:cut], tokens[cut:], tok)
 
 
+def _index_path(cfg: DataConfig, root: Path, files) -> Path:
+    """Where the cache names the streams of this corpus as it stands on disk: keyed by its files' sizes and
+    modification times and the settings, so a load that finds it reads no text."""
+    stat = lambda p: (str(p), p.stat().st_size, p.stat().st_mtime_ns)
+    tok = stat(Path(cfg.tokenizer)) if cfg.tokenizer.endswith(".json") else cfg.tokenizer
+    key = _sha(CACHE_FORMAT, cfg.source == "stdlib", str(root), cfg.format, cfg.jsonl_field, tok,
+               cfg.bpe_vocab_size, cfg.max_bytes, cfg.val_fraction, [(i, *stat(p)) for i, p in files])[:32]
+    return Path(cfg.cache_dir).expanduser() / f"index-{key}.json"
+
+
+def _from_index(index: Path) -> TokenData | None:
+    """The streams and tokenizer an index names, or None if it or any of them is missing or unreadable."""
+    try:
+        entry = json.loads(index.read_text())
+        dtype = np.dtype(entry["dtype"])
+        tok = ByteTokenizer() if entry["tokenizer"] == "byte" else BPETokenizer.from_file(entry["tokenizer"])
+        return TokenData(np.memmap(entry["train"], dtype, mode="r"), np.memmap(entry["val"], dtype, mode="r"), tok)
+    except (OSError, ValueError, KeyError, TypeError, DataError):
+        return None
+
+
 def load_data(cfg: DataConfig) -> TokenData:
     """Train and val token streams (memory-mapped, cached in data.cache_dir) and their tokenizer."""
     kind, root, files = _corpus(cfg)
     if kind == "bin":
         return _load_bin(cfg, root, files)
+    index = _index_path(cfg, root, files)
+    found = _from_index(index)
+    if found is not None:
+        return found
     docs = _documents(cfg, root, files)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction)
     tok = build_tokenizer(cfg, train_docs)
@@ -398,6 +426,10 @@ def load_data(cfg: DataConfig) -> TokenData:
     with _lock(train_path):
         if not train_path.exists():
             _write_cache(tok, train_docs, val_docs, train_path, val_path, cfg.val_fraction, dtype)
+        tok_file = "byte" if isinstance(tok, ByteTokenizer) else str(tok.path)
+        _tmp(index).write_text(json.dumps({"train": str(train_path), "val": str(val_path),
+                                           "dtype": np.dtype(dtype).name, "tokenizer": tok_file}))
+        os.replace(_tmp(index), index)
     return TokenData(np.memmap(train_path, dtype, mode="r"), np.memmap(val_path, dtype, mode="r"), tok)
 
 

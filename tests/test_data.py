@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from sixfold import data as data_module
 from sixfold.config import DataConfig
 from sixfold.data import (BatchLoader, BPETokenizer, ByteTokenizer, DataError, build_tokenizer, eval_batches,
                           iter_documents, load_data, split_documents)
@@ -157,7 +158,7 @@ def test_load_data_bpe_and_cache_reuse(tmp_path):
     data = load_data(c)
     assert isinstance(data.tokenizer, BPETokenizer) and data.train.dtype == np.uint16
     assert len(data.train) and len(data.val) and data.train[-1] == data.tokenizer.eot
-    files = sorted((tmp_path / "cache").glob("*.bin")) + sorted((tmp_path / "cache").glob("*.json"))
+    files = sorted((tmp_path / "cache").glob("*.bin")) + sorted((tmp_path / "cache").glob("bpe-*.json"))
     assert len(files) == 3
     stamps = [f.stat().st_mtime_ns for f in files]
     again = load_data(c)
@@ -231,8 +232,28 @@ def test_concurrent_load_data(tmp_path):
              for _ in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs) and len(set(outs)) == 1
-    assert len(list((tmp_path / "cache").glob("*.json"))) == 1
+    assert len(list((tmp_path / "cache").glob("bpe-*.json"))) == 1
     assert not list((tmp_path / "cache").glob(".*tmp*"))
+
+
+def test_cached_corpus_is_opened_without_reading_its_text(tmp_path, monkeypatch):
+    root = write_corpus(tmp_path / "c")
+    c = cfg(tmp_path, source=str(root), tokenizer="bpe", bpe_vocab_size=300)
+    first = load_data(c)
+    read = []
+    real = data_module._documents
+    monkeypatch.setattr(data_module, "_documents", lambda *a: read.append(1) or real(*a))
+    again = load_data(c)
+    assert not read and np.array_equal(again.train, first.train) and np.array_equal(again.val, first.val)
+    assert again.tokenizer.name == first.tokenizer.name
+    doc = sorted(root.iterdir())[0]
+    doc.write_text(doc.read_text() + "more text\n")  # a changed file is read again
+    changed = load_data(c)
+    assert read and len(changed.train) + len(changed.val) > len(first.train) + len(first.val)
+    for index in (tmp_path / "cache").glob("index-*.json"):  # a corrupt index: the text is read again
+        index.write_text("{")
+    read.clear()
+    assert np.array_equal(load_data(c).train, changed.train) and read
 
 
 def tokens(n=1000):
