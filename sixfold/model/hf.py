@@ -57,9 +57,9 @@ def sixfold_name(name: str) -> str:
     return name
 
 
-def _stack_experts(tensors: dict[str, torch.Tensor], n_layers: int, n_experts: int) -> dict[str, torch.Tensor]:
-    """Mixtral's expert tensors, in either HF form, stacked per layer under sixfold names (others untouched)."""
-    out = dict(tensors)
+def _stack_experts(out: dict[str, torch.Tensor], n_layers: int, n_experts: int) -> None:
+    """Mixtral's expert tensors, in either HF form, stacked per layer under sixfold names, in place (others
+    untouched): each layer's separate tensors are dropped as its stack is made."""
     for i in range(n_layers):
         legacy = f"model.layers.{i}.block_sparse_moe.experts"
         fused = f"model.layers.{i}.mlp.experts"
@@ -75,7 +75,6 @@ def _stack_experts(tensors: dict[str, torch.Tensor], n_layers: int, n_experts: i
                     raise CheckpointError(f"the weights hold no {missing[0]} ({len(missing)} of layer {i}'s "
                                           f"{n_experts} experts, as config.json's num_local_experts says, missing)")
                 out[f"layers.{i}.{ours}"] = torch.stack([out.pop(n) for n in names])
-    return out
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
@@ -183,8 +182,13 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     cfg = Config(model=model_cfg)
     cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
     config_from_dict(cfg.to_dict())  # validates the imported shape
-    tensors = _stack_experts(read_hf_weights(hf_dir), model_cfg.n_layers, model_cfg.moe_experts)
-    tensors = {sixfold_name(k): v.float() for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    read = read_hf_weights(hf_dir)
+    _stack_experts(read, model_cfg.n_layers, model_cfg.moe_experts)
+    tensors = {}
+    for k in list(read):  # each source tensor freed as its fp32 copy is made: at most about 2x the bf16 bytes
+        v = read.pop(k)
+        if not k.endswith("rotary_emb.inv_freq"):
+            tensors[sixfold_name(k)] = v.float()
     if model_cfg.tie_embeddings:
         tensors.pop("head.weight", None)
     check_shapes(full_shapes(model_cfg), {k: v.shape for k, v in tensors.items()}, str(hf_dir))
