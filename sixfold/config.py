@@ -9,7 +9,6 @@ import difflib
 import math
 import os
 import typing
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -270,12 +269,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
     return cfg
 
 
+def _validate_saved(cfg: Config) -> Config:
+    """Validate a config that a run or checkpoint saved: a setting an earlier version accepted without effect is
+    dropped, so that its runs stay readable."""
+    if cfg.parallel.zero != 3:
+        cfg.parallel.reshard_after_forward = None
+    validate(cfg)
+    return cfg
+
+
 def config_from_dict(data: dict) -> Config:
+    """A saved config (a checkpoint's or a job plan's)."""
     cfg = Config()
     for k, v in data.items():
         _set(cfg, [k], v)
-    validate(cfg)
-    return cfg
+    return _validate_saved(cfg)
+
+
+def load_saved_config(path: str | Path) -> Config:
+    """A run directory's config.yaml."""
+    return _validate_saved(load_config(path, check=False))
 
 
 def check_world_size(p: ParallelConfig, world_size: int) -> None:
@@ -325,10 +338,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         check_world_size(p, world_size)
     if m.moe_experts and not 1 <= m.moe_top_k <= m.moe_experts:
         raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be between 1 and model.moe_experts={m.moe_experts}")
-    if m.moe_experts and m.moe_top_k == 1 and m.moe_norm_topk:
-        warnings.warn("model.moe_top_k=1 with model.moe_norm_topk=true gives every token the weight 1, so the router "
-                      "learns from the balancing loss only; set model.moe_norm_topk=false (Switch-style: the weight "
-                      "is the router's probability) to train it on the language-model loss too")
     if p.ep > 1 and (not m.moe_experts or m.moe_experts % p.ep):
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts} (the experts are "
                           f"split over ep); change parallel.ep or model.moe_experts")

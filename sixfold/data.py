@@ -27,6 +27,7 @@ from sixfold.config import DataConfig
 
 EOT = "<|endoftext|>"
 CACHE_FORMAT = "sixfold-tokens-1"
+_READER = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # a changed reader makes new cache indexes
 STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__"}
 
 
@@ -386,11 +387,15 @@ def _load_bin(cfg: DataConfig, root: Path, files) -> TokenData:
 
 
 def _index_path(cfg: DataConfig, root: Path, files) -> Path:
-    """Where the cache names the streams of this corpus as it stands on disk: keyed by its files' sizes and
-    modification times and the settings, so a load that finds it reads no text."""
-    stat = lambda p: (str(p), p.stat().st_size, p.stat().st_mtime_ns)
-    tok = stat(Path(cfg.tokenizer)) if cfg.tokenizer.endswith(".json") else cfg.tokenizer
-    key = _sha(CACHE_FORMAT, cfg.source == "stdlib", str(root), cfg.format, cfg.jsonl_field, tok,
+    """Where the cache names the streams of this corpus as it stands on disk, so a load that finds it reads no
+    text: keyed by each file's identity, size and times (a rewrite that restores the modification time changes
+    the change time), the settings, and this module's source (how documents are read)."""
+    def stat(p: Path):
+        st = p.stat()
+        return str(p), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+    tok = Path(cfg.tokenizer).expanduser()
+    tok = stat(tok) if cfg.tokenizer.endswith(".json") and tok.is_file() else cfg.tokenizer
+    key = _sha(CACHE_FORMAT, _READER, cfg.source == "stdlib", str(root), cfg.format, cfg.jsonl_field, tok,
                cfg.bpe_vocab_size, cfg.max_bytes, cfg.val_fraction, [(i, *stat(p)) for i, p in files])[:32]
     return Path(cfg.cache_dir).expanduser() / f"index-{key}.json"
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cached_property
@@ -132,14 +131,13 @@ def _store(rank: int, world: int, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"sixfold/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def join_job(timeout: timedelta) -> tuple[int, dist.Store]:
-    """Join the torchrun job (its world group); returns this process's rank and the job's store."""
+def join_job(timeout: timedelta) -> int:
+    """Join the torchrun job (its world group); returns this process's rank."""
     backend, device = pick_device()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = _store(rank, world, timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+    dist.init_process_group(backend, store=_store(rank, world, timeout), rank=rank, world_size=world,
                             timeout=timeout, device_id=device if backend == "nccl" else None)
-    return rank, store
+    return rank
 
 
 def leave_job() -> None:
@@ -173,14 +171,18 @@ class Groups:
         return {name: self.made.get(dims.group_ranks(name, rank)) for name in GROUP_NAMES}
 
 
+LOCAL_FIRST_TIMEOUT = timedelta(hours=24)
+
+
 class ParallelContext:
     """Ranks, named process groups and the device of one process; built once and passed around."""
 
     def __init__(self, dims: ParallelDims, rank: int, backend: str, device: torch.device,
-                 groups: dict[str, dist.ProcessGroup | None], store: dist.Store | None = None):
+                 groups: dict[str, dist.ProcessGroup | None], job: bool = False):
         self.dims, self.rank, self.backend, self.device = dims, rank, backend, device
-        self.groups, self.store = groups, store
-        self._local_first_calls = 0
+        self.groups = groups
+        self.job = job  # this process joined the job itself (not a layout inside sixfold.multirun's)
+        self._patient: dist.ProcessGroup | None = None
         self.coords = dims.coords(rank)
         self._members = {name: dims.group_ranks(name, rank) for name in GROUP_NAMES}
 
@@ -199,11 +201,11 @@ class ParallelContext:
         if world == 1:
             return cls.single(dims)
         timeout = timedelta(seconds=parallel.timeout_s)
-        rank, store = join_job(timeout)
+        rank = join_job(timeout)
         backend, device = pick_device()
         groups = Groups(timeout, {tuple(range(world)): dist.group.WORLD})
         groups.make(dims)
-        return cls(dims, rank, backend, device, groups.named(dims, rank), store)
+        return cls(dims, rank, backend, device, groups.named(dims, rank), job=True)
 
     @classmethod
     def inside(cls, dims: ParallelDims, groups: Groups) -> "ParallelContext | None":
@@ -244,37 +246,31 @@ class ParallelContext:
             dist.barrier(group=self.groups["world"])
 
     def local_first(self, fn):
-        """fn() on this machine's first rank, then on its other ranks; returns once every rank of the job has
-        finished its fn(). The ranks wait without a time limit, polling the job's store (parallel.timeout_s bounds
-        collectives, and a first rank tokenizing a large corpus may take longer); when a first rank fails, every
-        rank stops with its error. Without a store (one process, or a job run by sixfold.multirun), fn() at once."""
-        if self.store is None:
+        """fn() on each machine's first rank, then on the other ranks; returns once every rank has run it. The
+        ranks wait in barriers of a gloo group of their own that allows LOCAL_FIRST_TIMEOUT (parallel.timeout_s
+        bounds collectives, and a first rank tokenizing a large corpus may take longer); a rank that fails or dies
+        closes its connections, which stops the others at once. In one process or inside sixfold.multirun's job,
+        fn() at once."""
+        if not self.job or self.world_size == 1:
             return fn()
-        self._local_first_calls += 1
-        tag = f"local_first/{self._local_first_calls}"
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        first = self.rank - local  # torchrun numbers a machine's ranks consecutively
-        if local == 0:
-            try:
-                out = fn()
-            except BaseException as e:
-                self.store.set(f"{tag}/error", f"rank {self.rank}: {type(e).__name__}: {e}")
-                raise
-            self.store.set(f"{tag}/{first}", "")
-        else:
-            self._wait(tag, lambda: self.store.check([f"{tag}/{first}"]))
+        if self._patient is None:
+            self._patient = dist.new_group(backend="gloo", timeout=LOCAL_FIRST_TIMEOUT)
+        first = int(os.environ.get("LOCAL_RANK", 0)) == 0
+        out = fn() if first else None
+        self._wait_patiently("its machine's first rank to run")
+        if not first:
             out = fn()
-        self.store.add(f"{tag}/done", 1)
-        self._wait(tag, lambda: self.store.add(f"{tag}/done", 0) >= self.world_size)
+        self._wait_patiently("every rank to run")
         return out
 
-    def _wait(self, tag: str, ready) -> None:
-        while not ready():
-            if self.store.check([f"{tag}/error"]):
-                raise RuntimeError(f"stopped: {self.store.get(f'{tag}/error').decode()}")
-            time.sleep(0.2)
+    def _wait_patiently(self, what: str) -> None:
+        try:
+            dist.barrier(group=self._patient)
+        except RuntimeError as e:
+            raise RuntimeError(f"rank {self.rank} stopped waiting for {what}: another rank failed or died (its "
+                               f"error is above): {e}") from None
 
     def close(self) -> None:
         """Drop our references to the process groups and leave the job."""
-        self.groups = {name: None for name in self.groups}
+        self.groups, self._patient = {name: None for name in self.groups}, None
         leave_job()

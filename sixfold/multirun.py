@@ -117,7 +117,7 @@ def run_plan(plan_path: str, rank: int) -> None:
 
 
 def main(plan_path: str) -> None:
-    run_plan(plan_path, join_job(JOB_TIMEOUT)[0])
+    run_plan(plan_path, join_job(JOB_TIMEOUT))
     leave_job()  # the plan's groups are no longer referenced
 
 

@@ -7,7 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from . import ledger
-from .config import Config, load_config
+from .config import Config, load_saved_config
 from .mesh import GROUP_DIMS, GROUP_NAMES, ORDER, ParallelDims
 from .parallel.pipeline import schedules
 from .parallel.pipeline.simulate import simulate
@@ -28,7 +28,7 @@ def _pyplot():
 def draw_pictures(run_dir: str | Path, cfg: Config | None = None) -> list[Path]:
     """Every picture the run directory has the files for; returns the paths written."""
     run_dir = Path(run_dir)
-    cfg = cfg or load_config(run_dir / "config.yaml")
+    cfg = cfg or load_saved_config(run_dir / "config.yaml")
     p, written = cfg.parallel, []
     events = read_chrome_trace(run_dir / "trace.json") if (run_dir / "trace.json").is_file() else []
     if events:

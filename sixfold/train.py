@@ -18,7 +18,7 @@ from .logs import RunLog
 from .mesh import ParallelContext
 from .model.llama import Llama, init_weights, no_decay
 from .optim import AdamW, clip_grad_norm, learning_rate
-from .model.moe import MoE
+from .model.moe import MoE, routing_warning
 from .parallel.context import ContextParallel
 from .parallel.expert import ExpertParallel
 from .parallel.pipeline import schedules
@@ -60,6 +60,8 @@ class Trainer:
             for block in self.model.layers.values():
                 block.forward = torch.compile(block.forward)
         self.moe = {int(n.split(".")[1]): m for n, m in self.model.named_modules() if isinstance(m, MoE)}
+        if ctx.is_main and routing_warning(cfg.model):
+            warnings.warn(routing_warning(cfg.model))
         for m in self.moe.values():
             m.micro_batches = t.micro_batches
         self.sharded = Sharded(self.model, self.comm, p.zero, p.reshard,

@@ -250,6 +250,12 @@ def test_cached_corpus_is_opened_without_reading_its_text(tmp_path, monkeypatch)
     doc.write_text(doc.read_text() + "more text\n")  # a changed file is read again
     changed = load_data(c)
     assert read and len(changed.train) + len(changed.val) > len(first.train) + len(first.val)
+    read.clear()
+    st = doc.stat()
+    doc.write_text(doc.read_text().upper())  # same size, modification time put back (as cp -p does)
+    os.utime(doc, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert not np.array_equal(load_data(c).train, changed.train) and read
+    changed = load_data(c)
     for index in (tmp_path / "cache").glob("index-*.json"):  # a corrupt index: the text is read again
         index.write_text("{")
     read.clear()

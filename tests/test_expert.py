@@ -6,6 +6,7 @@ import torch
 from sixfold.config import ConfigError, load_config
 from sixfold.model.hf import hf_config_from_model
 from sixfold.model.llama import Llama, init_weights
+from sixfold.model.moe import routing_warning
 from helpers import TINY, torchrun
 
 
@@ -31,8 +32,10 @@ def test_top1_router_learns_from_the_loss_only_with_switch_weights():
     switch = _router_grad(norm_topk=False)
     assert switch > 1e-3
     assert _router_grad(norm_topk=True) < 1e-5 * switch  # a renormalised single weight is 1: round-off only
-    with pytest.warns(UserWarning, match="moe_norm_topk=false"):
-        load_config(TINY, ["model.moe_experts=4", "model.moe_top_k=1"])
+    top1 = load_config(TINY, ["model.moe_experts=4", "model.moe_top_k=1"]).model
+    assert "set model.moe_norm_topk=false" in routing_warning(top1)  # shown by rank 0 as training starts
+    assert not routing_warning(load_config(TINY, ["model.moe_experts=4", "model.moe_top_k=1",
+                                                  "model.moe_norm_topk=false"]).model)
     cfg = load_config(TINY, ["model.moe_experts=4", "model.moe_norm_topk=false"]).model
     with pytest.raises(ConfigError, match="Mixtral renormalises"):
         hf_config_from_model(cfg)

@@ -298,12 +298,14 @@ def test_nproc_starts_the_ranks(tmp_path):
     assert len(read_metrics(tmp_path / "run")) == 2
 
 
-@pytest.mark.parametrize("fail", [False, True])
-def test_ranks_wait_for_the_first_rank_loading_beyond_the_timeout(tmp_path, fail):
-    proc = torchrun("local_first.py", 3, str(tmp_path), *(["fail"] if fail else []))
-    if fail:
-        for rank in (1, 2):
-            assert f"rank {rank} stopped: rank 0: ValueError: corpus broken" in proc.stdout, proc.stderr[-3000:]
-    else:
+@pytest.mark.parametrize("mode", ["ok", "fail-first", "fail-last"])
+def test_ranks_wait_for_the_first_rank_loading_beyond_the_timeout(tmp_path, mode):
+    proc = torchrun("local_first.py", 3, str(tmp_path), mode, timeout=60)
+    if mode == "ok":
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.count("local_first OK") == 3
+        return
+    failed = 0 if mode == "fail-first" else 2
+    assert f"rank {failed} corpus broken" in proc.stdout, proc.stderr[-3000:]
+    for rank in {0, 1, 2} - {failed}:
+        assert f"rank {rank} stopped waiting for" in proc.stdout, proc.stdout

@@ -19,6 +19,15 @@ from ..parallel.expert import ExpertParallel
 from ..parallel.tensor import Split, TensorParallel
 
 
+def routing_warning(cfg: ModelConfig) -> str:
+    """What to tell a user about to train this model's routing, or ""."""
+    if cfg.moe_experts and cfg.moe_top_k == 1 and cfg.moe_norm_topk:
+        return ("model.moe_top_k=1 with model.moe_norm_topk=true gives every token the weight 1, so the router "
+                "learns from the balancing loss only; set model.moe_norm_topk=false (Switch-style: the weight is "
+                "the router's probability) to train it on the language-model loss too")
+    return ""
+
+
 class _WithLoss(torch.autograd.Function):
     """Identity on x whose backward also gives `loss` the gradient 1, as if it were added to the training loss."""
 

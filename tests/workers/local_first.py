@@ -1,7 +1,7 @@
-"""ctx.local_first: the other ranks wait for the first longer than parallel.timeout_s and run after it; when the
-first fails they stop with its error.
+"""ctx.local_first: the other ranks wait for the first longer than parallel.timeout_s and run after it; when a
+rank fails, the others stop instead of waiting.
 
-    torchrun --nproc-per-node 3 local_first.py DIR [fail]
+    torchrun --nproc-per-node 3 local_first.py DIR ok|fail-first|fail-last
 """
 import os
 import sys
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from sixfold.config import ParallelConfig
 from sixfold.mesh import ParallelContext
 
-marker, fail = Path(sys.argv[1]) / "first-done", sys.argv[2:] == ["fail"]
+marker, mode = Path(sys.argv[1]) / "first-done", sys.argv[2]
 ctx = ParallelContext.initialize(ParallelConfig(dp_replicate=3, timeout_s=1))
 first = int(os.environ["LOCAL_RANK"]) == 0
 
@@ -21,10 +21,12 @@ first = int(os.environ["LOCAL_RANK"]) == 0
 def load():
     if first:
         time.sleep(3)  # three times parallel.timeout_s
-        if fail:
+        if mode == "fail-first":
             raise ValueError("corpus broken")
         marker.write_text("x")
     assert marker.exists(), "ran before the first rank finished"
+    if mode == "fail-last" and ctx.rank == 2:
+        raise ValueError("corpus broken")
     return ctx.rank
 
 
@@ -34,6 +36,4 @@ try:
     print(f"rank {ctx.rank} local_first OK", flush=True)
 except (ValueError, RuntimeError) as e:
     print(f"rank {ctx.rank} {e}", flush=True)
-    if first:
-        time.sleep(3)  # let the others see the error before torchrun stops them
 ctx.close()
