@@ -72,6 +72,7 @@ class Pending:
         self.work, self.tracer, self.name, self.start, self.args, self.ranks = work, tracer, name, start, args, ranks
         self.works = work if isinstance(work, list) else [work]
         self.done_at: float | None = None
+        self.step = tracer.step if tracer.enabled else None  # traced: a span of the step that issued it
         self.then = None  # local work that completes the collective, run by wait()
         if watcher is not None and tracer.enabled and work is not None:
             watcher.watch(self)
@@ -89,8 +90,10 @@ class Pending:
                 self.then()
                 self.then = None
             end = now_us()
-            self.tracer.add(self.name, "comm", self.start, min(end, self.done_at or end), waited_us=end - began,
-                            wait_after_us=began - self.start, ranks=list(self.ranks), **self.args)
+            if self.step is not None:
+                self.tracer.add(self.name, "comm", self.start, min(end, self.done_at or end), step=self.step,
+                                waited_us=end - began, wait_after_us=began - self.start, ranks=list(self.ranks),
+                                **self.args)
 
 
 class Comm:

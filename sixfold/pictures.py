@@ -41,7 +41,8 @@ def draw_pictures(run_dir: str | Path, cfg: Config | None = None) -> list[Path]:
         plan = simulate(s, stage_costs(cfg.model, stages, cfg.train.seq_len))
         written.append(draw_timeline(schedule_events(plan), run_dir / "schedule.png",
                                      f"{s.name} pp={s.pp} v={s.v} m={s.m}, as planned (simulator; bubble "
-                                     f"{plan.bubble:.0%})", "time (1 = the mean stage's forward; each stage costs its FLOPs)"))
+                                     f"{plan.bubble:.0%} on average)",
+                                     "time (1 = the mean stage's forward; each stage costs its FLOPs)", "pp rank"))
     if (run_dir / "comm_ledger.json").is_file():
         written.append(draw_mesh(ParallelDims.from_config(p), ledger.read(run_dir), run_dir / "mesh.png",
                                  f"sixfold {p.describe()}"))
@@ -56,8 +57,8 @@ def _color(e: dict) -> str:
     return COLORS.get(e["cat"], COLORS.get(e["name"][:1], "#999999"))
 
 
-def draw_timeline(events: list[dict], path: Path, title: str, xlabel: str = "time (ms)") -> Path:
-    """Ranks x time: compute spans above, communication below, one lane each per rank."""
+def draw_timeline(events: list[dict], path: Path, title: str, xlabel: str = "time (ms)", row: str = "rank") -> Path:
+    """Ranks x time: compute spans above, communication below, one lane each per rank (rows named `row` N)."""
     plt = _pyplot()
     from matplotlib.patches import Patch
 
@@ -75,7 +76,7 @@ def draw_timeline(events: list[dict], path: Path, title: str, xlabel: str = "tim
                     va="center", fontsize=6, color="white")
     for (y, colour, edge), spans in bars.items():
         ax.broken_barh(spans, (y, 0.35), facecolors=colour, edgecolors=edge, linewidth=0.5)
-    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.set_yticks(range(len(ranks)), [f"{row} {r}" for r in ranks])
     ax.set_xlabel(xlabel)
     ax.set_title(title)
     ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper center",

@@ -25,10 +25,11 @@ class Tracer:
         self.events: list[dict] = []
         self.step = 0
 
-    def add(self, name: str, cat: str, start: float, end: float, **args) -> None:
-        if self.enabled:
-            self.events.append({"name": name, "cat": cat, "ts": start, "dur": max(end - start, 0.0),
-                                "pid": self.rank, "tid": ROWS.get(cat, 0), "args": {"step": self.step, **args}})
+    def add(self, name: str, cat: str, start: float, end: float, step: int | None = None, **args) -> None:
+        """A span of the current step if tracing; with `step`, of that step (traced when it began) in any case."""
+        if self.enabled or step is not None:
+            self.events.append({"name": name, "cat": cat, "ts": start, "dur": max(end - start, 0.0), "pid": self.rank,
+                                "tid": ROWS.get(cat, 0), "args": {"step": self.step if step is None else step, **args}})
 
     @contextmanager
     def _span(self, name: str, cat: str, args: dict):
@@ -50,15 +51,35 @@ class Tracer:
         return [e for part in out for e in part] if self.rank == 0 else []
 
 
+def _comm_lanes(events: list[dict]) -> list[int]:
+    """A row for each event: compute on row 0; communication on rows 1, 2, ..., the first one free, so that
+    collectives in flight together do not overlap on one row (trace viewers drop such slices)."""
+    rows, ends = [0] * len(events), defaultdict(list)  # rank -> end time of each communication row
+    for i in sorted(range(len(events)), key=lambda i: events[i]["ts"]):
+        e = events[i]
+        if e["tid"] == 0:
+            continue
+        lanes = ends[e["pid"]]
+        free = next((k for k, end in enumerate(lanes) if end <= e["ts"]), len(lanes))
+        if free == len(lanes):
+            lanes.append(0.0)
+        lanes[free] = e["ts"] + e["dur"]
+        rows[i] = 1 + free
+    return rows
+
+
 def write_chrome_trace(events: list[dict], path: Path) -> None:
     """One process track per rank, compute and communication on separate rows (opens in Perfetto)."""
     t0 = min((e["ts"] for e in events), default=0.0)
+    rows = _comm_lanes(events)
     out = []
     for rank in sorted({e["pid"] for e in events}):
         out.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
-        for row, label in ((0, "compute"), (1, "communication")):
+        lanes = max((r for e, r in zip(events, rows) if e["pid"] == rank), default=1)
+        for row in range(max(lanes, 1) + 1):
+            label = "compute" if row == 0 else "communication" + (f" {row}" if row > 1 else "")
             out.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": row, "args": {"name": label}})
-    out += [{**e, "ph": "X", "ts": e["ts"] - t0} for e in events]
+    out += [{**e, "ph": "X", "ts": e["ts"] - t0, "tid": row} for e, row in zip(events, rows)]
     path.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}))
 
 

@@ -159,15 +159,21 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """The validation loss; not traced (the trace and its overlap table are the training steps')."""
         t = self.cfg.train
         batches = eval_batches(self.data.val, t.seq_len, t.global_batch, t.eval_batches,
                                self.ctx.batch_index, self.ctx.size("batch"))
         total = count = 0.0
-        for x, y in batches:
-            x, y = self._local(x, y)
-            total += self.pipeline.forward(x, y) if self.pipeline else float(self.model.loss_sum(x, y))
-            count += int((y != IGNORE_INDEX).sum())
-        total, count = self.comm.sum_scalars([total, count], "loss")
+        tracing, self.tracer.enabled = self.tracer.enabled, False
+        try:
+            for x, y in batches:
+                x, y = self._local(x, y)
+                total += self.pipeline.forward(x, y) if self.pipeline else float(self.model.loss_sum(x, y))
+                count += int((y != IGNORE_INDEX).sum())
+            total, count = self.comm.sum_scalars([total, count], "loss")
+            self.sharded.release()  # ZeRO-3 holds no whole model between steps
+        finally:
+            self.tracer.enabled = tracing
         return total / count
 
     def _total(self, loss: float) -> float:

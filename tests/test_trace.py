@@ -32,7 +32,11 @@ def test_trace_is_chrome_format_with_a_track_per_rank(run):
     events = trace["traceEvents"]
     assert isinstance(events, list)
     spans = [e for e in events if e["ph"] == "X"]
-    assert all(isinstance(e["name"], str) and e["ts"] >= 0 and e["dur"] >= 0 and e["tid"] in (0, 1) for e in spans)
+    assert all(isinstance(e["name"], str) and e["ts"] >= 0 and e["dur"] >= 0 for e in spans)
+    assert all((e["tid"] == 0) == (e["cat"] != "comm") for e in spans)
+    for rank, row in {(e["pid"], e["tid"]) for e in spans if e["tid"]}:  # collectives in flight together: own rows
+        lane = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if (e["pid"], e["tid"]) == (rank, row))
+        assert all(end <= start for (_, end), (start, _) in zip(lane, lane[1:])), (rank, row)
     names = [(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "process_name"]
     assert sorted(names) == [(r, f"rank {r}") for r in range(PP * TP)]
     assert {e["pid"] for e in events} == set(range(PP * TP))

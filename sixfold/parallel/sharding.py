@@ -249,7 +249,9 @@ class Sharded:
         self._end_gather(unit)
 
     def _after_forward(self, unit: Unit, out):
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():  # evaluation: no backward to keep weights for (release() frees the rest)
+            if unit.zero == 3 and not unit.read_elsewhere:
+                _free(unit.full)
             return out
         if unit.zero == 3 and not unit.keep_gathered:
             _free(unit.full)
@@ -350,10 +352,15 @@ class Sharded:
         if self.tied_across_stages:
             self.comm.all_reduce(self.units[0].grad_shard, "pp_ends", label="tied embedding")
         self._sum_partial_grads()
+        self.release()
+        self._due = []
+
+    def release(self) -> None:
+        """ZeRO-3: every unit's gathered weights freed (a gather in flight waited for first)."""
         for unit in self.units:
             if unit.zero == 3:
+                self._end_gather(unit)
                 _free(unit.full)
-        self._due = []
 
     def _partial_segments(self) -> list[tuple[torch.Tensor, Split]]:
         return [(u.grad_shard[a:b], self.splits[n]) for u in self.units for n, a, b, _ in u.segments()

@@ -53,11 +53,12 @@ expected = {
 
 # what the buffers hold
 extra = lambda t, *counted: 0 if any(t is c for c in counted) else size(t)  # a buffer not counted yet
-held = {
+holding = lambda: {
     "parameters": sum(size(u.full) + extra(u.master, u.full) + extra(u.compute_shard, u.master, u.full) for u in units),
     "gradients": sum(size(u.grad) + extra(u.grad_shard, u.grad) for u in units),
     "optimizer": sum(t.numel() * t.element_size() for m in trainer.optim.moments for t in m.values()),
 }
+held = holding()
 assert held == expected, (zero, precision, held, expected)
 assert cfg.model.num_params() == sum(unit_sizes)
 
@@ -86,6 +87,10 @@ if zero in (1, 2):  # the weights gathered after a step: each unit's waited for 
             lambda m, a, u=u: pending.append((u.index, {v.index for v in units if v.gather is not None})))
     trainer.train_step()
     assert pending[:k] == [(i, set(range(i + 1, k))) for i in range(k)], pending
+
+trainer.sharded.settle()
+trainer.evaluate()  # holds no more after it than a step does
+assert holding() == held, (holding(), held)
 
 if ctx.rank == 0:
     print(f"zero {zero} {precision} {'once ' if once else ''}buffers OK: {held}")
