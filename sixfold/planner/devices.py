@@ -1,4 +1,4 @@
-"""Accelerators the planner knows: dense bf16 peak, memory, and the links between them (vendor data sheets;
+"""Accelerators the planner knows: dense bf16 and fp32 peaks, memory, and the links between them (vendor data sheets;
 per direction, per GPU)."""
 from __future__ import annotations
 
@@ -9,13 +9,19 @@ from dataclasses import dataclass
 class Device:
     name: str
     peak_flops: float  # dense bf16, per second
+    fp32_flops: float  # fp32 without tensor cores (sixfold trains fp32 in full fp32, no TF32), per second
     memory: float  # bytes
     intra_bw: float  # bytes/s to a GPU of the same node (NVLink)
     inter_bw: float  # bytes/s to a GPU of another node (one InfiniBand NIC per GPU)
 
 
 DEVICES = {
-    "h100": Device("h100", 989e12, 80e9, 450e9, 50e9),  # SXM, NVLink 4, 400 Gb/s NDR
-    "h200": Device("h200", 989e12, 141e9, 450e9, 50e9),
-    "a100": Device("a100", 312e12, 80e9, 300e9, 25e9),  # SXM 80GB, NVLink 3, 200 Gb/s HDR
+    "h100": Device("h100", 989e12, 67e12, 80e9, 450e9, 50e9),  # SXM, NVLink 4, 400 Gb/s NDR
+    "h200": Device("h200", 989e12, 67e12, 141e9, 450e9, 50e9),
+    "a100": Device("a100", 312e12, 19.5e12, 80e9, 300e9, 25e9),  # SXM 80GB, NVLink 3, 200 Gb/s HDR
 }
+
+
+def peak(device: Device, compute_bytes: int) -> float:
+    """The dense peak for the compute dtype: bf16 (2 bytes) or fp32 (4)."""
+    return device.peak_flops if compute_bytes == 2 else device.fp32_flops

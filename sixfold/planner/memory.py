@@ -14,7 +14,7 @@ key/value widths, a the heads, f the ffn width:
   per block   b * (4 * T_h * dim            each norm's input and output (the linear's input)
                    + 2 * T * q_dim          q after rotation, the attention output (the wo input)
                    + 2 * T * kv_dim         k after rotation, v
-                   + 3 * T * f)             gate and up (one product), the w_down input
+                   + 3 * T * f)             gate and up (one product), the w_down input (MoE: mlp_activations)
               + 4 * (2 * T_h + T * a)       norm statistics, the attention log-sum-exp
   recompute   full: each sub-layer's input only (2 * b * T_h * dim) plus one block rebuilt in backward;
               selective: the attention output and log-sum-exp are rebuilt
@@ -28,6 +28,7 @@ peak).
 """
 from __future__ import annotations
 
+from ..model.moe import MoE
 from .rank import Rank
 
 
@@ -49,17 +50,31 @@ def block_activations(rank: Rank, layer: int, recompute: str) -> int:
     attn = rank.model.layers[str(layer)].attn
     t, th = rank.micro_tokens, rank.hidden_tokens
     q, kv = attn.n_heads * cfg.head_dim, attn.n_kv_heads * cfg.head_dim
-    ffn = rank.model.layers[str(layer)].mlp.w_gate.weight.shape[0]
     if recompute == "full":
         return 2 * b * th * cfg.dim
     core = 0 if recompute == "selective" else b * t * q + 4 * t * attn.n_heads
-    saved = b * (4 * th * cfg.dim + t * q + 2 * t * kv + 3 * t * ffn) + core + 4 * 2 * th
+    saved = b * (4 * th * cfg.dim + t * q + 2 * t * kv) + mlp_activations(rank, layer) + core + 4 * 2 * th
     cp = rank.model.cp
     if cp.size > 1 and cp.mode == "allgather":
         saved += b * 2 * (cp.size - 1) * t * kv
     if cp.size > 1 and cp.mode == "ulysses":
         saved += 2 * b * t * q
     return saved
+
+
+def mlp_activations(rank: Rank, layer: int) -> int:
+    """Bytes a block's MLP saves beyond its input: a dense SwiGLU b * 3 * T * f; an MoE layer, with R = T_h * k
+    routed rows (those reaching this rank's experts when routing is balanced over ep), b * R * (3 * dim + 4 * f)
+    (the rows in, each expert's gate, its activation, up and their product, the outputs out and weighted) and
+    its routing (probabilities and log-sum-exp inputs 8 * T_h * E, the top k, their sum, weights and row indices
+    (28 + b) * R + 8 * T_h), plus a shared expert as a dense SwiGLU."""
+    cfg, b, t, th = rank.cfg.model, rank.compute_bytes, rank.micro_tokens, rank.hidden_tokens
+    mlp = rank.model.layers[str(layer)].mlp
+    if not isinstance(mlp, MoE):
+        return b * 3 * t * mlp.w_gate.weight.shape[0]
+    rows, experts = th * cfg.moe_top_k, cfg.moe_experts
+    out = b * rows * (3 * cfg.dim + 4 * cfg.ffn_dim) + (28 + b) * rows + 8 * th * experts + 8 * th + 4 * experts
+    return out + (b * 3 * t * mlp.shared.w_gate.weight.shape[0] if mlp.shared is not None else 0)
 
 
 def activations(rank: Rank) -> dict[str, int]:

@@ -10,7 +10,7 @@ from ..config import Config, ConfigError, validate
 from ..parallel.pipeline.schedules import placement
 from ..parallel.pipeline.stages import split_stages
 from ..parallel.sharding import REDUCING
-from .devices import Device
+from .devices import Device, peak
 from .memory import activations, persistent
 from .rank import Rank, build_rank
 from .timing import Estimate, estimate, model_flops_per_token
@@ -85,7 +85,8 @@ def plan(cfg: Config, device: Device, per_node: int, ends_only: bool = False) ->
     step = max(s.estimate.step_s for s in stages)
     tokens = cfg.train.global_batch * cfg.train.seq_len
     work = model_flops_per_token(cfg.model, cfg.train.seq_len) * tokens
-    return Plan(cfg, stages, step, tokens / step, work / (step * world * device.peak_flops),
+    dense = peak(device, 2 if cfg.train.precision == "bf16" else 4)
+    return Plan(cfg, stages, step, tokens / step, work / (step * world * dense),
                 all(s.memory["peak"] <= RESERVE * device.memory for s in stages))
 
 

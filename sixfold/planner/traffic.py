@@ -7,13 +7,14 @@ kept gathered or under pipelining, otherwise before each forward and each backwa
 the tied embedding's sum over the pipeline ends; the tp sum of gradients each tp replica holds part of; the
 scalars (token count, loss, gradient norm). Per micro-batch: tensor-parallel collectives per block and at the
 ends (parallel/tensor.py), context-parallel ones per block (ContextParallel.comm_bytes), again
-for what recomputation reruns; per step, the pipeline sends of the schedule. Experts' all-to-alls depend on
-the routing and are not predicted.
+for what recomputation reruns, and each MoE layer's expert counts and all-to-alls (for balanced routing); per
+step, the pipeline sends of the schedule and the MoE losses.
 """
 from __future__ import annotations
 
 from collections import Counter
 
+from ..model.moe import MoE
 from ..parallel.pipeline.schedules import SEND_B, SEND_F
 from ..parallel.tensor import block_bytes, embedding_bytes, head_bytes
 from .rank import Rank
@@ -29,6 +30,7 @@ def step_bytes(rank: Rank) -> dict[str, int]:
     for _ in range(rank.cfg.train.micro_batches):
         _tensor(rank, out)
         _context(rank, out)
+        _experts(rank, out)
     _pipeline(rank, out)
     return {k: v for k, v in out.items() if v}
 
@@ -67,6 +69,30 @@ def _scalars(rank: Rank, out: Counter) -> None:
     if rank.sharded.zero:
         _add(rank, out, "fsdp", "all_reduce", SCALAR)  # gradient norm
     _add(rank, out, "tp", "all_reduce", SCALAR)
+    if rank.cfg.model.moe_experts:
+        _add(rank, out, "loss", "all_reduce", SCALAR)  # the MoE losses, as logged
+        if rank.model.tp.sequence:
+            _add(rank, out, "tp", "all_reduce", SCALAR)
+        units = [u for u in rank.sharded.units if u.expert]
+        if units:  # the experts' gradient norm
+            _add(rank, out, "ep", "all_reduce", SCALAR)
+            if any(u.zero for u in units):
+                _add(rank, out, "edp", "all_reduce", SCALAR)
+
+
+def _experts(rank: Rank, out: Counter) -> None:
+    """Each MoE layer's rows per expert (fp64), summed over the ranks holding the micro-batch's other tokens; under
+    ep its all-to-alls: the counts (int64), then the routed rows there and back in forward and in backward. A rank
+    sends its own R = T_h * k rows and those its experts received, R when routing is balanced: the ep group's sum
+    is exact, each rank's share depends on the routing."""
+    e = rank.cfg.model.moe_experts
+    rows = rank.hidden_tokens * rank.cfg.model.moe_top_k
+    for layer in rank.blocks:
+        if isinstance(rank.model.layers[str(layer)].mlp, MoE):
+            _add(rank, out, "loss", "all_reduce", SCALAR * e)
+            if rank.model.tp.sequence:
+                _add(rank, out, "tp", "all_reduce", SCALAR * e)
+            _add(rank, out, "ep", "all_to_all", 8 * e + 4 * rows * rank.cfg.model.dim * rank.compute_bytes)
 
 
 def _tensor(rank: Rank, out: Counter) -> None:
