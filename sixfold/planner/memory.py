@@ -17,9 +17,10 @@ key/value widths, a the heads, f the ffn width:
                    + 3 * T * f)             gate and up (one product), the w_down input (MoE: mlp_activations)
               + 4 * (2 * T_h + T * a)       norm statistics, the attention log-sum-exp
   recompute   full: each sub-layer's input only (2 * b * T_h * dim) plus one block rebuilt in backward;
-              selective: the attention output and log-sum-exp are rebuilt
-  context     all-gather KV keeps the gathered keys and values (cp times this rank's); Ulysses the query and
-              output at both head splits
+              selective: the log-sum-exp is rebuilt (the attention output is saved as wo's input all the same)
+  context     all-gather KV keeps the gathered keys and values (cp times this rank's, b * 2 * cp * T * kv_dim);
+              Ulysses the query at the other head split (b * T * q_dim) and kv heads repeated up to cp where there
+              are fewer; neither under selective recomputation
   ends        the final norm (2 * b * T_h * dim and its statistics), the logits (4 * T * vocab / tp; with
               model.loss_chunk the head weight's gradient instead, 4 * vocab * dim), token ids and labels
               (16 * T), the rotary tables (4 * seq * head_dim)
@@ -52,13 +53,13 @@ def block_activations(rank: Rank, layer: int, recompute: str) -> int:
     q, kv = attn.n_heads * cfg.head_dim, attn.n_kv_heads * cfg.head_dim
     if recompute == "full":
         return 2 * b * th * cfg.dim
-    core = 0 if recompute == "selective" else b * t * q + 4 * t * attn.n_heads
+    core = b * t * q + (0 if recompute == "selective" else 4 * t * attn.n_heads)  # wo keeps the output anyway
     saved = b * (4 * th * cfg.dim + t * q + 2 * t * kv) + mlp_activations(rank, layer) + core + 4 * 2 * th
     cp = rank.model.cp
-    if cp.size > 1 and cp.mode == "allgather":
-        saved += b * 2 * (cp.size - 1) * t * kv
-    if cp.size > 1 and cp.mode == "ulysses":
-        saved += 2 * b * t * q
+    if cp.size > 1 and recompute != "selective" and cp.mode == "allgather":  # inside the core selective rebuilds
+        saved += b * 2 * cp.size * t * kv
+    if cp.size > 1 and recompute != "selective" and cp.mode == "ulysses":  # kv heads repeated up to cp if fewer
+        saved += b * t * q + b * 2 * t * kv * (max(1, cp.size // attn.n_kv_heads) - 1)
     return saved
 
 
