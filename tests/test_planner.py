@@ -69,6 +69,11 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     assert steps == sorted(steps) and len(steps) == 10
     assert cli.main(["plan", *args[:2], "parallel.tp=3", *args[2:]]) == 2  # an impossible layout is refused
     capsys.readouterr()
+    # long sequences: without pipelining, the fewest micro-batches that fit (one would not)
+    assert cli.main(["plan", "configs/llama3-1b.yaml", "train.precision=bf16", "train.global_batch=128",
+                     "train.seq_len=8192", "--gpus", "8", "--search"]) == 0
+    best = capsys.readouterr().out.splitlines()[1].split()
+    assert best[:2] == ["dp_shard8,", "zero1"] and best[2] == "8"
     assert cli.main(["plan", TINY, "--gpus", "3", "--search"]) == 2  # no layout of 3 divides the tiny model
     assert "no layout of 3 GPUs divides this model and batch" in capsys.readouterr().err
 

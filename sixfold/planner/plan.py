@@ -122,9 +122,28 @@ def layouts(cfg: Config, world: int, per_node: int):
                 yield c
 
 
+def _fewest_micro_batches(c: Config, device: Device, per_node: int) -> Plan:
+    """Without pipelining, the plan with the fewest micro-batches that fits (memory falls as they grow: if one
+    sequence per micro-batch does not fit, none does); under pipelining, the layout's own."""
+    if c.parallel.pp > 1:
+        return plan(c, device, per_node, ends_only=True)
+
+    def with_micro(micro: int) -> Plan:
+        trial = copy.deepcopy(c)
+        trial.train.micro_batches = micro
+        return plan(trial, device, per_node, ends_only=True)
+
+    *fewer, most = _divisors(c.train.global_batch // (c.parallel.dp_replicate * c.parallel.dp_shard))
+    last = with_micro(most)
+    if last.fits:
+        return next((p for p in map(with_micro, fewer) if p.fits), last)
+    return last
+
+
 def search(cfg: Config, world: int, device: Device, per_node: int) -> list[Plan]:
-    """Plans of every layout that fits, fastest first."""
-    plans = [plan(c, device, per_node, ends_only=True) for c in layouts(cfg, world, per_node)]
+    """Plans of every layout that fits, fastest first; without pipelining, each with the fewest micro-batches
+    that fits."""
+    plans = [_fewest_micro_batches(c, device, per_node) for c in layouts(cfg, world, per_node)]
     if not plans:
         raise ConfigError(f"no layout of {world} GPUs divides this model and batch (tp must divide model.n_heads="
                           f"{cfg.model.n_heads}, pp be at most model.n_layers={cfg.model.n_layers}, the data-parallel "
