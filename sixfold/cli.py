@@ -123,6 +123,9 @@ def cmd_plan(args, argv) -> int:
     if args.search:
         print(ranking(search(cfg, args.gpus, device, per_node)))
         return 0
+    if cfg.parallel.world_size != args.gpus:
+        raise ConfigError(f"the layout has pp*dp_replicate*dp_shard*cp*tp = {cfg.parallel.world_size} ranks and --gpus "
+                          f"is {args.gpus}: change the parallel.* sizes or --gpus, or add --search")
     validate(cfg, world_size=args.gpus)
     print(describe(plan(cfg, device, per_node), args.gpu, args.gpus, args.nodes))
     return 0

@@ -429,7 +429,7 @@ def load_data(cfg: DataConfig) -> TokenData:
     cache = Path(cfg.cache_dir).expanduser()
     train_path, val_path = cache / f"tokens-{key}.train.bin", cache / f"tokens-{key}.val.bin"
     with _lock(train_path):
-        if not train_path.exists():
+        if not (train_path.exists() and val_path.exists()):
             _write_cache(tok, train_docs, val_docs, train_path, val_path, cfg.val_fraction, dtype)
         tok_file = "byte" if isinstance(tok, ByteTokenizer) else str(tok.path)
         _tmp(index).write_text(json.dumps({"train": str(train_path), "val": str(val_path),

@@ -69,6 +69,8 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     assert steps == sorted(steps) and len(steps) == 10
     assert cli.main(["plan", *args[:2], "parallel.tp=3", *args[2:]]) == 2  # an impossible layout is refused
     capsys.readouterr()
+    assert cli.main(["plan", TINY, "parallel.tp=2", "--gpus", "4"]) == 2
+    assert "--gpus is 4: change the parallel.* sizes or --gpus" in capsys.readouterr().err
     # long sequences: without pipelining, the fewest micro-batches that fit (one would not)
     assert cli.main(["plan", "configs/llama3-1b.yaml", "train.precision=bf16", "train.global_batch=128",
                      "train.seq_len=8192", "--gpus", "8", "--search"]) == 0
