@@ -60,8 +60,9 @@ class Trainer:
             for block in self.model.layers.values():
                 block.forward = torch.compile(block.forward)
         self.moe = {int(n.split(".")[1]): m for n, m in self.model.named_modules() if isinstance(m, MoE)}
-        if ctx.is_main and routing_warning(cfg.model):
-            warnings.warn(routing_warning(cfg.model))
+        routing = routing_warning(cfg.model)
+        if ctx.is_main and routing:
+            warnings.warn(routing)
         for m in self.moe.values():
             m.micro_batches = t.micro_batches
         self.sharded = Sharded(self.model, self.comm, p.zero, p.reshard,

@@ -189,7 +189,8 @@ FREE = ("max_seq_len", "init_std", "recompute", "loss_chunk")
 def model_differences(meta: dict, cfg: Config) -> dict[str, tuple]:
     """model.* settings that differ between a checkpoint's config and `cfg`: key -> (saved, here)."""
     now = cfg.to_dict()["model"]
-    saved = {**Config().to_dict()["model"], **meta.get("config", {}).get("model", {})}  # a key an older version did not save: its default
+    # a key that an older version did not save: its default
+    saved = {**Config().to_dict()["model"], **meta.get("config", {}).get("model", {})}
     return {k: (v, now.get(k)) for k, v in saved.items() if now.get(k) != v}
 
 

@@ -22,6 +22,6 @@ DEVICES = {
 }
 
 
-def peak(device: Device, compute_bytes: int) -> float:
-    """The dense peak for the compute dtype: bf16 (2 bytes) or fp32 (4)."""
-    return device.peak_flops if compute_bytes == 2 else device.fp32_flops
+def peak(device: Device, precision: str) -> float:
+    """The dense peak for train.precision: bf16 or fp32."""
+    return device.peak_flops if precision == "bf16" else device.fp32_flops

@@ -85,8 +85,7 @@ def plan(cfg: Config, device: Device, per_node: int, ends_only: bool = False) ->
     step = max(s.estimate.step_s for s in stages)
     tokens = cfg.train.global_batch * cfg.train.seq_len
     work = model_flops_per_token(cfg.model, cfg.train.seq_len) * tokens
-    dense = peak(device, 2 if cfg.train.precision == "bf16" else 4)
-    return Plan(cfg, stages, step, tokens / step, work / (step * world * dense),
+    return Plan(cfg, stages, step, tokens / step, work / (step * world * peak(device, cfg.train.precision)),
                 all(s.memory["peak"] <= RESERVE * device.memory for s in stages))
 
 

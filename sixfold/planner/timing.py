@@ -100,7 +100,7 @@ def _spans_nodes(rank: Rank, group: str, per_node: int) -> bool:
 
 def estimate(rank: Rank, device: Device, per_node: int) -> Estimate:
     """`per_node`: GPUs per node; ranks fill nodes in order (tp innermost)."""
-    compute = flops(rank) / (peak(device, rank.compute_bytes) * EFFICIENCY)
+    compute = flops(rank) / (peak(device, rank.cfg.train.precision) * EFFICIENCY)
     comm: dict[str, float] = {}
     for key, nbytes in step_bytes(rank).items():
         group, op = key.split("/")
