@@ -8,7 +8,7 @@ import warnings
 from pathlib import Path
 
 from .checkpoint import CheckpointError
-from .config import ConfigError, check_available, load_config, make_run_dir, validate
+from .config import ConfigError, check_available, check_world_size, load_config, make_run_dir, validate
 from .launch import run_torchrun, under_torchrun
 
 KNOWN_ERRORS = (ValueError, CheckpointError)  # ConfigError and DataError are ValueErrors
@@ -123,9 +123,7 @@ def cmd_plan(args, argv) -> int:
     if args.search:
         print(ranking(search(cfg, args.gpus, device, per_node)))
         return 0
-    if cfg.parallel.world_size != args.gpus:
-        raise ConfigError(f"the layout has pp*dp_replicate*dp_shard*cp*tp = {cfg.parallel.world_size} ranks and --gpus "
-                          f"is {args.gpus}: change the parallel.* sizes or --gpus, or add --search")
+    check_world_size(cfg.parallel, args.gpus, "--gpus", "--gpus, or add --search")
     validate(cfg, world_size=args.gpus)
     print(describe(plan(cfg, device, per_node), args.gpu, args.gpus, args.nodes))
     return 0

@@ -291,12 +291,14 @@ def load_saved_config(path: str | Path) -> Config:
     return _validate_saved(load_config(path, check=False))
 
 
-def check_world_size(p: ParallelConfig, world_size: int) -> None:
+def check_world_size(p: ParallelConfig, world_size: int, name: str = "world size", remedy: str = "") -> None:
+    """Refuse a world size (named `name`) other than the layout's rank count; `remedy`: what else to change
+    (by default, launching as many processes)."""
     if world_size != p.world_size:
         raise ConfigError(
-            f"world size {world_size} does not equal pp*dp_replicate*dp_shard*cp*tp = "
-            f"{p.pp}*{p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp} = {p.world_size}; "
-            f"change the parallel.* sizes or launch {p.world_size} processes (--nproc {p.world_size})")
+            f"{name} {world_size} does not equal pp*dp_replicate*dp_shard*cp*tp = "
+            f"{p.pp}*{p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp} = {p.world_size}; change the parallel.* sizes or "
+            + (remedy or f"launch {p.world_size} processes (--nproc {p.world_size})"))
 
 
 def make_run_dir(cfg: Config) -> Path:

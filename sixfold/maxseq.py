@@ -65,7 +65,7 @@ def predicted_peak(cfg: Config) -> int:
     """The planner's peak bytes of the layout's fullest rank (the device named only sets the time estimate)."""
     from .planner.devices import DEVICES
     from .planner.plan import plan
-    return max(s.memory["peak"] for s in plan(cfg, DEVICES["h100"], cfg.parallel.world_size).stages)
+    return plan(cfg, DEVICES["h100"], cfg.parallel.world_size).peak
 
 
 def answer(found: tuple[int | None, int | None]) -> str:

@@ -16,8 +16,8 @@ key/value widths, a the heads, f the ffn width:
                    + 2 * T * kv_dim         k after rotation, v
                    + 3 * T * f)             gate and up (one product), the w_down input (MoE: mlp_activations)
               + 4 * (2 * T_h + T * a)       norm statistics, the attention log-sum-exp
-  recompute   full: each sub-layer's input only (2 * b * T_h * dim) plus one block rebuilt in backward;
-              selective: the log-sum-exp is rebuilt (the attention output is saved as wo's input all the same)
+  recompute   full: each sub-layer's input only (2 * b * T_h * dim); selective: the log-sum-exp is rebuilt (the
+              attention output is saved as wo's input all the same)
   context     all-gather KV keeps the gathered keys and values (cp times this rank's, b * 2 * cp * T * kv_dim);
               Ulysses the query at the other head split (b * T * q_dim) and kv heads repeated up to cp where there
               are fewer; neither under selective recomputation
@@ -25,11 +25,14 @@ key/value widths, a the heads, f the ffn width:
               model.loss_chunk the head weight's gradient instead, 4 * vocab * dim), token ids and labels
               (16 * T), the rotary tables (4 * seq * head_dim)
 A pipeline rank keeps its stages' activations for the (stage, micro-batch) pairs in flight (the simulator's
-peak).
+peak). The step's peak (step()) adds the computation's temporaries and transient buffers at the larger of two
+moments, the loss's backward and the first block's.
 """
 from __future__ import annotations
 
 from ..model.moe import MoE
+from ..parallel.pipeline.schedules import SEND_B, SEND_F
+from ..parallel.sharding import REDUCING
 from .rank import Rank
 
 
@@ -78,24 +81,87 @@ def mlp_activations(rank: Rank, layer: int) -> int:
     return out + (b * 3 * t * mlp.shared.w_gate.weight.shape[0] if mlp.shared is not None else 0)
 
 
+def ends(rank: Rank) -> int:
+    """Bytes the head's rank saves for backward at the model's ends per micro-batch: the final norm, the logits
+    (or with model.loss_chunk the head weight's gradient), token ids and labels."""
+    if rank.model.norm is None:
+        return 0
+    cfg, t, th, vocab = rank.cfg.model, rank.micro_tokens, rank.hidden_tokens, _vocab(rank)
+    logits = 4 * vocab * cfg.dim if cfg.loss_chunk else 4 * t * vocab
+    return 2 * rank.compute_bytes * th * cfg.dim + 4 * th + logits + 16 * t
+
+
+def _vocab(rank: Rank) -> int:
+    """The head's rows on this rank (its tp share of the vocabulary)."""
+    return rank.model.head_layer.weight.shape[0]
+
+
 def activations(rank: Rank) -> dict[str, int]:
     """Bytes saved for backward on this rank at the peak: its stages' blocks and ends, times the (stage,
-    micro-batch) pairs in flight over its stages ("saved"), and under full recomputation the one block rebuilt
-    in backward ("rebuilt")."""
-    cfg, b, t = rank.cfg.model, rank.compute_bytes, rank.micro_tokens
-    per_micro = sum(block_activations(rank, layer, cfg.recompute) for layer in rank.blocks)
-    if rank.model.norm is not None:
-        vocab = rank.model.head_layer.weight.shape[0]
-        logits = 4 * vocab * cfg.dim if cfg.loss_chunk else 4 * t * vocab
-        per_micro += 2 * b * rank.hidden_tokens * cfg.dim + 4 * rank.hidden_tokens + logits + 16 * t
+    micro-batch) pairs in flight over its stages."""
+    cfg = rank.cfg.model
+    per_micro = sum(block_activations(rank, layer, cfg.recompute) for layer in rank.blocks) + ends(rank)
     if rank.blocks:
         per_micro += 4 * rank.cfg.train.seq_len // rank.model.cp.size * cfg.head_dim
-    rebuilt = max(block_activations(rank, layer, "none") for layer in rank.blocks) \
-        if cfg.recompute == "full" and rank.blocks else 0
-    return {"saved": per_micro * in_flight(rank) // len(rank.model.stages), "rebuilt": rebuilt}
+    return {"saved": per_micro * in_flight(rank) // len(rank.model.stages)}
 
 
 def in_flight(rank: Rank) -> int:
     """(stage, micro-batch) pairs whose activations are alive at once on this rank (without pipelining, one:
     each backward follows its forward)."""
     return rank.pipeline.peak_in_flight if rank.pipeline else 1
+
+
+def step(rank: Rank) -> dict[str, int]:
+    """Bytes a step holds beyond the persistent buffers at its peak, the larger of two moments, by kind:
+    "saved" activations, "working" (the computation's own temporaries) and "transient" buffers.
+    At the loss's backward (the head's rank): every saved activation; its logits-sized temporaries (the fp32
+    gradient and log-softmax gradient, 8 * T * vocab, or with model.loss_chunk a chunk's logits, their fp32 copy
+    and gradient); the gradients allocated at forward (ZeRO-2/3: the head's, a tied embedding's), the gathered
+    weights, the pipeline's buffers.
+    At the backward of the first block to go back, which begins with its MLP: the saved activations less the ends
+    of that micro-batch, now freed; the incoming gradient, the stacked gate and up gradient and silu(gate) again
+    (4 * T * f, less the w_down input already freed: the MLP's count again), two hidden-state gradients, under
+    full recomputation that sub-layer rebuilt; all the buffers above and the full gradients of the units being
+    reduced (ZeRO-2/3) and their copies in the reduction's dtype (bf16 gradients reduced in fp32): the
+    REDUCING + 1 largest units'."""
+    b, th, dim = rank.compute_bytes, rank.hidden_tokens, rank.cfg.model.dim
+    saved = activations(rank)["saved"]
+    buffers = _buffers(rank)
+    moments = [{"saved": saved, "working": 0, "transient": buffers["early"]}]
+    if rank.model.norm is not None:
+        vocab, chunk, t = _vocab(rank), rank.cfg.model.loss_chunk, rank.micro_tokens
+        loss = (4 + 2 * b) * min(chunk, t) * vocab if chunk else 8 * t * vocab
+        moments.append({"saved": saved, "working": loss, "transient": buffers["early"]})
+    if rank.blocks:
+        block = 0
+        for layer in rank.blocks:
+            mlp = mlp_activations(rank, layer)
+            rebuilt = b * th * dim + 4 * th + mlp if rank.cfg.model.recompute == "full" else 0
+            block = max(block, rebuilt + mlp + 2 * b * th * dim)
+        moments.append({"saved": saved - ends(rank), "working": block, "transient": buffers["reducing"]})
+    peak = max(moments, key=lambda m: sum(m.values()))
+    peak["transient"] += buffers["held"]
+    return peak
+
+
+def _buffers(rank: Rank) -> dict[str, int]:
+    """Transient buffers, each alive at the moments step() names: "early", ZeRO-2/3 gradients from forward (with
+    pipelining or several micro-batches, every unit's from the step's start); "reducing", those and the units'
+    being reduced, with their copies in the reduction's dtype; "held" through the step, ZeRO-3 gathered weights
+    (all of the rank's under pipelining; else those kept through the step, and of the rest a unit and the next
+    one, prefetched) and under pipelining every hidden state the rank sends (held until the step's end waits for
+    the sends)."""
+    b, units = rank.compute_bytes, rank.sharded.units
+    whole = rank.schedule is not None or rank.cfg.train.micro_batches > 1  # every full gradient from the start
+    early = sum(b * u.padded for u in units if u.zero >= 2 and (u.grad_at_forward or whole))
+    later = sorted(b * u.padded for u in units if u.zero >= 2 and not (u.grad_at_forward or whole))
+    copy = rank.reduce_bytes if b != rank.reduce_bytes else 0  # zero 0 reduces bf16 in the fp32 shard itself
+    copies = sorted(copy * u.padded for u in units if (u.zero or b == 4) and rank.ctx.size(u.group) > 1)
+    gathered = [b * u.padded for u in units if u.zero == 3 and (u.keep_gathered or rank.schedule is not None)]
+    if rank.schedule is None:
+        gathered += sorted(b * u.padded for u in units if u.zero == 3 and not u.keep_gathered)[-2:]
+    sends = sum(a.kind in (SEND_F, SEND_B) for a in rank.schedule.ranks[rank.ctx.rank_in("pp")]) if rank.schedule else 0
+    pipe = sends * b * rank.hidden_tokens * rank.cfg.model.dim
+    return {"early": early, "reducing": early + sum(later[-(REDUCING + 1):]) + sum(copies[-(REDUCING + 1):]),
+            "held": sum(gathered) + pipe}

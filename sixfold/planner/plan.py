@@ -9,10 +9,9 @@ from dataclasses import dataclass
 from ..config import Config, ConfigError, validate
 from ..parallel.pipeline.schedules import placement
 from ..parallel.pipeline.stages import split_stages
-from ..parallel.sharding import REDUCING
 from .devices import Device, peak
-from .memory import activations, persistent
-from .rank import Rank, build_rank
+from .memory import persistent, step as step_memory
+from .rank import build_rank
 from .timing import Estimate, estimate, model_flops_per_token
 
 RESERVE = 0.9  # of device memory usable by the model (the rest: allocator, kernels' workspace, NCCL)
@@ -21,7 +20,7 @@ RESERVE = 0.9  # of device memory usable by the model (the rest: allocator, kern
 @dataclass
 class StagePlan:
     rank: int
-    memory: dict[str, int]  # parameters, gradients, optimizer, activations, rebuilt, transient, peak
+    memory: dict[str, int]  # parameters, gradients, optimizer, saved, working, transient, peak
     estimate: Estimate
 
 
@@ -34,27 +33,10 @@ class Plan:
     mfu: float
     fits: bool
 
-
-def transient(rank: Rank) -> int:
-    """Buffers alive during a step only: ZeRO-2/3 full gradients (all of them under pipelining or with several
-    micro-batches; else the head's and a tied embedding's, from their forward, and the REDUCING + 1 largest of the
-    rest: those being reduced and the one in backward), ZeRO-3 gathered weights (all of the rank's under
-    pipelining; else those kept through the step, and of the rest a unit and the next one, prefetched), and the
-    loss's logits-sized temporaries on the head's rank: the logits in the compute dtype and their fp32 gradient over
-    the micro-batch, or with model.loss_chunk, a chunk's logits, their fp32 copy and gradient."""
-    b, units = rank.compute_bytes, rank.sharded.units
-    early = sum(b * u.padded for u in units if u.zero >= 2 and u.grad_at_forward)
-    later = [b * u.padded for u in units if u.zero >= 2 and not u.grad_at_forward]
-    if rank.schedule is None and rank.cfg.train.micro_batches == 1:
-        later = sorted(later)[-(REDUCING + 1):]
-    gathered = [b * u.padded for u in units if u.zero == 3 and (u.keep_gathered or rank.schedule is not None)]
-    if rank.schedule is None:
-        gathered += sorted(b * u.padded for u in units if u.zero == 3 and not u.keep_gathered)[-2:]
-    loss = 0
-    if rank.model.norm is not None:
-        vocab, chunk = rank.model.head_layer.weight.shape[0], rank.cfg.model.loss_chunk
-        loss = (4 + 2 * b) * min(chunk, rank.micro_tokens) * vocab if chunk else (4 + b) * rank.micro_tokens * vocab
-    return early + sum(later) + sum(gathered) + loss
+    @property
+    def peak(self) -> int:
+        """The fullest planned rank's peak bytes."""
+        return max(s.memory["peak"] for s in self.stages)
 
 
 def _pp_ranks(cfg: Config, ends_only: bool) -> list[int]:
@@ -79,7 +61,7 @@ def plan(cfg: Config, device: Device, per_node: int, ends_only: bool = False) ->
     stages = []
     for stage in chosen:
         rank = build_rank(cfg, stage * stride)
-        memory = {**persistent(rank), **activations(rank), "transient": transient(rank)}
+        memory = {**persistent(rank), **step_memory(rank)}
         memory["peak"] = sum(memory.values())
         stages.append(StagePlan(stage * stride, memory, estimate(rank, device, per_node)))
     step = max(s.estimate.step_s for s in stages)
@@ -151,4 +133,27 @@ def search(cfg: Config, world: int, device: Device, per_node: int) -> list[Plan]
                           f"{cfg.model.n_heads}, pp be at most model.n_layers={cfg.model.n_layers}, the data-parallel "
                           f"size divide train.global_batch={cfg.train.global_batch}, cp divide train.seq_len="
                           f"{cfg.train.seq_len}); choose another --gpus or change those settings")
-    return sorted((p for p in plans if p.fits), key=lambda p: p.step_s)
+    fits = sorted((p for p in plans if p.fits), key=lambda p: p.step_s)
+    if not fits:
+        raise ConfigError(_none_fits(plans, device))
+    return fits
+
+
+def _none_fits(plans: list[Plan], device: Device) -> str:
+    """What to change when no layout fits: more memory per GPU when even the persistent buffers (weights,
+    gradients, optimizer state) of the leanest layout exceed it, else less activation memory."""
+    usable = RESERVE * device.memory / 1e9
+    lean = min(plans, key=lambda p: max(_persistent(s) for s in p.stages))
+    held = max(_persistent(s) for s in lean.stages) / 1e9
+    if held > usable:
+        return (f"no layout fits: even {lean.cfg.parallel.describe()} holds {held:.1f} GB of weights, gradients and "
+                f"optimizer state per GPU, above the {usable:.0f} GB usable on a {device.name}: add GPUs (ZeRO, tp and "
+                f"pp divide those over them), or choose a GPU with more memory (--gpu)")
+    best = min(plans, key=lambda p: p.peak)
+    return (f"no layout fits: the leanest, {best.cfg.parallel.describe()} with recompute {best.cfg.model.recompute},"
+            f" peaks at {best.peak / 1e9:.1f} GB per GPU, above the {usable:.0f} GB usable on a {device.name}, with "
+            f"one sequence per micro-batch: lower train.seq_len, or add GPUs (for tp, cp or pp)")
+
+
+def _persistent(stage: StagePlan) -> int:
+    return sum(stage.memory[k] for k in ("parameters", "gradients", "optimizer"))

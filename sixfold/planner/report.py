@@ -8,31 +8,32 @@ GB = 1e9
 
 def describe(p: Plan, device: str, gpus: int, nodes: int) -> str:
     cfg = p.cfg
+    unit, scale = ("GB", GB) if p.peak >= GB / 10 else ("MB", 1e6)
     lines = [f"{cfg.parallel.describe()} on {gpus} x {device} ({nodes} node(s)); {cfg.model.num_params():,} "
              f"parameters, global batch {cfg.train.global_batch} x {cfg.train.seq_len} tokens, "
              f"{cfg.train.micro_batches} micro-batch(es), {cfg.train.precision}, recompute {cfg.model.recompute}",
-             "", "memory per rank (GB)    params  grads  optim  activ  rebuilt  transient   peak",
+             "", f"memory per rank ({unit})    params  grads  optim  activ  working  transient   peak",
              ]
     for s in p.stages:
         m = s.memory
         lines.append(f"  stage of rank {s.rank:<8} " + "  ".join(
-            f"{m[k] / GB:>{w}.2f}" for k, w in (("parameters", 6), ("gradients", 5), ("optimizer", 5),
-                                                 ("saved", 5), ("rebuilt", 7), ("transient", 9), ("peak", 6))))
+            f"{m[k] / scale:>{w}.2f}" for k, w in (("parameters", 6), ("gradients", 5), ("optimizer", 5),
+                                                    ("saved", 5), ("working", 7), ("transient", 9), ("peak", 6))))
     worst = max(p.stages, key=lambda s: s.estimate.step_s).estimate
     comm = ", ".join(f"{g} {t * 1e3:.1f}" for g, t in sorted(worst.comm_s.items(), key=lambda kv: -kv[1]))
     lines += ["", f"step (slowest stage): compute {worst.compute_s * 1e3:.1f} ms, pipeline bubble "
                   f"{worst.bubble:.1%}, traffic ms on the wire: {comm or 'none'}",
               f"estimated step {p.step_s * 1e3:.1f} ms, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}; "
               f"{'fits' if p.fits else 'does NOT fit'} in memory"]
+    if cfg.parallel.tp > gpus // nodes:
+        lines.append(f"note: tp={cfg.parallel.tp} spans nodes ({gpus // nodes} GPU(s) each), so its collectives, on "
+                     f"the critical path of every layer, cross the network; keep tp within a node")
     return "\n".join(lines)
 
 
 def ranking(plans: list[Plan], top: int = 10) -> str:
-    if not plans:
-        return "no layout fits: add GPUs, lower train.global_batch or train.seq_len"
     lines = [f"{'layout':<48} {'micro':>5} {'recompute':>9} {'peak GB':>8} {'step ms':>8} {'tokens/s':>11} {'MFU':>6}"]
     for p in plans[:top]:
-        peak = max(s.memory["peak"] for s in p.stages) / 1e9
         lines.append(f"{p.cfg.parallel.describe():<48} {p.cfg.train.micro_batches:>5} {p.cfg.model.recompute:>9} "
-                     f"{peak:>8.1f} {p.step_s * 1e3:>8.1f} {p.tokens_per_s:>11,.0f} {p.mfu:>6.1%}")
+                     f"{p.peak / GB:>8.1f} {p.step_s * 1e3:>8.1f} {p.tokens_per_s:>11,.0f} {p.mfu:>6.1%}")
     return "\n".join(lines) + f"\n({len(plans)} layouts fit; fastest first)"
