@@ -103,50 +103,75 @@ def _counterpart(label: str) -> str | None:
     return f"{'RECV' if end == 'SEND' else 'SEND'}_{kind}(s{stage + step},m{micro})"
 
 
-def _joined(asyncs: list[dict]) -> dict[int, float]:
+def _other_ends(asyncs: list[dict]) -> dict[int, list[dict | None]]:
+    """id(event) -> for each pipeline message of a send_recv batch, the batch on a peer rank holding its other
+    end (None where that is not traced)."""
+    messages = {}
+    for e in asyncs:
+        if e["args"].get("op") == "send_recv":
+            for label in e["name"].split()[2:]:
+                messages[e["args"]["step"], label, e["pid"]] = e
+    out = {}
+    for e in asyncs:
+        a = e["args"]
+        if a.get("op") == "send_recv":
+            peers = [q for q in a.get("ranks", ()) if q != e["pid"]]
+            out[id(e)] = [next((messages[k] for q in peers if (k := (a["step"], _counterpart(label), q)) in messages),
+                               None) for label in e["name"].split()[2:]]
+    return out
+
+
+def _joined(asyncs: list[dict], ends: dict[int, list[dict | None]]) -> dict[int, float]:
     """id(event) -> when the last rank it needs had posted its part: every member of the group for a collective
     (the k-th of that name and step on each), the other end of each message for pipeline sends and receives."""
     ordered = sorted(asyncs, key=lambda e: e["ts"])
     runs: dict[tuple, list[float]] = defaultdict(list)
-    posted: dict[tuple, float] = {}
     for e in ordered:
-        a = e["args"]
-        if a.get("op") == "send_recv":
-            for label in e["name"].split()[2:]:
-                posted[a["step"], label, e["pid"]] = e["ts"]
-        else:
-            runs[e["pid"], a["step"], e["name"], tuple(a.get("ranks", ()))].append(e["ts"])
+        if e["args"].get("op") != "send_recv":
+            runs[e["pid"], e["args"]["step"], e["name"], tuple(e["args"].get("ranks", ()))].append(e["ts"])
     out, seen = {}, defaultdict(int)
     for e in ordered:
         a, ranks = e["args"], [q for q in e["args"].get("ranks", ()) if q != e["pid"]]
         if a.get("op") == "send_recv":
-            others = [_counterpart(label) for label in e["name"].split()[2:]]
-            times = [posted.get((a["step"], o, q)) for o in others if o for q in ranks]
+            times = [o["ts"] for o in ends[id(e)] if o is not None]
         else:
             key = (a["step"], e["name"], tuple(a.get("ranks", ())))
             k = seen[(e["pid"], *key)]
             seen[(e["pid"], *key)] += 1
             times = [runs[(q, *key)][k] for q in ranks if len(runs[(q, *key)]) > k]
-        out[id(e)] = max([e["ts"], *(t for t in times if t is not None)])
+        out[id(e)] = max([e["ts"], *times])
+    return out
+
+
+def _received(asyncs: list[dict], ends: dict[int, list[dict | None]]) -> dict[int, float]:
+    """id(event) -> when the peers' receives of a batch of pipeline sends completed (the latest), for the batches
+    whose every receive is traced: a send is done by then, though the sender waits for it only at the step's end."""
+    out = {}
+    for e in asyncs:
+        labels, others = e["name"].split()[2:], ends.get(id(e))
+        if others and all(x.startswith("SEND_") for x in labels) and None not in others:
+            out[id(e)] = max(o["ts"] + o["dur"] for o in others)
     return out
 
 
 def overlap(events: list[dict]) -> dict[str, dict[int, tuple[float, float, float]]]:
     """Per group and rank, over the traced steps, of its asynchronous collectives: ms in flight, counted from when
     every rank taking part had posted it (from issue when the trace does not say) to completion, or to the end of
-    the wait when the backend does not report completion earlier (then an upper bound); the share of it hidden,
+    the wait when the backend does not report completion earlier (then an upper bound; a pipeline send, waited
+    for at the step's end, ends when its receive did); the share of it hidden,
     not spent blocked in wait(); and the ms blocked in wait() before the last peer posted it, which is waiting for
     a slower rank, not communication. Ranks on different machines are compared by their clocks. Synchronous
     collectives are left out: the compute that calls them waits for all of their time."""
     asyncs = [e for e in events if e["cat"] == "comm" and e["args"].get("async")]
-    joined = _joined(asyncs)
+    ends = _other_ends(asyncs)
+    joined, received = _joined(asyncs, ends), _received(asyncs, ends)
     spans: dict[tuple[str, int], list] = defaultdict(list)
     exposed: dict[tuple[str, int], float] = defaultdict(float)
     peers: dict[tuple[str, int], float] = defaultdict(float)
     for e in asyncs:
         key, a = (e["args"]["group"], e["pid"]), e["args"]
         start = max(e["ts"], joined[id(e)])
-        spans[key].append((start, max(start, e["ts"] + e["dur"])))
+        spans[key].append((start, max(start, min(e["ts"] + e["dur"], received.get(id(e), float("inf"))))))
         waited = a.get("waited_us", 0.0)
         wait_at = e["ts"] + a.get("wait_after_us", 0.0)
         blocked = max(0.0, wait_at + waited - max(wait_at, start)) if "wait_after_us" in a else waited

@@ -123,7 +123,7 @@ def test_overlap_of_asynchronous_collectives():
 
 def test_overlap_counts_from_the_last_peer():
     """Time blocked before every rank taking part has posted a collective (or both ends a message) is waiting for
-    a slower rank: counted apart, not as communication."""
+    a slower rank: counted apart, not as communication; a message is done when its receive is."""
     def comm(rank, name, start, end, wait_at, waited, op="all_reduce"):
         args = {"group": name.split()[1], "op": op, "async": True, "ranks": [0, 1], "wait_after_us": wait_at - start,
                 "waited_us": waited, "step": 1}
@@ -135,6 +135,10 @@ def test_overlap_counts_from_the_last_peer():
     assert overlap(events) == {"loss": {0: (2.0, 0.0, 2.0), 1: (2.0, 0.5, 0.0)},
                                "pp": {0: (1.0, 0.0, 3.0), 1: (1.0, 1.0, 0.0)}}
     assert "25% of 4.0 ms, 2.0 ms waiting for peers" in overlap_table(events)
+    # a send waited for at the step's end (30000) is done when its receive is (7000)
+    events += [comm(1, "send_recv pp SEND_B(s1,m1)", 6000, 30000, 30000, 0, "send_recv"),
+               comm(0, "send_recv pp RECV_B(s0,m1)", 5000, 7000, 6500, 500, "send_recv")]
+    assert overlap(events)["pp"] == {0: (2.0, 0.25, 3.0), 1: (2.0, 1.0, 0.0)}  # rank 1: not 25.0 ms
 
 
 def test_run_reports_the_pipeline_messages_hidden(run):
