@@ -144,6 +144,10 @@ class Comm:
             pending.then()
         return pending
 
+    def stages_reduce_scatter(self, full: torch.Tensor, group: str) -> bool:
+        """Whether reduce_scatter of `full` over `group` holds a buffer of its size until it completes (on CPU)."""
+        return self.ctx.size(group) > 1 and full.device.type == "cpu"
+
     def all_gather(self, full: torch.Tensor, part: torch.Tensor, group: str, async_op: bool = False,
                    label: str = "") -> Pending | None:
         """`full` = the concatenation of every rank's `part` (bytes counted: the full output)."""

@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import torch
@@ -19,8 +20,8 @@ def _models(tie=False):
     return a, b
 
 
-def _sharded(model):
-    return Sharded(model, Comm(ParallelContext.single(), Tracer(False, 0)), zero=0)
+def _sharded(model, **dtypes):
+    return Sharded(model, Comm(ParallelContext.single(), Tracer(False, 0)), zero=0, **dtypes)
 
 
 def _plain_optimizer(model, t, fused):
@@ -111,3 +112,19 @@ def test_parameters_are_views_of_unit_buffers():
         for p in unit.params:
             assert p.data.untyped_storage().data_ptr() == unit.full.untyped_storage().data_ptr()
             assert p.grad.untyped_storage().data_ptr() == unit.grad.untyped_storage().data_ptr()
+
+
+def test_reduced_gradients_reach_the_fp32_shard_in_every_dtype():
+    """On a group of one nothing is sent, yet the gradients must land in the shard the optimizer reads, not
+    rounded to grad_reduce's dtype (only what crosses the wire is)."""
+    x, y = _batch(torch.Generator().manual_seed(0))
+    for dtype, reduce in itertools.product((torch.float32, torch.bfloat16), repeat=2):
+        model = Llama(ModelConfig())
+        init_weights(model, 7)
+        sharded = _sharded(model, dtype=dtype, reduce_dtype=reduce)
+        model.loss_sum(x, y).backward()
+        grads = [u.grad.clone() for u in sharded.units]
+        sharded.finish()
+        for unit, grad in zip(sharded.units, grads):
+            assert unit.grad_shard.dtype == torch.float32 and grad.abs().sum() > 0
+            assert torch.equal(unit.grad_shard, grad.float()), (dtype, reduce, unit.index)

@@ -10,11 +10,13 @@ zero 0: each unit's gradients are all-reduced over the loss group as soon as its
 last micro-batch (DDP). zero 1: reduce-scattered over fsdp instead; the shard is updated, then the weights
 all-gathered, each unit's gather waited for by its next forward. zero 2: also a unit's full gradients exist
 only from its backward (the head's and a tied embedding's: from their forward; under pipelining: from the
-step's start) until its reduce-scatter is done, with at most REDUCING reductions in flight. zero 3: also the
+step's start) until its reduce-scatter is done, with at most REDUCING reductions in flight (so too at any
+zero where gradients are reduced through a copy in grad_reduce's dtype, and at ZeRO-1 on CPU, whose
+reduce-scatter stages the whole input). Nothing is cast where nothing is sent (a group of one). zero 3: also the
 full weights are freed outside the unit's forward and backward and gathered just ahead of use (prefetch); the
 head's unit and the one before it stay gathered through the step.
-With dp_replicate > 1 (HSDP) each unit's gradient shard is all-reduced across replicas once its reduce-scatter is
-done.
+With dp_replicate > 1 (HSDP) each unit's gradient shard is all-reduced across replicas (in grad_reduce's dtype) once
+its reduce-scatter is done.
 Under tensor parallelism the units hold this tp rank's pieces, laid out alike on every tp rank; parameters
 whose replicas over tp each hold part of the gradient (norms under sequence-TP, shared kv heads) are summed
 over tp once per step.
@@ -31,7 +33,7 @@ from ..comm import Comm, Pending
 from .tensor import Split, VocabEmbedding
 
 ALIGN = 16  # elements: shard boundaries stay aligned
-REDUCING = 2  # ZeRO-2/3: reductions in flight before the oldest is waited for and its full gradients freed
+REDUCING = 2  # reductions in flight before the oldest is waited for and its full gradients (ZeRO-2/3) or copy freed
 
 
 def _free(t: torch.Tensor) -> None:
@@ -79,7 +81,8 @@ class Unit:
         self.grad_at_forward = True
         self.read_elsewhere = False
         self.backward_reads_weights = True
-        self.reduced: torch.Tensor | None = None
+        self.reduced: torch.Tensor | None = None  # where the step's reduction puts its result, once launched
+        self.completed = False  # that reduction waited for and its result in grad_shard
 
     @property
     def gathers_for_backward(self) -> bool:
@@ -303,38 +306,46 @@ class Sharded:
             self.launch(self._due.pop(0))
 
     def launch(self, unit: Unit) -> None:
-        """Start the unit's reduction (in reduce_dtype), once its gradients for the step are complete; in the
-        same unit order on every rank of the group."""
+        """Start the unit's reduction (in reduce_dtype when anything is sent), once its gradients for the step are
+        complete; in the same unit order on every rank of the group."""
+        wire = self.reduce_dtype if self.comm.ctx.size(unit.group) > 1 else unit.grad.dtype
         if unit.zero:
-            src = unit.grad if unit.grad.dtype == self.reduce_dtype else unit.grad.to(self.reduce_dtype)
-            out = unit.grad_shard if self.reduce_dtype == unit.grad_shard.dtype else \
-                torch.empty(unit.shard_size, dtype=self.reduce_dtype, device=src.device)
+            src = unit.grad.to(wire)  # unit.grad itself in its own dtype
+            out = unit.grad_shard if wire == unit.grad_shard.dtype else \
+                torch.empty(unit.shard_size, dtype=wire, device=src.device)
             unit.reduce = self.comm.reduce_scatter(out, src, unit.group, async_op=True, label=f"unit {unit.index}")
         else:
-            if unit.grad_shard is not unit.grad and unit.grad_shard.dtype == self.reduce_dtype:
-                out = unit.grad_shard.copy_(unit.grad)  # reduce in place in the fp32 shard, no temporary
+            if unit.grad_shard is not unit.grad and unit.grad_shard.dtype == wire:
+                src = out = unit.grad_shard.copy_(unit.grad)  # reduce in place in the fp32 shard, no temporary
             else:
-                out = unit.grad if unit.grad.dtype == self.reduce_dtype else unit.grad.to(self.reduce_dtype)
+                src = out = unit.grad.to(wire)
             unit.reduce = self.comm.all_reduce(out, unit.group, async_op=True, label=f"unit {unit.index}")
-        unit.reduced = out
-        if unit.zero >= 2:
-            self._reducing.append(unit)
+        unit.reduced, unit.completed = out, False
+        copy = all(src is not t for t in (unit.grad, unit.grad_shard))
+        if unit.zero >= 2 or copy or (unit.zero and self.comm.stages_reduce_scatter(src, unit.group)):
+            self._reducing.append(unit)  # full gradients, or a copy or staging buffer of them, to free
             if len(self._reducing) > REDUCING:
                 self._complete(self._reducing.pop(0))
 
     def _complete(self, unit: Unit) -> None:
-        """Wait for the unit's reduction, its result into the fp32 shard; ZeRO-2/3 free the full gradients."""
-        if unit.reduce is None:
+        """Wait for the unit's reduction (none on a group of one), its result into the fp32 shard (a copy in
+        reduce_dtype freed); ZeRO-2/3 free the full gradients."""
+        if unit.reduced is None or unit.completed:
             return
-        unit.reduce.wait()
-        unit.reduce = None
+        unit.completed = True
+        if unit.reduce is not None:
+            unit.reduce.wait()
+            unit.reduce = None
         if unit.reduced is not unit.grad_shard:
             unit.grad_shard.copy_(unit.reduced)
+            unit.reduced = unit.grad_shard
         if unit.zero >= 2:
             _free(unit.grad)
-        if self.replicas > 1 and not unit.expert:
-            unit.replicate = self.comm.all_reduce(unit.grad_shard, "dp_replicate", async_op=True,
-                                                  label=f"unit {unit.index}")
+        if self.replicas > 1 and not unit.expert:  # in reduce_dtype, summed back into the fp32 shard
+            shard = unit.grad_shard.to(self.reduce_dtype)
+            unit.replicate = self.comm.all_reduce(shard, "dp_replicate", async_op=True, label=f"unit {unit.index}")
+            if shard is not unit.grad_shard:
+                unit.replicate.then = lambda: unit.grad_shard.copy_(shard)
 
     def finish(self) -> None:
         """After the last micro-batch's backward: reduce what has not started, wait, then across replicas."""

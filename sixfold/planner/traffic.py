@@ -47,7 +47,7 @@ def _gradients(rank: Rank, out: Counter) -> None:
         if u.zero:
             _add(rank, out, u.group, "reduce_scatter", r * u.padded)
             if not u.expert and sharded.replicas > 1:
-                _add(rank, out, "dp_replicate", "all_reduce", 4 * u.shard_size)
+                _add(rank, out, "dp_replicate", "all_reduce", r * u.shard_size)
         else:
             _add(rank, out, u.group, "all_reduce", r * u.padded)
         if u.zero in (1, 2):
