@@ -401,14 +401,19 @@ def _index_path(cfg: DataConfig, root: Path, files) -> Path:
 
 
 def _from_index(index: Path) -> TokenData | None:
-    """The streams and tokenizer an index names, or None if it or any of them is missing or unreadable."""
+    """The streams and tokenizer an index names, or None if it or any of them is missing or unreadable; the
+    warnings of the corpus's first read are given again."""
     try:
         entry = json.loads(index.read_text())
         dtype = np.dtype(entry["dtype"])
         tok = ByteTokenizer() if entry["tokenizer"] == "byte" else BPETokenizer.from_file(entry["tokenizer"])
-        return TokenData(np.memmap(entry["train"], dtype, mode="r"), np.memmap(entry["val"], dtype, mode="r"), tok)
+        data = TokenData(np.memmap(entry["train"], dtype, mode="r"), np.memmap(entry["val"], dtype, mode="r"), tok)
+        said = [str(w) for w in entry.get("warnings", [])]
     except (OSError, ValueError, KeyError, TypeError, DataError):
         return None
+    for message in said:
+        warnings.warn(message, stacklevel=3)
+    return data
 
 
 def load_data(cfg: DataConfig) -> TokenData:
@@ -420,7 +425,11 @@ def load_data(cfg: DataConfig) -> TokenData:
     found = _from_index(index)
     if found is not None:
         return found
-    docs = _documents(cfg, root, files)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        docs = _documents(cfg, root, files)
+    for w in said:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction)
     tok = build_tokenizer(cfg, train_docs)
     dtype = np.uint16 if tok.vocab_size < 65536 else np.uint32
@@ -433,7 +442,8 @@ def load_data(cfg: DataConfig) -> TokenData:
             _write_cache(tok, train_docs, val_docs, train_path, val_path, cfg.val_fraction, dtype)
         tok_file = "byte" if isinstance(tok, ByteTokenizer) else str(tok.path)
         _tmp(index).write_text(json.dumps({"train": str(train_path), "val": str(val_path),
-                                           "dtype": np.dtype(dtype).name, "tokenizer": tok_file}))
+                                           "dtype": np.dtype(dtype).name, "tokenizer": tok_file,
+                                           "warnings": [str(w.message) for w in said]}))
         os.replace(_tmp(index), index)
     return TokenData(np.memmap(train_path, dtype, mode="r"), np.memmap(val_path, dtype, mode="r"), tok)
 

@@ -65,6 +65,14 @@ def test_text_directory_skips_undecodable_and_hidden(tmp_path):
     assert [d for d, _ in docs] == ["doc00.txt", "doc01.txt", "doc02.txt", "sub/b.txt"]
 
 
+def test_a_cached_corpus_warns_as_its_first_read_did(tmp_path):
+    root = write_corpus(tmp_path / "corpus", 3)
+    (root / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    for _ in range(2):  # read and cached, then opened from the cache
+        with pytest.warns(UserWarning, match="skipped 1 file.*latin1.txt"):
+            load_data(cfg(tmp_path, source=str(root)))
+
+
 def test_bad_sources_raise(tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
