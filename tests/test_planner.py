@@ -30,6 +30,7 @@ LAYOUTS = {
     "pp2-1f1b": ["parallel.pp=2", "train.micro_batches=4"],
     "pp2-interleaved-tied": ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2",
                              "train.micro_batches=4", "model.tie_embeddings=true", "model.n_layers=4"],
+    "pp4-1f1b-16": ["parallel.pp=4", "train.micro_batches=16", "train.global_batch=16", "model.n_layers=4"],
     "pp2xdp_shard2-zero1": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero=1", "train.micro_batches=2"],
     "moe-ep2": ["model.moe_experts=4", "parallel.dp_shard=2", "parallel.ep=2"],
     "moe-shared-tp2": ["model.moe_experts=4", "model.moe_shared_expert=true", "parallel.tp=2"],

@@ -6,6 +6,7 @@ import itertools
 import pytest
 
 from sixfold.config import ConfigError
+from sixfold.parallel.pipeline.delivery import delivered, held_sends
 from sixfold.parallel.pipeline.schedules import (
     B, COMPUTE, F, RECV_B, RECV_F, SCHEDULES, SEND_F, W, Action, Schedule, build, placement)
 from sixfold.parallel.pipeline.simulate import Costs, ScheduleError, simulate
@@ -109,6 +110,28 @@ def test_peak_in_flight():
         assert [r.peak_in_flight for r in simulate(zb).ranks] == [min(pp, m)] * pp
         # two half-size stages per rank: at most 2pp pairs, the first 1F1B rank's activations
         assert all(r.peak_in_flight <= 2 * pp for r in simulate(build("zb-v", pp, 2, m)).ranks)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_a_send_is_let_go_only_once_its_data_was_used(name):
+    for s in valid(name)[::3]:
+        ranks = simulate(s).ranks
+        ends = [{a: end for _, end, a in r.events} for r in ranks]
+        starts = [{a: start for start, _, a in r.events} for r in ranks]
+        for r in range(s.pp):
+            for recv, sends in delivered(s, r).items():
+                waits = Action(F if recv.kind == RECV_F else B, recv.stage, recv.micro)
+                for send in sends:
+                    used = Action(F, send.stage + 1, send.micro) if send.kind == SEND_F else \
+                        Action(B, send.stage - 1, send.micro)
+                    assert ends[s.peer(send)][used] <= starts[r][waits], (s, r, recv, send)
+
+
+def test_1f1b_sends_hold_no_more_than_its_micro_batches_in_flight():
+    for pp, m in itertools.product(range(2, 7), range(1, 13)):
+        s = build("1f1b", pp, 1, m)
+        held = [held_sends(s, r) for r in range(pp)]
+        assert held[0] == min(pp, m) and max(held) == held[0], (pp, m, held)  # was every send: m or 2m
 
 
 def test_placement():

@@ -31,7 +31,7 @@ moments, the loss's backward and the first block's.
 from __future__ import annotations
 
 from ..model.moe import MoE
-from ..parallel.pipeline.schedules import SEND_B, SEND_F
+from ..parallel.pipeline.delivery import held_sends
 from ..parallel.sharding import REDUCING
 from .rank import Rank
 
@@ -150,8 +150,8 @@ def _buffers(rank: Rank) -> dict[str, int]:
     pipelining or several micro-batches, every unit's from the step's start); "reducing", those and the units'
     being reduced, with their copies in the reduction's dtype; "held" through the step, ZeRO-3 gathered weights
     (all of the rank's under pipelining; else those kept through the step, and of the rest a unit and the next
-    one, prefetched) and under pipelining every hidden state the rank sends (held until the step's end waits for
-    the sends)."""
+    one, prefetched) and under pipelining the most hidden states the rank's sends keep alive at once (until the
+    data is known received, delivery.py)."""
     b, units = rank.compute_bytes, rank.sharded.units
     whole = rank.schedule is not None or rank.cfg.train.micro_batches > 1  # every full gradient from the start
     early = sum(b * u.padded for u in units if u.zero >= 2 and (u.grad_at_forward or whole))
@@ -161,7 +161,7 @@ def _buffers(rank: Rank) -> dict[str, int]:
     gathered = [b * u.padded for u in units if u.zero == 3 and (u.keep_gathered or rank.schedule is not None)]
     if rank.schedule is None:
         gathered += sorted(b * u.padded for u in units if u.zero == 3 and not u.keep_gathered)[-2:]
-    sends = sum(a.kind in (SEND_F, SEND_B) for a in rank.schedule.ranks[rank.ctx.rank_in("pp")]) if rank.schedule else 0
+    sends = held_sends(rank.schedule, rank.ctx.rank_in("pp")) if rank.schedule else 0
     pipe = sends * b * rank.hidden_tokens * rank.cfg.model.dim
     return {"early": early, "reducing": early + sum(later[-(REDUCING + 1):]) + sum(copies[-(REDUCING + 1):]),
             "held": sum(gathered) + pipe}

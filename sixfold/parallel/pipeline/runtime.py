@@ -2,8 +2,9 @@
 holds, in the schedule's order, with activations and their gradients passed between ranks.
 
 Each run of sends and receives between two computes is posted at once; a receive is waited for only by the compute
-that uses its data, the sends only at the end of the step (the simulator's default model, in which it proves every
-schedule deadlock-free). On gloo a run's receives are posted one compute earlier, before the data can have arrived:
+that uses its data, a run's sends once they are known received (delivery.py; the wait returns at once and frees
+what they held) or else at the end of the step (the simulator's default model, in which it proves every schedule
+deadlock-free). On gloo a run's receives are posted one compute earlier, before the data can have arrived:
 posted after it, a receive blocks the call while the sender, busy computing, hands it over (up to 8 ms on a
 shared CPU). NCCL runs a group's operations in order on one stream, where a receive posted ahead of a send that
 the peer waits for would deadlock. Shapes are known ahead: every
@@ -20,7 +21,8 @@ import torch
 from ...comm import Comm
 from ...trace import Tracer
 from ..sharding import Sharded
-from .schedules import B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Schedule
+from .delivery import delivered
+from .schedules import B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Schedule
 
 
 class Pipeline:
@@ -34,6 +36,7 @@ class Pipeline:
         self.split = {(a.stage, a.micro) for a in self.actions if a.kind == W}
         model.tp.weight_grads.used = bool(self.split)
         self.launch_after = self._launch_points()
+        self.delivered = delivered(schedule, self.rank)
         # the index of each compute action, the run of sends and receives before each, and the run after the last
         self.computes = [i for i, a in enumerate(self.actions) if a.kind in COMPUTE]
         starts = [0] + [i + 1 for i in self.computes]
@@ -78,11 +81,19 @@ class Pipeline:
                            device=self.comm.ctx.device)
 
     def _send(self, batch: list, outbox: dict, sending: list) -> None:
-        """Post a run's sends as one batch, added to `sending`."""
+        """Post a run's sends as one batch, added to `sending` with the sends it holds."""
         sends = [a for a in batch if a.kind in (SEND_F, SEND_B)]
         if sends:
             tensors = [(outbox.pop((a.kind, a.stage, a.micro)), self.schedule.peer(a)) for a in sends]
-            sending.append(self.comm.exchange(tensors, [], "pp", label=" ".join(map(repr, sends))))
+            sending.append((self.comm.exchange(tensors, [], "pp", label=" ".join(map(repr, sends))), set(sends)))
+
+    def _let_go(self, recv: Action, sending: list, known: set) -> None:
+        """After `recv`'s data arrived: wait for (at once) and drop the batches of sends now known received."""
+        if recv in self.delivered:
+            known.update(self.delivered[recv])
+            for batch in [b for b in sending if b[1] <= known]:
+                batch[0].wait()
+                sending.remove(batch)
 
     def _receive(self, batch: list, t, inputs: dict, grads: dict, arriving: dict) -> None:
         """Post a run's receives, one each into `arriving`, so that a compute waits only for its own."""
@@ -102,7 +113,7 @@ class Pipeline:
         self.sharded.alloc_grads()
         model, wg = self.model, self.model.tp.weight_grads
         t = model.tokens(*micro[0][0].shape, micro[0][0].device)
-        inputs, outputs, grads, outbox, deferred, sending, arriving = {}, {}, {}, {}, {}, [], {}
+        inputs, outputs, grads, outbox, deferred, sending, arriving, known = {}, {}, {}, {}, {}, [], {}, set()
         self.peak_in_flight = self.deferred = 0
         loss = torch.zeros((), dtype=torch.float64, device=self.comm.ctx.device)
         runs, tail = self.runs
@@ -116,9 +127,11 @@ class Pipeline:
                 self._receive(runs[k + ahead], t, inputs, grads, arriving)
             s, m = key = (a.stage, a.micro)
             stage = self.stages[s]
-            received = arriving.pop((RECV_F if a.kind == F else RECV_B, s, m), None)
+            recv = Action(RECV_F if a.kind == F else RECV_B, s, m)
+            received = arriving.pop((recv.kind, s, m), None)
             if received:  # the data this compute uses, posted earlier
                 received.wait()
+                self._let_go(recv, sending, known)
             due = self.launch_after.get(i)
             if due:
                 self.sharded.reduce_when_done(due)
@@ -155,7 +168,7 @@ class Pipeline:
                 self.sharded.reduce_due()
         self._send(tail, outbox, sending)
         self._receive(tail, t, inputs, grads, arriving)
-        for pending in sending:
+        for pending, _ in sending:
             pending.wait()
         return loss
 

@@ -1,0 +1,54 @@
+"""When a rank can let go of what it sent. A send is known received once a message arrives that its peer sent
+after the compute that used the data (that compute waited for it). The runtime then waits for the send, which
+returns at once, and drops it; a send never known received is waited for at the step's end. The planner counts
+the tensors a rank's sends keep alive from the same lists."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .schedules import B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule
+
+SENDS = (SEND_F, SEND_B)
+
+
+def _used_by(send: Action) -> Action:
+    """The compute on the peer that uses a SEND's data."""
+    if send.kind == SEND_F:
+        return Action(F, send.stage + 1, send.micro)
+    return Action(B, send.stage - 1, send.micro)
+
+
+def _receipt(send: Action) -> Action:
+    """The RECV that receives a SEND."""
+    if send.kind == SEND_F:
+        return Action(RECV_F, send.stage + 1, send.micro)
+    return Action(RECV_B, send.stage - 1, send.micro)
+
+
+def delivered(schedule: Schedule, rank: int) -> dict[Action, list[Action]]:
+    """A RECV on `rank` -> the rank's sends known received once its data has arrived."""
+    out = defaultdict(list)
+    for send in (a for a in schedule.ranks[rank] if a.kind in SENDS):
+        theirs = schedule.ranks[schedule.peer(send)]
+        after = theirs[theirs.index(_used_by(send)) + 1:]
+        reply = next((a for a in after if a.kind in SENDS and schedule.peer(a) == rank), None)
+        if reply is not None:
+            out[_receipt(reply)].append(send)
+    return dict(out)
+
+
+def held_sends(schedule: Schedule, rank: int) -> int:
+    """The most hidden-state tensors a rank's sends keep alive during one of its computes: an F's output from that
+    F until its B and its delivery, a B's input gradient from that B until its delivery."""
+    mine = schedule.ranks[rank]
+    at = {a: i for i, a in enumerate(a for a in mine if a.kind in COMPUTE)}
+    known = {send: at[Action(F if recv.kind == RECV_F else B, recv.stage, recv.micro)]
+             for recv, sends in delivered(schedule, rank).items() for send in sends}
+    spans = []
+    for send in (a for a in mine if a.kind in SENDS):
+        made = at[Action(F if send.kind == SEND_F else B, send.stage, send.micro)]
+        end = known.get(send, len(at))
+        if send.kind == SEND_F:  # the output is its backward's root
+            end = max(end, at[Action(B, send.stage, send.micro)] + 1)
+        spans.append((made + 1, end))
+    return max((sum(a <= i < b for a, b in spans) for i in range(len(at))), default=0)
