@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  before any group exists: its functions' default group would pin the world group
 
 from .config import ConfigError, ParallelConfig, check_world_size
+from .heartbeat import PeerFailed, PeerLost, in_turn
 
 ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")  # innermost first
 
@@ -171,17 +172,15 @@ class Groups:
         return {name: self.made.get(dims.group_ranks(name, rank)) for name in GROUP_NAMES}
 
 
-LOCAL_FIRST_TIMEOUT = timedelta(hours=24)
-
-
 class ParallelContext:
     """Ranks, named process groups and the device of one process; built once and passed around."""
 
     def __init__(self, dims: ParallelDims, rank: int, backend: str, device: torch.device,
-                 groups: dict[str, dist.ProcessGroup | None], job: bool = False):
+                 groups: dict[str, dist.ProcessGroup | None], job: bool = False, timeout: timedelta | None = None):
         self.dims, self.rank, self.backend, self.device = dims, rank, backend, device
         self.groups = groups
         self.job = job  # this process joined the job itself (not a layout inside sixfold.multirun's)
+        self.timeout = timeout  # parallel.timeout_s, where this process joined the job
         self._patient: dist.ProcessGroup | None = None
         self.coords = dims.coords(rank)
         self._members = {name: dims.group_ranks(name, rank) for name in GROUP_NAMES}
@@ -205,7 +204,7 @@ class ParallelContext:
         backend, device = pick_device()
         groups = Groups(timeout, {tuple(range(world)): dist.group.WORLD})
         groups.make(dims)
-        return cls(dims, rank, backend, device, groups.named(dims, rank), job=True)
+        return cls(dims, rank, backend, device, groups.named(dims, rank), job=True, timeout=timeout)
 
     @classmethod
     def inside(cls, dims: ParallelDims, groups: Groups) -> "ParallelContext | None":
@@ -246,29 +245,27 @@ class ParallelContext:
             dist.barrier(group=self.groups["world"])
 
     def local_first(self, fn):
-        """fn() on each machine's first rank, then on the other ranks; returns once every rank has run it. The
-        ranks wait in barriers of a gloo group of their own that allows LOCAL_FIRST_TIMEOUT (parallel.timeout_s
-        bounds collectives, and a first rank tokenizing a large corpus may take longer); a rank that fails or dies
-        closes its connections, which stops the others at once. In one process or inside sixfold.multirun's job,
-        fn() at once."""
+        """fn() on each machine's first rank, then on the other ranks; returns once every rank has run it. However
+        long fn() takes (a first rank tokenizing a large corpus), the ranks check in with each other every third of
+        parallel.timeout_s (heartbeat.py): a rank that fails, dies or stops answering for parallel.timeout_s stops
+        the others. In one process or inside sixfold.multirun's job, fn() at once."""
         if not self.job or self.world_size == 1:
             return fn()
         if self._patient is None:
-            self._patient = dist.new_group(backend="gloo", timeout=LOCAL_FIRST_TIMEOUT)
+            self._patient = dist.new_group(backend="gloo", timeout=self.timeout)
         first = int(os.environ.get("LOCAL_RANK", 0)) == 0
-        out = fn() if first else None
-        self._wait_patiently("its machine's first rank to run")
-        if not first:
-            out = fn()
-        self._wait_patiently("every rank to run")
-        return out
+        out = self._in_turn(fn, first, "its machine's first rank to run")
+        later = self._in_turn(fn, not first, "every rank to run")
+        return out if first else later
 
-    def _wait_patiently(self, what: str) -> None:
+    def _in_turn(self, fn, mine: bool, what: str):
         try:
-            dist.barrier(group=self._patient)
-        except RuntimeError as e:
-            raise RuntimeError(f"rank {self.rank} stopped waiting for {what}: another rank failed or died (its "
-                               f"error is above): {e}") from None
+            return in_turn(self._patient, fn, mine, self.timeout.total_seconds() / 3)
+        except PeerFailed as e:
+            raise RuntimeError(f"rank {self.rank} stopped waiting for {what}: {e} (its error is above)") from None
+        except PeerLost as e:
+            raise RuntimeError(f"rank {self.rank} stopped waiting for {what}: another rank died or did not answer "
+                               f"within parallel.timeout_s ({self.timeout.total_seconds():g} s): {e}") from None
 
     def close(self) -> None:
         """Drop our references to the process groups and leave the job."""

@@ -298,12 +298,17 @@ def test_nproc_starts_the_ranks(tmp_path):
     assert len(read_metrics(tmp_path / "run")) == 2
 
 
-@pytest.mark.parametrize("mode", ["ok", "fail-first", "fail-last"])
+@pytest.mark.parametrize("mode", ["ok", "fail-first", "fail-last", "hang-first"])
 def test_ranks_wait_for_the_first_rank_loading_beyond_the_timeout(tmp_path, mode):
     proc = torchrun("local_first.py", 3, str(tmp_path), mode, timeout=60)
     if mode == "ok":
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.count("local_first OK") == 3
+        return
+    if mode == "hang-first":  # rank 0 silent: the others stop on their own, after parallel.timeout_s (1 s)
+        for rank in (1, 2):
+            assert f"rank {rank} stopped waiting for its machine's first rank to run: another rank died or did " \
+                   "not answer within parallel.timeout_s (1 s)" in proc.stdout, proc.stdout + proc.stderr[-3000:]
         return
     failed = 0 if mode == "fail-first" else 2
     assert f"rank {failed} corpus broken" in proc.stdout, proc.stderr[-3000:]

@@ -1,9 +1,11 @@
 """ctx.local_first: the other ranks wait for the first longer than parallel.timeout_s and run after it; when a
-rank fails, the others stop instead of waiting.
+rank fails, the others stop instead of waiting; when the first rank hangs (stopped by a signal, its heartbeat with
+it), the others stop within parallel.timeout_s and rank 1 kills it.
 
-    torchrun --nproc-per-node 3 local_first.py DIR ok|fail-first|fail-last
+    torchrun --nproc-per-node 3 local_first.py DIR ok|fail-first|fail-last|hang-first
 """
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -23,6 +25,9 @@ def load():
         time.sleep(3)  # three times parallel.timeout_s
         if mode == "fail-first":
             raise ValueError("corpus broken")
+        if mode == "hang-first":
+            (marker.parent / "pid").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
         marker.write_text("x")
     assert marker.exists(), "ran before the first rank finished"
     if mode == "fail-last" and ctx.rank == 2:
@@ -36,4 +41,6 @@ try:
     print(f"rank {ctx.rank} local_first OK", flush=True)
 except (ValueError, RuntimeError) as e:
     print(f"rank {ctx.rank} {e}", flush=True)
+    if mode == "hang-first" and ctx.rank == 1:
+        os.kill(int((marker.parent / "pid").read_text()), signal.SIGKILL)
 ctx.close()

@@ -1,0 +1,65 @@
+"""Some ranks run a long task while the others wait, with no limit on the task's length but a bound on silence:
+every rank checks in with the rest every `interval` seconds (a working rank from a thread of its own), in a
+gloo group whose collectives time out. A rank that dies, hangs or loses its machine stops answering, and the
+others' next check fails within the group's timeout; a task that raises stops everyone at the next check."""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+
+class PeerFailed(RuntimeError):
+    """Another rank's task raised (its error is in its own log)."""
+
+
+class PeerLost(RuntimeError):
+    """A check did not complete: a rank died or did not answer within the group's timeout."""
+
+
+def in_turn(group: dist.ProcessGroup, fn, mine: bool, interval: float):
+    """fn() on the ranks with `mine` (None elsewhere); returns once every rank of `group` has finished. Raises
+    fn()'s own error where it raised, PeerFailed on the others, PeerLost where a check failed."""
+    finished, state, error = threading.Event(), [0, 0], []  # state: done, failed
+
+    def check_in() -> None:
+        while True:
+            counts = torch.tensor([int(mine), *state], dtype=torch.int64)
+            try:
+                dist.all_reduce(counts, group=group)
+            except RuntimeError as e:
+                raise PeerLost(str(e)) from None
+            working, done, failed = counts.tolist()
+            if failed:
+                raise PeerFailed(f"{failed} rank(s) failed")
+            if done == working:
+                return
+            if mine:
+                finished.wait(interval)
+
+    if not mine:
+        check_in()
+        return None
+
+    def beat() -> None:
+        try:
+            check_in()
+        except RuntimeError as e:
+            error.append(e)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        out = fn()
+    except BaseException:
+        state[1] = 1
+        finished.set()
+        thread.join()
+        raise
+    state[0] = 1
+    finished.set()
+    thread.join()
+    if error:
+        raise error[0]
+    return out
