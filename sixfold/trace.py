@@ -145,7 +145,7 @@ def _joined(asyncs: list[dict], ends: dict[int, list[dict | None]]) -> dict[int,
 
 def _received(asyncs: list[dict], ends: dict[int, list[dict | None]]) -> dict[int, float]:
     """id(event) -> when the peers' receives of a batch of pipeline sends completed (the latest), for the batches
-    whose every receive is traced: a send is done by then, though the sender waits for it only at the step's end."""
+    whose every receive is traced: a send is done by then, though the sender may wait for it later."""
     out = {}
     for e in asyncs:
         labels, others = e["name"].split()[2:], ends.get(id(e))
@@ -158,7 +158,7 @@ def overlap(events: list[dict]) -> dict[str, dict[int, tuple[float, float, float
     """Per group and rank, over the traced steps, of its asynchronous collectives: ms in flight, counted from when
     every rank taking part had posted it (from issue when the trace does not say) to completion, or to the end of
     the wait when the backend does not report completion earlier (then an upper bound; a pipeline send, waited
-    for at the step's end, ends when its receive did); the share of it hidden,
+    for later, ends when its receive did); the share of it hidden,
     not spent blocked in wait(); and the ms blocked in wait() before the last peer posted it, which is waiting for
     a slower rank, not communication. Ranks on different machines are compared by their clocks. Synchronous
     collectives are left out: the compute that calls them waits for all of their time."""

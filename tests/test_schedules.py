@@ -119,12 +119,17 @@ def test_a_send_is_let_go_only_once_its_data_was_used(name):
         ends = [{a: end for _, end, a in r.events} for r in ranks]
         starts = [{a: start for start, _, a in r.events} for r in ranks]
         for r in range(s.pp):
+            run = {}  # each action's run: the computes before it in the rank's list
+            for a in s.ranks[r]:
+                run[a] = sum(x.kind in COMPUTE for x in s.ranks[r][:s.ranks[r].index(a)])
             for recv, sends in delivered(s, r).items():
                 waits = Action(F if recv.kind == RECV_F else B, recv.stage, recv.micro)
                 for send in sends:
                     used = Action(F, send.stage + 1, send.micro) if send.kind == SEND_F else \
                         Action(B, send.stage - 1, send.micro)
                     assert ends[s.peer(send)][used] <= starts[r][waits], (s, r, recv, send)
+                    # NCCL runs a group's messages in posting order: the send is posted before the reply's receive
+                    assert run[send] <= run[recv], (s, r, recv, send)
 
 
 def test_1f1b_sends_hold_no_more_than_its_micro_batches_in_flight():

@@ -25,25 +25,33 @@ def _receipt(send: Action) -> Action:
     return Action(RECV_B, send.stage - 1, send.micro)
 
 
+def _waiting(recv: Action) -> Action:
+    """The compute that waits for a RECV's data."""
+    return Action(F if recv.kind == RECV_F else B, recv.stage, recv.micro)
+
+
 def delivered(schedule: Schedule, rank: int) -> dict[Action, list[Action]]:
-    """A RECV on `rank` -> the rank's sends known received once its data has arrived."""
+    """A RECV on `rank` -> the rank's sends known received once its data has arrived: for each send, of the
+    messages its peer sends to this rank after using its data, the one this rank waits for first."""
+    mine = schedule.ranks[rank]
+    order = {a: i for i, a in enumerate(mine)}
     out = defaultdict(list)
-    for send in (a for a in schedule.ranks[rank] if a.kind in SENDS):
+    for send in (a for a in mine if a.kind in SENDS):
         theirs = schedule.ranks[schedule.peer(send)]
         after = theirs[theirs.index(_used_by(send)) + 1:]
-        reply = next((a for a in after if a.kind in SENDS and schedule.peer(a) == rank), None)
-        if reply is not None:
-            out[_receipt(reply)].append(send)
+        replies = [_receipt(a) for a in after if a.kind in SENDS and schedule.peer(a) == rank]
+        if replies:
+            out[min(replies, key=lambda r: order[_waiting(r)])].append(send)
     return dict(out)
 
 
 def held_sends(schedule: Schedule, rank: int) -> int:
     """The most hidden-state tensors a rank's sends keep alive during one of its computes: an F's output from that
-    F until its B and its delivery, a B's input gradient from that B until its delivery."""
+    F until its B and its delivery, a B's input gradient from that B until its delivery. A tensor is counted from
+    the compute after the one that made it: the peak of a compute is its own."""
     mine = schedule.ranks[rank]
     at = {a: i for i, a in enumerate(a for a in mine if a.kind in COMPUTE)}
-    known = {send: at[Action(F if recv.kind == RECV_F else B, recv.stage, recv.micro)]
-             for recv, sends in delivered(schedule, rank).items() for send in sends}
+    known = {send: at[_waiting(recv)] for recv, sends in delivered(schedule, rank).items() for send in sends}
     spans = []
     for send in (a for a in mine if a.kind in SENDS):
         made = at[Action(F if send.kind == SEND_F else B, send.stage, send.micro)]

@@ -88,7 +88,7 @@ class Pipeline:
             sending.append((self.comm.exchange(tensors, [], "pp", label=" ".join(map(repr, sends))), set(sends)))
 
     def _let_go(self, recv: Action, sending: list, known: set) -> None:
-        """After `recv`'s data arrived: wait for (at once) and drop the batches of sends now known received."""
+        """After `recv`'s data arrived: wait for (at once) and drop the batches of sends now all known received."""
         if recv in self.delivered:
             known.update(self.delivered[recv])
             for batch in [b for b in sending if b[1] <= known]:
@@ -128,7 +128,7 @@ class Pipeline:
             s, m = key = (a.stage, a.micro)
             stage = self.stages[s]
             recv = Action(RECV_F if a.kind == F else RECV_B, s, m)
-            received = arriving.pop((recv.kind, s, m), None)
+            received = arriving.pop((recv.kind, s, m), None) if a.kind != W else None
             if received:  # the data this compute uses, posted earlier
                 received.wait()
                 self._let_go(recv, sending, known)
@@ -164,6 +164,7 @@ class Pipeline:
                     work = deferred.pop(key)
                     self.deferred += len(work)
                     wg.run(work)
+                out = grad = None  # what was sent is held only by its send, and counted so (held_sends)
             if due:
                 self.sharded.reduce_due()
         self._send(tail, outbox, sending)
