@@ -124,7 +124,7 @@ def cmd_plan(args, argv) -> int:
         print(ranking(search(cfg, args.gpus, device, per_node)))
         return 0
     check_world_size(cfg.parallel, args.gpus, "--gpus", "--gpus, or add --search")
-    validate(cfg, world_size=args.gpus)
+    validate(cfg)
     print(describe(plan(cfg, device, per_node), args.gpu, args.gpus, args.nodes))
     return 0
 
