@@ -16,13 +16,13 @@ from sixfold.config import ParallelConfig
 from sixfold.mesh import ParallelContext
 
 marker, mode = Path(sys.argv[1]) / "first-done", sys.argv[2]
-ctx = ParallelContext.initialize(ParallelConfig(dp_replicate=3, timeout_s=1))
+ctx = ParallelContext.initialize(ParallelConfig(dp_replicate=3, timeout_s=2))
 first = int(os.environ["LOCAL_RANK"]) == 0
 
 
 def load():
     if first:
-        time.sleep(3)  # three times parallel.timeout_s
+        time.sleep(5)  # longer than parallel.timeout_s
         if mode == "fail-first":
             raise ValueError("corpus broken")
         if mode == "hang-first":
