@@ -17,38 +17,45 @@ class AdamW:
     flat buffers of one layout, updated in place by torch's fused AdamW kernel (the one torch.optim.AdamW's
     fused=True runs) over runs of segments: the norm weights (`no_decay`) take no weight decay.
 
-    Unsharded, the master is the parameters' own flat buffer."""
+    Unit by unit, in unit order, so that each unit's updated weights can go out (be gathered) while the next units
+    are updated. Unsharded, the master is the parameters' own flat buffer."""
 
     def __init__(self, sharded: Sharded, cfg: TrainConfig, no_decay):
         self.cfg = cfg
         # the moments end where the last parameter does: a shard's padding has none
         ends = [max((b for _, _, b, _ in unit.segments()), default=0) for unit in sharded.units]
         self.moments = [{k: unit.master.new_zeros(end) for k in MOMENTS} for unit, end in zip(sharded.units, ends)]
-        # per decay group (decays, does not): lists of master, gradient and moment views, one per run of segments,
-        # and the run's step count (a tensor each, as torch.optim keeps them)
-        self.runs = tuple(([], [], [], [], []) for _ in range(2))
+        # per unit and decay group (decays, does not): lists of master, gradient and moment views, one per run of
+        # segments, and the run's step count (a tensor each, as torch.optim keeps them)
+        self.units, self.runs = sharded.units, []
         for unit, moments in zip(sharded.units, self.moments):
+            runs = tuple(([], [], [], [], []) for _ in range(2))
             cuts = [(a, b, int(no_decay(name))) for name, a, b, _ in unit.segments()]
             for a, b, group in _merged(cuts):
                 views = (unit.master[a:b], unit.grad_shard[a:b], moments["exp_avg"][a:b], moments["exp_avg_sq"][a:b],
                          torch.zeros((), dtype=torch.float32, device=unit.master.device))
-                for lst, view in zip(self.runs[group], views):
+                for lst, view in zip(runs[group], views):
                     lst.append(view)
-        self.steps = self.runs[0][4] + self.runs[1][4]
+            self.runs.append(runs)
+        self.steps = [step for runs in self.runs for group in runs for step in group[4]]
 
     @property
     def step_count(self) -> int:
         return int(self.steps[0]) if self.steps else 0
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, updated=None) -> None:
+        """One update; `updated(unit)` is called as each unit's is done."""
         c = self.cfg
         if self.steps:
             torch._foreach_add_(self.steps, 1)
-        for (weights, grads, exp_avg, exp_avg_sq, steps), decay in zip(self.runs, (c.weight_decay, 0.0)):
-            if weights:
-                torch._fused_adamw_(weights, grads, exp_avg, exp_avg_sq, [], steps, lr=lr, beta1=c.beta1,
-                                    beta2=c.beta2, weight_decay=decay, eps=c.eps, amsgrad=False, maximize=False)
+        for unit, runs in zip(self.units, self.runs):
+            for (weights, grads, exp_avg, exp_avg_sq, steps), decay in zip(runs, (c.weight_decay, 0.0)):
+                if weights:
+                    torch._fused_adamw_(weights, grads, exp_avg, exp_avg_sq, [], steps, lr=lr, beta1=c.beta1,
+                                        beta2=c.beta2, weight_decay=decay, eps=c.eps, amsgrad=False, maximize=False)
+            if updated is not None:
+                updated(unit)
 
     def set_step_count(self, count: int) -> None:
         for t in self.steps:

@@ -120,8 +120,7 @@ class Trainer:
             lr = learning_rate(t, self.step)
             skip = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
             if not skip:
-                self.optim.step(lr)
-                self.sharded.after_step(wait=False)
+                self.optim.step(lr, self.sharded.publish)
             self.sharded.zero_grad()
         self.step += 1
         self.skipped = self.skipped + 1 if skip else 0

@@ -430,19 +430,21 @@ class Sharded:
         for u in self.units:
             u.grad_shard.mul_(coef)
 
-    def after_step(self, wait: bool = True) -> None:
-        """The updated fp32 shards back into compute weights: copied, then gathered under ZeRO-1/2. With wait=False
-        each unit's gather is waited for by its next forward (or by settle()), so it overlaps what comes first."""
+    def after_step(self) -> None:
+        """Every unit's updated fp32 shard back into its compute weights (publish()), the gathers waited for."""
         self.settle()
         for u in self.units:
-            if u.compute_shard is not u.master:
-                u.compute_shard.copy_(u.master)
-        for u in self.units:
-            if u.zero in (1, 2):
-                u.gather = self.comm.all_gather(u.full, u.compute_shard, u.group, async_op=True,
-                                                label=f"unit {u.index}")
-        if wait:
-            self.settle()
+            self.publish(u)
+        self.settle()
+
+    def publish(self, unit: Unit) -> None:
+        """A unit's updated fp32 shard into its compute weights: copied, then gathered under ZeRO-1/2, waited for by
+        its next forward (or by settle()), so that the gather overlaps what comes first (the next units' update)."""
+        if unit.compute_shard is not unit.master:
+            unit.compute_shard.copy_(unit.master)
+        if unit.zero in (1, 2):
+            unit.gather = self.comm.all_gather(unit.full, unit.compute_shard, unit.group, async_op=True,
+                                               label=f"unit {unit.index}")
 
     def settle(self) -> None:
         """Wait for the weight gathers in flight: the compute weights are then current."""
