@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
 from .config import TrainConfig
-from .parallel.sharding import Sharded
+from .parallel.sharding import Sharded, Unit
 
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # the optimizer state a checkpoint keeps per parameter
@@ -44,7 +45,7 @@ class AdamW:
         return int(self.steps[0]) if self.steps else 0
 
     @torch.no_grad()
-    def step(self, lr: float, updated=None) -> None:
+    def step(self, lr: float, updated: Callable[[Unit], None] | None = None) -> None:
         """One update; `updated(unit)` is called as each unit's is done."""
         c = self.cfg
         if self.steps:

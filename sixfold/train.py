@@ -290,6 +290,7 @@ class Trainer:
         """The end of a run stopped by a signal: the step's checkpoint (unless `saved` already, or checkpoints are
         off) written, and the error saying how to go on."""
         c, done = self.cfg.checkpoint, f"stopped by {signal_name} after step {self.step} of {self.cfg.train.steps}"
+        self.sharded.settle()  # no weight gather left in flight
         if not (c.every or c.save_final):
             return Stopped(f"{done}; no checkpoint written (checkpoint.every=0, checkpoint.save_final=false)")
         path = ckpt.step_dir(self.run_dir, self.step) if saved else self.save()

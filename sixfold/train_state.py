@@ -212,6 +212,7 @@ def load(checkpoint: Checkpoint, sharded: Sharded, optim: AdamW, cfg: Config) ->
                           f"{checkpoint.path} (optim)", hint)
     if state is not None and any(k not in FREE for k in diffs):
         raise CheckpointError(f"{checkpoint.path} is a training checkpoint of another model: {hint} to resume from it")
+    sharded.settle()  # no gather reads the masters while they are written
     flats = [torch.zeros_like(u.master) for u in sharded.units]
     for unit, a, b, name, _, cut, start, stop in _slices(sharded):
         flats[unit.index][a:b] = weights.read(name, cut, start, stop)
@@ -220,5 +221,5 @@ def load(checkpoint: Checkpoint, sharded: Sharded, optim: AdamW, cfg: Config) ->
                 optim.moments[unit.index][k][a:b] = state.read(f"{name}.{k}", cut, start, stop)
     for unit, flat in zip(sharded.units, flats):
         unit.master.copy_(flat)
-    sharded.after_step()
+    sharded.publish_all()
     return state is not None

@@ -430,9 +430,8 @@ class Sharded:
         for u in self.units:
             u.grad_shard.mul_(coef)
 
-    def after_step(self) -> None:
-        """Every unit's updated fp32 shard back into its compute weights (publish()), the gathers waited for."""
-        self.settle()
+    def publish_all(self) -> None:
+        """Every unit's fp32 shard into its compute weights (publish()), the gathers waited for: after a load."""
         for u in self.units:
             self.publish(u)
         self.settle()
