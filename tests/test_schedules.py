@@ -119,9 +119,9 @@ def test_a_send_is_let_go_only_once_its_data_was_used(name):
         ends = [{a: end for _, end, a in r.events} for r in ranks]
         starts = [{a: start for start, _, a in r.events} for r in ranks]
         for r in range(s.pp):
-            run = {}  # each action's run: the computes before it in the rank's list
+            run, computes = {}, 0  # each action's run: the computes before it in the rank's list
             for a in s.ranks[r]:
-                run[a] = sum(x.kind in COMPUTE for x in s.ranks[r][:s.ranks[r].index(a)])
+                run[a], computes = computes, computes + (a.kind in COMPUTE)
             for recv, sends in delivered(s, r).items():
                 waits = Action(F if recv.kind == RECV_F else B, recv.stage, recv.micro)
                 for send in sends:

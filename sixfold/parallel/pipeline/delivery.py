@@ -11,13 +11,6 @@ from .schedules import B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, Sc
 SENDS = (SEND_F, SEND_B)
 
 
-def _used_by(send: Action) -> Action:
-    """The compute on the peer that uses a SEND's data."""
-    if send.kind == SEND_F:
-        return Action(F, send.stage + 1, send.micro)
-    return Action(B, send.stage - 1, send.micro)
-
-
 def _receipt(send: Action) -> Action:
     """The RECV that receives a SEND."""
     if send.kind == SEND_F:
@@ -38,7 +31,7 @@ def delivered(schedule: Schedule, rank: int) -> dict[Action, list[Action]]:
     out = defaultdict(list)
     for send in (a for a in mine if a.kind in SENDS):
         theirs = schedule.ranks[schedule.peer(send)]
-        after = theirs[theirs.index(_used_by(send)) + 1:]
+        after = theirs[theirs.index(_waiting(_receipt(send))) + 1:]  # after the compute that used its data
         replies = [_receipt(a) for a in after if a.kind in SENDS and schedule.peer(a) == rank]
         if replies:
             out[min(replies, key=lambda r: order[_waiting(r)])].append(send)
