@@ -11,8 +11,9 @@ trace.
 
 Bubble: per rank, 1 - (its F, B and W spans) / (the step's makespan: first compute start to last compute end
 over all ranks), averaged over the traced steps, then the median over runs. The simulator gets the median F,
-B and W span of the same job (B and W apart where the schedule splits them, B alone holding both otherwise),
-and once more with the message latency measured in the trace and the runtime's way of waiting for messages.
+B and W span of the same job (B the input gradient: a B that holds its weight gradient too counts only where no
+W is traced; the runtime traces an early sender's weight gradient as a W), and once more with the message
+latency measured in the trace and the runtime's way of waiting for messages, and its early sends.
 """
 from __future__ import annotations
 
@@ -142,13 +143,20 @@ def measured(spans: list, pp: int) -> dict:
         makespan = max(s[3] + s[4] for s in mine) - min(s[3] for s in mine)
         for r in range(pp):
             idle[r].append(1 - sum(s[4] for s in mine if s[0] == r) / makespan)
-    ms = {k: statistics.median(s[4] for s in spans if s[2] == k) / 1e3 for k in "FBW"
+    ms = {k: statistics.median(s[4] for s in _input_part(spans) if s[2] == k) / 1e3 for k in "FBW"
           if any(s[2] == k for s in spans)}
     stages = range(max(s[5] for s in spans) + 1)
-    per_stage = {k: [statistics.median(s[4] for s in spans if s[2] == k and s[5] == i) / 1e3 for i in stages]
-                 for k in ms}
+    per_stage = {k: [statistics.median([s[4] for s in _input_part([s for s in spans if s[5] == i]) if s[2] == k]
+                                       or [0.0]) / 1e3 for i in stages] for k in ms}
     return {"idle": [statistics.mean(i) for i in idle], "ms": {**ms, "comm": latency(comm, spans)},
             "stage_ms": per_stage}
+
+
+def _input_part(spans: list) -> list:
+    """The spans less the B spans that hold their weight gradient too, where others are traced apart from theirs
+    (a B without a W action sends early, and its weight gradient is traced as a W): B the input gradient alone."""
+    with_w = {(s[1], s[5], s[6]) for s in spans if s[2] == "W"}
+    return [s for s in spans if s[2] != "B" or not with_w or (s[1], s[5], s[6]) in with_w]
 
 
 def latency(comm: list, compute: list) -> float:
@@ -336,15 +344,17 @@ def main() -> None:
         + (": a shared machine, read the times as rough." if busy > 0.5 else "."),
         "", "### Bubble: idle fraction of the step", "",
         "Per rank (rank 0 / rank 1 / ...) and the mean over ranks. Simulated: sixfold's simulator on the schedule's "
-        "lists with the job's median F, B and W spans (B holds W where the schedule does not split them), messages "
-        "instant. As run: each stage with its own median F, B and W spans (next to last column) and the measured "
+        "lists with the job's median F, B and W spans (B the input gradient; a B with no W action sends it before "
+        "computing its weight gradient, which the trace shows as a W span; the first stage's B sends nothing "
+        "and holds both), messages instant. As run: each stage with its own median F, B and W spans (next to last column) and the measured "
         "message latency (median time from a send to its data being usable, over the receives whose rank was "
         "already waiting for them); as in the runtime, each receive is waited for by the compute that uses it. "
         "Replayed: as run, but every action costs its own measured span in each traced step, so the rest of the "
         "measured idle is time the runtime spends between actions (Python, posting messages, the step's own work "
-        "around the schedule), not the spans' lengths. Theory: (p-1)/(m+p-1) for "
-        "GPipe and 1F1B, ((p-1)/v)/(m+(p-1)/v) for interleaved and breadth-first, (p-1)/(3m+p-1) for ZB-H1 (a third "
-        "of 1F1B's idle time at F = B = W), 0 for ZB-V. In flight: the most micro-batches whose activations a rank "
+        "around the schedule), not the spans' lengths. Theory: the papers' formulas, in which a B is one block: "
+        "(p-1)/(m+p-1) for GPipe and 1F1B, ((p-1)/v)/(m+(p-1)/v) for interleaved and breadth-first, (p-1)/(3m+p-1) "
+        "for ZB-H1 (a third of 1F1B's idle time at F = B = W), 0 for ZB-V; sending input gradients early cuts "
+        "GPipe's, 1F1B's and interleaved's idle time from (p-1)(F+B+W) to (p-1)(F+B) per stage. In flight: the most micro-batches whose activations a rank "
         "holds at once."
         + (" pp=4 runs 4 ranks on the 2 cores (OMP_NUM_THREADS=1): spans stretch while more than 2 ranks compute, "
            "so its rows show each schedule's shape more than its cost." if args.pp4 else ""), "", *bubble,

@@ -49,6 +49,8 @@ JOBS = (
         ("bench/tp.py", "--ranks", "2", "--runs", "1", "--steps", "3"), ("tp",)),
     Job("pp", ("bench/pp.py", "--runs", "5", "--pp4"),
         ("bench/pp.py", "--runs", "1", "--schedules", "1f1b", "zb-v"), ("pp",)),
+    Job("pp-early", ("bench/pp_early.py", "--write"),
+        ("bench/pp_early.py", "--steps", "2", "--layouts", "pp=2, m=4", "--write"), ("pp-early",)),
     Job("e2e", ("bench/e2e.py", "--ranks", "1", "4", "8", "--runs", "3"),
         ("bench/e2e.py", "--ranks", "4", "8", "--runs", "1", "--steps", "3"), ("e2e",)),
     Job("tp-activations", ("bench/activations.py", "--tp", "1", "2", "4"),
@@ -97,6 +99,8 @@ WITHIN = {  # sixfold against itself at a baseline layout
     "cp": Ratios("Context parallel, longest sequence", "cp=1 at the same length", ("vs cp=1", 0),
                  ("vs cp=1", 1), label=(0, 1), last=True),
     "ep": Ratios("Expert parallel (MoE)", "ep=1", ("median vs first", 0), None),
+    "pp-early": Ratios("Pipeline, input gradients sent first", "sent after the weight gradient", ("time ratio", 0),
+                       None),
 }
 
 

@@ -8,7 +8,7 @@ import pytest
 from sixfold.config import ConfigError
 from sixfold.parallel.pipeline.delivery import delivered, held_sends
 from sixfold.parallel.pipeline.schedules import (
-    B, COMPUTE, F, RECV_B, RECV_F, SCHEDULES, SEND_F, W, Action, Schedule, build, placement)
+    B, COMPUTE, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, W, Action, Schedule, build, placement)
 from sixfold.parallel.pipeline.simulate import Costs, ScheduleError, simulate
 from sixfold.pictures import draw_timeline, schedule_events
 
@@ -26,8 +26,8 @@ def valid(name: str) -> list[Schedule]:
     return out
 
 
-def bubbles(name: str, pp: int, v: int, m: int) -> list[float]:
-    return [r.bubble for r in simulate(build(name, pp, v, m)).ranks]
+def bubbles(name: str, pp: int, v: int, m: int, early: bool = False) -> list[float]:
+    return [r.bubble for r in simulate(build(name, pp, v, m), early=early).ranks]
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -47,11 +47,26 @@ def test_every_schedule_passes_the_checker(name):
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_gpipe_and_1f1b_bubble_is_exact(name):
-    # F = 1, B = 2 (input and weight gradient), no latency: makespan 3(m + p - 1) on every rank
+    # F = 1, B = 2 (input and weight gradient) as one block, no latency: makespan 3(m + p - 1) on every rank
     for pp, m in itertools.product(range(1, 7), range(1, 13)):
-        sim = simulate(build(name, pp, 1, m))
+        sim = simulate(build(name, pp, 1, m), early=False)
         assert sim.makespan == 3 * (m + pp - 1)
         assert [r.bubble for r in sim.ranks] == pytest.approx([(pp - 1) / (m + pp - 1)] * pp)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_sending_the_input_gradient_first_shortens_the_bubble(name):
+    # as the runtime runs: each rank idles p - 1 times F + B, not F + B + W (the weight gradient of a B is
+    # computed after its input gradient is sent, so the rank before starts its B that much sooner)
+    for pp, m in itertools.product(range(1, 7), range(1, 13)):
+        s = build(name, pp, 1, m)
+        assert s.sends_early(0) == set()
+        assert all(s.sends_early(r) == {(r, i) for i in range(m)} for r in range(1, pp))
+        for f, b, w in ((1.0, 1.0, 1.0), (1.0, 1.3, 0.6), (2.0, 3.0, 1.5)):
+            sim = simulate(s, Costs(f, b, w))
+            assert sim.makespan == pytest.approx(m * (f + b + w) + (pp - 1) * (f + b))
+            assert all(sim.makespan - r.busy == pytest.approx((pp - 1) * (f + b)) for r in sim.ranks)
+    assert build("zb-h1", 2, 1, 4).sends_early(1) == set()  # its W actions do the weight gradients
 
 
 def test_interleaved_bubble_is_exact():
@@ -61,6 +76,9 @@ def test_interleaved_bubble_is_exact():
         for m in range(pp, 13, pp):
             theory = ((pp - 1) / v) / (m + (pp - 1) / v)
             assert bubbles("interleaved", pp, v, m) == pytest.approx([theory] * pp)
+            # sending input gradients first: 2(p - 1) idle, not 3(p - 1), as for 1F1B
+            assert bubbles("interleaved", pp, v, m, early=True) == pytest.approx(
+                [2 * (pp - 1) / (3 * m * v + 2 * (pp - 1))] * pp)
 
 
 def test_breadth_first_bubble():
@@ -78,7 +96,7 @@ def test_zb_h1_bubble_is_a_third_of_1f1b():
     # F = B = W = 1: once m >= p every rank idles exactly p - 1, a third of 1F1B's 3(p - 1)
     for pp, m in itertools.product(range(1, 7), range(1, 13)):
         zb = simulate(build("zb-h1", pp, 1, m))
-        base = simulate(build("1f1b", pp, 1, m))
+        base = simulate(build("1f1b", pp, 1, m), early=False)  # (1F1B as the runtime runs idles 2(p - 1))
         idle = [zb.makespan - r.busy for r in zb.ranks]
         if m >= pp:
             assert idle == [pp - 1] * pp
@@ -116,7 +134,6 @@ def test_peak_in_flight():
 def test_a_send_is_let_go_only_once_its_data_was_used(name):
     for s in valid(name)[::3]:
         ranks = simulate(s).ranks
-        ends = [{a: end for _, end, a in r.events} for r in ranks]
         starts = [{a: start for start, _, a in r.events} for r in ranks]
         for r in range(s.pp):
             run, computes = {}, 0  # each action's run: the computes before it in the rank's list
@@ -127,7 +144,7 @@ def test_a_send_is_let_go_only_once_its_data_was_used(name):
                 for send in sends:
                     used = Action(F, send.stage + 1, send.micro) if send.kind == SEND_F else \
                         Action(B, send.stage - 1, send.micro)
-                    assert ends[s.peer(send)][used] <= starts[r][waits], (s, r, recv, send)
+                    assert starts[s.peer(send)][used] <= starts[r][waits], (s, r, recv, send)
                     # NCCL runs a group's messages in posting order: the send is posted before the reply's receive
                     assert run[send] <= run[recv], (s, r, recv, send)
 
@@ -182,11 +199,17 @@ def test_bad_settings_name_what_to_change():
 
 def test_costs_and_latency():
     # F 1, message 0.5, F 1, B 2 (with W), message 0.5, B 2
-    sim = simulate(build("1f1b", 2, 1, 1), Costs(comm=0.5))
+    s = build("1f1b", 2, 1, 1)
+    sim = simulate(s, Costs(comm=0.5), early=False)
     assert sim.makespan == 7.0 and [r.busy for r in sim.ranks] == [3.0, 3.0]
     assert sim.ranks[1].events[0] == (0.0, 1.5, Action(RECV_F, 1, 0))
     assert [r.bubble for r in sim.ranks] == pytest.approx([4 / 7, 4 / 7])
-    assert simulate(build("1f1b", 2, 1, 1), Costs(comm=0.5), batched=True).makespan == 7.0
+    assert simulate(s, Costs(comm=0.5), batched=True, early=False).makespan == 7.0
+    # rank 1 sends its input gradient 1 into its B (2.5-4.5): rank 0's B runs 4-6
+    for batched in (False, True):
+        sim = simulate(s, Costs(comm=0.5), batched=batched)
+        assert sim.makespan == 6.0 and sim.ranks[1].finish == 4.5
+    assert (3.5, 3.5, Action(SEND_B, 1, 0)) in simulate(s, Costs(comm=0.5)).ranks[1].events
     costs = Costs(f=1.0, b=1.7, w=0.6, comm=0.3)
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("breadth-first", 3), ("zb-h1", 1),
                     ("zb-v", 2)):
@@ -201,14 +224,18 @@ def test_costs_per_stage():
     sim = simulate(build("gpipe", 2, 1, 2), Costs(f=(1.0, 2.0), b=(1.0, 2.0), w=0.0))
     assert sim.makespan == 10.0 and [r.busy for r in sim.ranks] == [4.0, 8.0]
     assert [e[:2] for e in sim.ranks[0].events if e[2].kind == B] == [(7.0, 8.0), (9.0, 10.0)]
-    # 1F1B: the first F, m times the heavier stage's F + B (with W), the last B
+    # 1F1B: the first F, m times the heavier stage's F + B (with W), the last B, which starts as rank 1 sends
+    # its last input gradient, before that B's W (1.2)
     sim = simulate(build("1f1b", 2, 1, 8), Costs(f=(1.0, 1.2), b=(1.0, 1.2), w=(1.0, 1.2)))
-    assert sim.makespan == pytest.approx(1.0 + 8 * 3.6 + 2.0)
+    assert sim.makespan == pytest.approx(1.0 + 8 * 3.6 - 1.2 + 2.0)
     assert sim.ranks[0].bubble > sim.ranks[1].bubble
     # a replay: each action its own cost (rank 1's second F takes 3), the rest from costs
     replay = simulate(build("gpipe", 2, 1, 2), Costs(f=(1.0, 2.0), b=(1.0, 2.0), w=0.0),
                       durations={Action(F, 1, 1): 3.0})
     assert replay.makespan == 11.0 and replay.ranks[1].busy == 9.0
+    # an early sender's weight gradient traced apart: B(s1) its input gradient, W(s1) the rest
+    replay = simulate(build("gpipe", 2, 1, 1), Costs(), durations={Action(B, 1, 0): 1.0, Action(W, 1, 0): 3.0})
+    assert replay.ranks[1].busy == 5.0 and replay.makespan == 6.0  # rank 0's B: 3-5
     with pytest.raises(ValueError, match="costs.f has 3 values, one per stage needs 4"):
         simulate(build("zb-v", 2, 2, 4), Costs(f=(1.0, 1.0, 1.0)))
 

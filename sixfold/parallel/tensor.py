@@ -72,9 +72,10 @@ class Split:
 class WeightGrads:
     """Weight gradients computed later than input gradients (zero-bubble pipelines' W actions).
 
-    While `defer` is set, linear layers queue their weight-gradient work here; run() performs it,
+    While `defer` is set, linear layers queue their weight-gradient work here (with the output gradient and
+    input it needs, held until then; not the head's, whose output gradient is logits-sized); run() performs it,
     accumulating into each weight's .grad and then calling on_grad(weight). `used`: some backward may defer,
-    so every linear layer runs through the Function that can (autograd's own linear cannot).
+    so every linear layer that may runs through the Function that can (autograd's own linear cannot).
     """
 
     def __init__(self):
@@ -150,9 +151,9 @@ class _Linear(torch.autograd.Function):
     x, row mode reduces y."""
 
     @staticmethod
-    def forward(ctx, x, tp: TensorParallel, mode: str, sp: bool, *weights):
+    def forward(ctx, x, tp: TensorParallel, mode: str, sp: bool, defer: bool, *weights):
         # the weights themselves, not saved copies: deferred gradients and their hooks need the parameters
-        ctx.tp, ctx.mode, ctx.sp, ctx.weights = tp, mode, sp, weights
+        ctx.tp, ctx.mode, ctx.sp, ctx.defer, ctx.weights = tp, mode, sp, defer, weights
         ctx.save_for_backward(x)  # under sequence-TP the shard: gathered again in backward
         full = tp.gather(x, sp)[0] if mode == "column" else x
         y = F.linear(full, _stacked(weights))
@@ -173,33 +174,35 @@ class _Linear(torch.autograd.Function):
             if mode == "row":
                 dy, _ = tp.gather(dy, sp)
             dx, reducing = dy @ _stacked(weights), None
-        dws = _weight_grads(tp, weights, dy, full)
+        dws = _weight_grads(tp, weights, dy, full, ctx.defer)
         _wait(reducing)
-        return (dx, None, None, None, *dws)
+        return (dx, None, None, None, None, *dws)
 
 
 def _stacked(weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return weights[0] if len(weights) == 1 else torch.cat(weights)
 
 
-def _weight_grads(tp: TensorParallel, weights: tuple[torch.Tensor, ...], dy: torch.Tensor, x: torch.Tensor):
+def _weight_grads(tp: TensorParallel, weights: tuple[torch.Tensor, ...], dy: torch.Tensor, x: torch.Tensor,
+                  defer: bool):
     def compute():
         return (dy.flatten(0, -2).t() @ x.flatten(0, -2)).split([w.shape[0] for w in weights])
 
-    if tp.weight_grads.defer:
+    if defer and tp.weight_grads.defer:
         tp.weight_grads.pending.append((weights, compute))
         return [None] * len(weights)
     return compute()
 
 
-def linear(tp: TensorParallel, x: torch.Tensor, weights: list[torch.Tensor], mode: str, sp: bool) -> torch.Tensor:
+def linear(tp: TensorParallel, x: torch.Tensor, weights: list[torch.Tensor], mode: str, sp: bool,
+           defer: bool = True) -> torch.Tensor:
     """x times the weights stacked by rows, in `mode` (plain, column or row): one product whose last dimension
     holds each weight's outputs in turn (the caller splits it; a split, not slices, keeps its gradient one
-    tensor)."""
+    tensor). defer: the weight gradient may be deferred (WeightGrads)."""
     wg = tp.weight_grads
-    if len(weights) == 1 and not (wg.defer or wg.used) and (tp.size == 1 or mode == "plain"):
+    if len(weights) == 1 and not (defer and (wg.defer or wg.used)) and (tp.size == 1 or mode == "plain"):
         return F.linear(x, weights[0])  # autograd's own linear suffices
-    return _Linear.apply(x, tp, mode, sp and tp.size > 1, *weights)
+    return _Linear.apply(x, tp, mode, sp and tp.size > 1, defer, *weights)
 
 
 class Linear(nn.Module):

@@ -25,8 +25,8 @@ key/value widths, a the heads, f the ffn width:
               model.loss_chunk the head weight's gradient instead, 4 * vocab * dim), token ids and labels
               (16 * T), the rotary tables (4 * seq * head_dim)
 A pipeline rank keeps its stages' activations for the (stage, micro-batch) pairs in flight (the simulator's
-peak). The step's peak (step()) adds the computation's temporaries and transient buffers at the larger of two
-moments, the loss's backward and the first block's.
+peak). The step's peak (step()) adds the computation's temporaries and transient buffers at the largest of
+three moments: the loss's backward, the first block's, and under pipelining an early sender's weight gradient.
 """
 from __future__ import annotations
 
@@ -81,6 +81,23 @@ def mlp_activations(rank: Rank, layer: int) -> int:
     return out + (b * 3 * t * mlp.shared.w_gate.weight.shape[0] if mlp.shared is not None else 0)
 
 
+def deferred(rank: Rank, layer: int) -> tuple[int, int]:
+    """Bytes a block's deferred weight gradients hold until they are computed: each linear's output gradient (a
+    row linear's gathered over sequence-TP) and under sequence-TP each column linear's gathered input (the
+    saved shard aside); and the largest weight gradient one of them makes (stacked weights in one product).
+    MoE experts do not defer; a shared expert does, as a dense SwiGLU."""
+    cfg, b, t, th = rank.cfg.model, rank.compute_bytes, rank.micro_tokens, rank.hidden_tokens
+    block = rank.model.layers[str(layer)]
+    attn, dense = block.attn, block.mlp.shared if isinstance(block.mlp, MoE) else block.mlp
+    q, kv = attn.n_heads * cfg.head_dim, attn.n_kv_heads * cfg.head_dim
+    held = b * (t * (q + 2 * kv) + t * cfg.dim + (t - th) * cfg.dim)
+    products = [attn.wq.weight.numel() + attn.wk.weight.numel() + attn.wv.weight.numel(), attn.wo.weight.numel()]
+    if dense is not None:
+        held += b * (2 * t * dense.w_gate.weight.shape[0] + t * cfg.dim + (t - th) * cfg.dim)
+        products += [dense.w_gate.weight.numel() + dense.w_up.weight.numel(), dense.w_down.weight.numel()]
+    return held, b * max(products)
+
+
 def ends(rank: Rank) -> int:
     """Bytes the head's rank saves for backward at the model's ends per micro-batch: the final norm, the logits
     (or with model.loss_chunk the head weight's gradient), token ids and labels."""
@@ -113,7 +130,7 @@ def in_flight(rank: Rank) -> int:
 
 
 def step(rank: Rank) -> dict[str, int]:
-    """Bytes a step holds beyond the persistent buffers at its peak, the larger of two moments, by kind:
+    """Bytes a step holds beyond the persistent buffers at its peak, the largest of its moments, by kind:
     "saved" activations, "working" (the computation's own temporaries) and "transient" buffers.
     At the loss's backward (the head's rank): every saved activation; its logits-sized temporaries (the fp32
     gradient and log-softmax gradient, 8 * T * vocab, or with model.loss_chunk a chunk's logits, their fp32 copy
@@ -124,7 +141,10 @@ def step(rank: Rank) -> dict[str, int]:
     (4 * T * f, less the w_down input already freed: the MLP's count again), two hidden-state gradients, under
     full recomputation that sub-layer rebuilt; all the buffers above and the full gradients of the units being
     reduced (ZeRO-2/3) and their copies in the reduction's dtype (bf16 gradients reduced in fp32): the
-    REDUCING + 1 largest units'."""
+    REDUCING + 1 largest units'.
+    Under pipelining, at the weight gradient of a B that sent its input gradient first (Schedule.sends_early):
+    the saved activations less the ends, that B's stage's deferred tensors and its largest weight gradient
+    (deferred()), and the buffers of the first moment (its units start reducing after it)."""
     b, th, dim = rank.compute_bytes, rank.hidden_tokens, rank.cfg.model.dim
     saved = activations(rank)["saved"]
     buffers = _buffers(rank)
@@ -140,6 +160,11 @@ def step(rank: Rank) -> dict[str, int]:
             rebuilt = b * th * dim + 4 * th + mlp if rank.cfg.model.recompute == "full" else 0
             block = max(block, rebuilt + mlp + 2 * b * th * dim)
         moments.append({"saved": saved - ends(rank), "working": block, "transient": buffers["reducing"]})
+    early = {s for s, _ in rank.schedule.sends_early(rank.ctx.rank_in("pp"))} if rank.schedule else set()
+    if early:
+        held = [[deferred(rank, layer) for layer in st.layers] for st in rank.model.stages if st.index in early]
+        working = max(sum(h for h, _ in d) + max((p for _, p in d), default=0) for d in held)
+        moments.append({"saved": saved - ends(rank), "working": working, "transient": buffers["early"]})
     peak = max(moments, key=lambda m: sum(m.values()))
     peak["transient"] += buffers["held"]
     return peak

@@ -1,6 +1,7 @@
 """Under torchrun with pp ranks, for each schedule: the runtime's gradients equal one process's, its peak of
-micro-batches in flight equals the simulator's, W actions compute the deferred weight gradients, and the bytes
-it sends equal its SEND actions' payload.
+micro-batches in flight equals the simulator's, W actions compute the deferred weight gradients, B actions
+without one send their input gradient before their weight gradient, and the bytes it sends equal its SEND
+actions' payload.
 
     torchrun --nproc-per-node PP pipeline_runtime.py MICRO_BATCHES
 """
@@ -53,7 +54,10 @@ for name, v in CASES:
         assert err < 1e-5, (name, n, float(err))
     assert pipeline.peak_in_flight == simulate(schedule).ranks[rank].peak_in_flight, (name, pipeline.peak_in_flight)
     ws = sum(a.kind == schedules.W for a in schedule.ranks[rank])
-    assert (pipeline.deferred > 0) == (ws > 0), (name, pipeline.deferred)  # W actions do the weight gradients
+    # W actions do the blocks' weight gradients (the head's come in B)
+    assert (pipeline.deferred > 0) == (ws > 0 and any(st.layers for st in stages)), (name, pipeline.deferred)
+    assert pipeline.sent_early == len(schedule.sends_early(rank)), (name, pipeline.sent_early)
+    assert pipeline.sent_early == (0 if ws else m * v - (m if rank == 0 else 0)), (name, pipeline.sent_early)
     hidden = 2 * 16 * cfg.dim * 4
     sends = sum(a.kind in (schedules.SEND_F, schedules.SEND_B) for a in schedule.ranks[rank])
     assert comm.ledger.total["pp", "send_recv"] == sends * hidden, (name, dict(comm.ledger.total))

@@ -7,10 +7,11 @@ what they held) or else at the end of the step (the simulator's default model, i
 deadlock-free). On gloo a run's receives are posted one compute earlier, before the data can have arrived:
 posted after it, a receive blocks the call while the sender, busy computing, hands it over (up to 8 ms on a
 shared CPU). NCCL runs a group's operations in order on one stream, where a receive posted ahead of a send that
-the peer waits for would deadlock. Shapes are known ahead: every
-micro-batch has the same [tokens, dim] hidden state (this rank's cp and sequence-TP part), so no metadata
-travels. A unit's gradient reduction starts as its stage's last backward or weight-gradient action of the step
-completes it; with ZeRO-3 the weights are gathered once per step.
+the peer waits for would deadlock. Shapes are known ahead: every micro-batch has the same [tokens, dim] hidden
+state (this rank's cp and sequence-TP part), so no metadata travels. A B that sends its input gradient and has
+no W of its own (Schedule.sends_early) defers its weight gradient as for a W and computes it right after posting
+that send, so the rank before starts its B sooner. A unit's gradient reduction starts as its stage's last
+backward or weight-gradient action of the step completes it; with ZeRO-3 the weights are gathered once per step.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ class Pipeline:
         self.last = schedule.stages - 1
         self.actions = schedule.ranks[self.rank]
         self.split = {(a.stage, a.micro) for a in self.actions if a.kind == W}
-        model.tp.weight_grads.used = bool(self.split)
+        self.early = schedule.sends_early(self.rank)
+        model.tp.weight_grads.used = bool(self.split or self.early)
         self.launch_after = self._launch_points()
         self.delivered = delivered(schedule, self.rank)
         # the index of each compute action, the run of sends and receives before each, and the run after the last
@@ -43,6 +45,7 @@ class Pipeline:
         self.runs = [self.actions[a:b] for a, b in zip(starts, self.computes)], self.actions[starts[-1]:]
         self.peak_in_flight = 0  # in the last step: most (stage, micro) pairs whose saved activations were alive
         self.deferred = 0  # in the last step: weight gradients computed by W actions
+        self.sent_early = 0  # in the last step: B actions that sent their input gradient before their weight gradient
 
     @property
     def cfg(self):
@@ -114,15 +117,15 @@ class Pipeline:
         model, wg = self.model, self.model.tp.weight_grads
         t = model.tokens(*micro[0][0].shape, micro[0][0].device)
         inputs, outputs, grads, outbox, deferred, sending, arriving, known = {}, {}, {}, {}, {}, [], {}, set()
-        self.peak_in_flight = self.deferred = 0
+        self.peak_in_flight = self.deferred = self.sent_early = 0
         loss = torch.zeros((), dtype=torch.float64, device=self.comm.ctx.device)
         runs, tail = self.runs
         ahead = 1 if self.comm.ctx.backend == "gloo" else 0
         for run in runs[:ahead]:
             self._receive(run, t, inputs, grads, arriving)
-        for k, i in enumerate(self.computes):
+        for k, i in enumerate(self.computes):  # runs[0] sends nothing: no compute has run
             a = self.actions[i]
-            self._send(runs[k], outbox, sending)
+            after, late = runs[k + 1] if k + 1 < len(runs) else tail, None
             if k + ahead < len(runs):
                 self._receive(runs[k + ahead], t, inputs, grads, arriving)
             s, m = key = (a.stage, a.micro)
@@ -132,8 +135,8 @@ class Pipeline:
             if received:  # the data this compute uses, posted earlier
                 received.wait()
                 self._let_go(recv, sending, known)
-            due = self.launch_after.get(i)
-            if due:
+            due, early = self.launch_after.get(i), a.kind == B and key in self.early
+            if due and not early:  # an early sender's units start reducing once its weight gradient is done
                 self.sharded.reduce_when_done(due)
             with self.tracer.span(f"{a.kind}{m}", "compute", mb=m, stage=s):
                 if a.kind == F:
@@ -148,7 +151,7 @@ class Pipeline:
                     outputs[key] = out
                     self.peak_in_flight = max(self.peak_in_flight, len(outputs) + len(deferred))
                 elif a.kind == B:
-                    wg.defer = key in self.split
+                    wg.defer = key in self.split or key in self.early
                     out = outputs.pop(key)
                     out.backward(None if stage.head else grads.pop(key))
                     wg.defer = False
@@ -160,14 +163,22 @@ class Pipeline:
                             grads[s - 1, m] = grad
                         else:
                             outbox[SEND_B, s, m] = grad
+                    if early:
+                        late = wg.take()
                 else:
                     work = deferred.pop(key)
                     self.deferred += len(work)
                     wg.run(work)
                 out = grad = None  # what was sent is held only by its send, and counted so (held_sends)
+            self._send(after, outbox, sending)
+            if late is not None:  # an early sender's weight gradient, once its input gradient is on its way
+                self.sent_early += 1
+                with self.tracer.span(f"W{m}", "compute", mb=m, stage=s):
+                    wg.run(late)
             if due:
+                if early:
+                    self.sharded.reduce_when_done(due)
                 self.sharded.reduce_due()
-        self._send(tail, outbox, sending)
         self._receive(tail, t, inputs, grads, arriving)
         for pending, _ in sending:
             pending.wait()

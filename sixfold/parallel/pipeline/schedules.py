@@ -2,7 +2,8 @@
 
 The model's layers are split into pp * v stages. An action names a stage held by the rank that runs it:
   F(s, m)       forward of micro-batch m through stage s
-  B(s, m)       backward: the input gradient, and the weight gradient too unless a W(s, m) follows
+  B(s, m)       backward: the input gradient, and the weight gradient too unless a W(s, m) follows (then
+                after sending the input gradient, Schedule.sends_early)
   W(s, m)       the deferred weight gradient of an earlier B(s, m)
   SEND_F(s, m)  send F(s, m)'s output to the rank of stage s + 1   (matches RECV_F(s + 1, m))
   RECV_F(s, m)  receive F(s, m)'s input from the rank of stage s - 1
@@ -60,6 +61,15 @@ class Schedule:
         """The rank a SEND goes to or a RECV comes from."""
         step = 1 if action.kind in (SEND_F, RECV_B) else -1
         return self.placement[action.stage + step]
+
+    def sends_early(self, rank: int) -> set[tuple[int, int]]:
+        """(stage, micro) of the rank's B actions that send their input gradient before their weight gradient:
+        those with no W of their own whose previous stage is on another rank. The runtime defers their weight
+        gradient as for a W and computes it right after posting the send, so the peer's backward starts sooner."""
+        acts = self.ranks[rank]
+        split = {(a.stage, a.micro) for a in acts if a.kind == W}
+        return {(a.stage, a.micro) for a in acts if a.kind == B and a.stage > 0 and
+                self.placement[a.stage - 1] != rank and (a.stage, a.micro) not in split}
 
     def __str__(self) -> str:
         head = f"{self.name} pp={self.pp} v={self.v} m={self.m}, stage ranks {list(self.placement)}"

@@ -3,7 +3,9 @@
 Each rank runs its list in order; compute actions take their cost. Messages between two ranks are matched
 in posting order, as NCCL matches them (it has no tags); a message out of order is an error. Two models:
   buffered (default)  as the runtime runs: a SEND completes at once; a RECV is posted where it stands and the
-                      compute that uses its data waits for it, until its SEND is posted plus the latency
+                      compute that uses its data waits for it, until its SEND is posted plus the latency;
+                      with early (default), a B that computes its weight gradient too sends its input gradient
+                      before it (Schedule.sends_early), after b of its b + w
   batched             each run of adjacent SENDs and RECVs is posted as one batch (batch_isend_irecv) that
                       completes once each of its messages is posted at both ends; passing proves that
                       batching adjacent communication cannot deadlock, even where a send waits for its receive
@@ -69,7 +71,7 @@ def _source(a: Action) -> Action:
 
 class _Run:
     def __init__(self, schedule: Schedule, costs: Costs, batched: bool, release: str,
-                 durations: dict[Action, float] | None):
+                 durations: dict[Action, float] | None, early: bool):
         self.s, self.costs, self.batched, self.release = schedule, costs, batched, release
         self.durations = durations or {}
         self.head = f"{schedule.name} pp={schedule.pp} v={schedule.v} m={schedule.m}"
@@ -79,8 +81,10 @@ class _Run:
                 raise ValueError(f"{self.head}: costs.{name} has {len(cost)} values, one per stage needs "
                                  f"{schedule.stages}")
         self.split = {(a.stage, a.micro) for acts in schedule.ranks for a in acts if a.kind == W}
+        self.early = set().union(*(schedule.sends_early(r) for r in range(schedule.pp))) if early else set()
         n = schedule.pp
         self.pos, self.clock, self.busy, self.peak = [0] * n, [0.0] * n, [0.0] * n, [0] * n
+        self.ready = [0.0] * n  # when the data of each rank's last compute could be sent
         self.events: list[list[tuple[float, float, Action]]] = [[] for _ in range(n)]
         self.alive: list[set[tuple[int, int]]] = [set() for _ in range(n)]
         self.done: dict[Action, float] = {}  # every finished action, with its end time
@@ -143,11 +147,14 @@ class _Run:
             self.need(r, a, dep)
         s, m = a.stage, a.micro
         split = (s, m) in self.split
-        cost = self.durations.get(a)
-        if cost is None:
-            cost = self.costs.of(a.kind, s) + (self.costs.of(W, s) if a.kind == B and not split else 0.0)
-        self.clock[r] = start + cost
-        self.busy[r] += cost
+        own = self.durations.get(a)
+        cost = self.costs.of(a.kind, s) if own is None else own
+        weights = 0.0  # a B's weight gradient where no W computes it (replayed: its own span, if traced apart)
+        if a.kind == B and not split:
+            weights = self.durations.get(Action(W, s, m), self.costs.of(W, s) if own is None else 0.0)
+        self.clock[r] = start + cost + weights
+        self.ready[r] = start + cost if (s, m) in self.early else self.clock[r]
+        self.busy[r] += cost + weights
         self.done[a] = self.clock[r]
         self.events[r].append((start, self.clock[r], a))
         if a.kind == F:
@@ -166,20 +173,21 @@ class _Run:
         peer = self.s.peer(a)
         if peer == r:
             raise self.fail(r, a, "both stages are on this rank, which passes the data locally", at)
+        at_time = self.clock[r]
         if a.kind in (SEND_F, SEND_B):
             self.need(r, a, Action(F if a.kind == SEND_F else B, a.stage, a.micro))
-            channel, posted = (r, peer), self.sends
+            channel, posted, at_time = (r, peer), self.sends, self.ready[r]
         else:
             channel, posted = (peer, r), self.recvs
         queue = posted.setdefault(channel, [])
-        queue.append((a, self.clock[r], at))
+        queue.append((a, at_time, at))
         k = len(queue) - 1
         sends, recvs = self.sends.get(channel, []), self.recvs.get(channel, [])
         if k < len(sends) and k < len(recvs) and sends[k][0] != _source(recvs[k][0]):
             recv, _, where = recvs[k]
             raise self.fail(channel[1], recv, f"message {k} from rank {channel[0]} is {sends[k][0]!r}: sends and "
                                               "receives between two ranks must be posted in the same order", where)
-        return a, channel, k, self.clock[r]
+        return a, channel, k, at_time
 
     def finish(self, r: int) -> float | None:
         """Batched: when rank r's posted batch completes; None while it waits."""
@@ -220,8 +228,8 @@ class _Run:
                 if a.kind in (RECV_F, RECV_B):
                     self.posted[r][a] = posted, len(self.events[r])
                 else:
-                    self.done[a] = self.clock[r]
-                self.events[r].append((self.clock[r], self.clock[r], a))
+                    self.done[a] = posted[3]
+                self.events[r].append((posted[3], posted[3], a))
             else:
                 if self.pending[r] is None:
                     stop = self.pos[r] + 1
@@ -269,10 +277,13 @@ class _Run:
 
 
 def simulate(schedule: Schedule, costs: Costs = Costs(), batched: bool = False,
-             release: str = "W", durations: dict[Action, float] | None = None) -> Simulation:
+             release: str = "W", durations: dict[Action, float] | None = None, early: bool = True) -> Simulation:
     """Check and time a schedule. release says when a (stage, micro) stops counting as in flight: at its
     B, or at its W ("W", the default, since W still needs the saved input; a B with no W releases). durations:
-    compute actions' own costs in place of costs' (a B with no W of its own: both), to replay a measured run."""
+    compute actions' own costs in place of costs', to replay a measured run: a B with no W in the schedule
+    holds both, or with a W duration of its own (the runtime traces an early sender's apart) its input gradient.
+    early: as the runtime, B actions in Schedule.sends_early send before their weight gradient; False: every B
+    is one block, the model of the papers' bubble formulas."""
     if release not in ("B", "W"):
         raise ValueError(f"release={release!r} must be 'B' or 'W'")
-    return _Run(schedule, costs, batched, release, durations).run()
+    return _Run(schedule, costs, batched, release, durations, early).run()
