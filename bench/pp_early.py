@@ -17,19 +17,22 @@ import sys
 import time
 
 from common import ROOT, save_result, torchrun, write_doc
+from sixfold.config import load_config
 from sixfold.measure import machine, revision
 
 LAYOUTS = {  # name -> overrides of configs/bench.yaml
     "pp=2, m=4": ["parallel.pp=2", "train.micro_batches=4"],
     "pp=2, m=8": ["parallel.pp=2", "train.micro_batches=8", "train.global_batch=8"],
     "pp=4, m=8, 8 blocks": ["parallel.pp=4", "train.micro_batches=8", "train.global_batch=8", "model.n_layers=8"],
+    "pp=2 x tp=2, m=4": ["parallel.pp=2", "parallel.tp=2", "train.micro_batches=4"],
+    "pp=2 x tp=2 x dp_shard=2, ZeRO-3, m=4": ["parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=2",
+                                              "parallel.zero=3", "train.micro_batches=4", "train.global_batch=8"],
 }
 
 
 def worker(args) -> None:
     import torch.distributed as dist
 
-    from sixfold.config import load_config
     from sixfold.mesh import ParallelContext
     from sixfold.train import Trainer
 
@@ -54,7 +57,7 @@ def worker(args) -> None:
         if traced:
             spans[on] = [(e["name"][0], e["args"]["stage"], e["dur"]) for e in tracer.events
                          if e["cat"] == "compute" and "stage" in e["args"]]
-    gathered = [None] * ctx.size("pp") if ctx.rank == 0 else None
+    gathered = [None] * dist.get_world_size() if ctx.rank == 0 else None
     dist.gather_object(spans[True], gathered, dst=0)
     if ctx.rank == 0:
         save_result(args.out, {"early": statistics.median(times[True]), "after": statistics.median(times[False]),
@@ -66,7 +69,6 @@ def worker(args) -> None:
 
 def predicted(layout: str, spans: list) -> float:
     """The simulator's step time with early sends over without, from the traced spans' medians (ms)."""
-    from sixfold.config import load_config
     from sixfold.parallel.pipeline.schedules import build
     from sixfold.parallel.pipeline.simulate import Costs, simulate
 
@@ -82,7 +84,7 @@ def report(rows: list[tuple[str, dict, float]], args) -> str:
     lines = [f"Command: `python bench/pp_early.py {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}  ",
              f"sixfold: {revision()}  ", f"Date: {time.strftime('%Y-%m-%d')}; configs/bench.yaml, 1F1B, one job per "
              f"layout alternating the two ways step by step, {args.steps} timed steps of each after {args.warmup} "
-             "of each; OMP_NUM_THREADS=1 per rank (pp=4 runs 4 ranks on the 2 cores).", "",
+             "of each; OMP_NUM_THREADS=1 per rank (more than 2 ranks time-share the 2 cores).", "",
              "| layout | early sends s/step | sends after the weight gradient s/step | time ratio | simulated ratio |",
              "|---|---|---|---|---|"]
     for layout, r, sim in rows:
@@ -107,7 +109,7 @@ def main() -> None:
         return
     rows = []
     for layout in args.layouts:
-        world = int(LAYOUTS[layout][0].split("=")[1])
+        world = load_config(args.config, LAYOUTS[layout]).parallel.world_size
         ranks, _ = torchrun(__file__, world, "--worker", "--layout", layout, "--steps", str(args.steps),
                             "--warmup", str(args.warmup), "--config", args.config)
         rows.append((layout, ranks[0], predicted(layout, ranks[0]["spans"])))
