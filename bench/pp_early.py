@@ -67,12 +67,12 @@ def worker(args) -> None:
     ctx.close()
 
 
-def predicted(layout: str, spans: list) -> float:
+def predicted(config: str, layout: str, spans: list) -> float:
     """The simulator's step time with early sends over without, from the traced spans' medians (ms)."""
     from sixfold.parallel.pipeline.schedules import build
     from sixfold.parallel.pipeline.simulate import Costs, simulate
 
-    cfg = load_config(str(ROOT / "configs" / "bench.yaml"), LAYOUTS[layout])
+    cfg = load_config(config, LAYOUTS[layout])
     median = {k: statistics.median(d for kind, _, d in spans if kind == k) for k in "FW"}
     b_input = statistics.median(d for kind, stage, d in spans if kind == "B" and stage > 0)  # the early senders'
     costs = Costs(median["F"], b_input, median["W"])
@@ -112,7 +112,7 @@ def main() -> None:
         world = load_config(args.config, LAYOUTS[layout]).parallel.world_size
         ranks, _ = torchrun(__file__, world, "--worker", "--layout", layout, "--steps", str(args.steps),
                             "--warmup", str(args.warmup), "--config", args.config)
-        rows.append((layout, ranks[0], predicted(layout, ranks[0]["spans"])))
+        rows.append((layout, ranks[0], predicted(args.config, layout, ranks[0]["spans"])))
         print(rows[-1][0], f"{rows[-1][1]['early'] / rows[-1][1]['after']:.3f}", flush=True)
     body = report(rows, args)
     print(body)

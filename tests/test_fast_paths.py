@@ -73,6 +73,20 @@ def test_compiled_blocks_train_as_eager(tmp_path):
     assert_same_training(train(tmp_path / "compiled", "train.compile=true"), train(tmp_path / "eager"))
 
 
+def test_compiled_blocks_still_defer_weight_gradients():
+    # pipeline B's queue their weight gradients (W, or an early send's); a compiled block must too
+    model = Trainer(load_config(TINY, ["train.compile=true", "log.run_dir=/tmp/unused"]), ParallelContext.single()).model
+    wg, block = model.tp.weight_grads, model.layers["0"]
+    wg.used = True
+    x = torch.randn(64, model.cfg.dim, requires_grad=True)
+    for defer in (False, True):  # traced where it does not defer, as the first forward of a pipeline
+        out = block(x, model.tokens(2, 32, x.device)).sum()
+        wg.defer = defer
+        out.backward()
+        wg.defer = False
+        assert len(wg.take()) == (4 if defer else 0)  # qkv, wo, gate and up, down
+
+
 def test_loss_chunk_under_tp_is_refused():
     with pytest.raises(ConfigError, match="model.loss_chunk=0"):
         load_config(TINY, ["parallel.tp=2", "model.loss_chunk=64"])

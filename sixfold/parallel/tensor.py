@@ -10,6 +10,8 @@ Activations between sub-layers are [tokens, hidden]; under sequence-TP each rank
 """
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -200,9 +202,21 @@ def linear(tp: TensorParallel, x: torch.Tensor, weights: list[torch.Tensor], mod
     holds each weight's outputs in turn (the caller splits it; a split, not slices, keeps its gradient one
     tensor). defer: the weight gradient may be deferred (WeightGrads)."""
     wg = tp.weight_grads
-    if len(weights) == 1 and not (defer and (wg.defer or wg.used)) and (tp.size == 1 or mode == "plain"):
+    if defer and (wg.defer or wg.used):
+        # torch.compile, if loaded, may be tracing: its backward graph would read weight_grads.defer once, at
+        # tracing, and never defer; kept out of its graphs, the Function's backward reads it when it runs
+        apply = _outside_compile() if "torch._dynamo" in sys.modules else _Linear.apply
+        return apply(x, tp, mode, sp and tp.size > 1, True, *weights)
+    if len(weights) == 1 and (tp.size == 1 or mode == "plain"):
         return F.linear(x, weights[0])  # autograd's own linear suffices
-    return _Linear.apply(x, tp, mode, sp and tp.size > 1, defer, *weights)
+    return _Linear.apply(x, tp, mode, sp and tp.size > 1, False, *weights)
+
+
+@functools.cache
+def _outside_compile():
+    """_Linear.apply as torch.compile calls it: outside its graphs (made once torch.compile is loaded: importing
+    it costs a tenth of a GB, which a run that does not compile should not pay)."""
+    return torch.compiler.disable(_Linear.apply)
 
 
 class Linear(nn.Module):

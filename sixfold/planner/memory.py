@@ -84,16 +84,19 @@ def mlp_activations(rank: Rank, layer: int) -> int:
 def deferred(rank: Rank, layer: int) -> tuple[int, int]:
     """Bytes a block's deferred weight gradients hold until they are computed: each linear's output gradient (a
     row linear's gathered over sequence-TP) and under sequence-TP each column linear's gathered input (the
-    saved shard aside); and the largest weight gradient one of them makes (stacked weights in one product).
-    MoE experts do not defer; a shared expert does, as a dense SwiGLU."""
+    saved shard aside), under full recomputation also their rebuilt inputs; and the largest weight gradient one
+    of them makes (stacked weights in one product). MoE experts do not defer; a shared expert does, as a dense
+    SwiGLU."""
     cfg, b, t, th = rank.cfg.model, rank.compute_bytes, rank.micro_tokens, rank.hidden_tokens
     block = rank.model.layers[str(layer)]
     attn, dense = block.attn, block.mlp.shared if isinstance(block.mlp, MoE) else block.mlp
     q, kv = attn.n_heads * cfg.head_dim, attn.n_kv_heads * cfg.head_dim
-    held = b * (t * (q + 2 * kv) + t * cfg.dim + (t - th) * cfg.dim)
+    full = cfg.recompute == "full"  # the inputs rebuilt for the backward are held too (else saved anyway)
+    held = b * (t * (q + 2 * kv) + t * cfg.dim + (t - th) * cfg.dim + (th * cfg.dim + t * q if full else 0))
     products = [attn.wq.weight.numel() + attn.wk.weight.numel() + attn.wv.weight.numel(), attn.wo.weight.numel()]
     if dense is not None:
-        held += b * (2 * t * dense.w_gate.weight.shape[0] + t * cfg.dim + (t - th) * cfg.dim)
+        f = dense.w_gate.weight.shape[0]
+        held += b * (2 * t * f + t * cfg.dim + (t - th) * cfg.dim + (th * cfg.dim + t * f if full else 0))
         products += [dense.w_gate.weight.numel() + dense.w_up.weight.numel(), dense.w_down.weight.numel()]
     return held, b * max(products)
 
@@ -144,7 +147,8 @@ def step(rank: Rank) -> dict[str, int]:
     REDUCING + 1 largest units'.
     Under pipelining, at the weight gradient of a B that sent its input gradient first (Schedule.sends_early):
     the saved activations less the ends, that B's stage's deferred tensors and its largest weight gradient
-    (deferred()), and the buffers of the first moment (its units start reducing after it)."""
+    (deferred()), the input gradient it sent, and the buffers of the first moment (its units start reducing
+    after it)."""
     b, th, dim = rank.compute_bytes, rank.hidden_tokens, rank.cfg.model.dim
     saved = activations(rank)["saved"]
     buffers = _buffers(rank)
@@ -163,7 +167,8 @@ def step(rank: Rank) -> dict[str, int]:
     early = {s for s, _ in rank.schedule.sends_early(rank.ctx.rank_in("pp"))} if rank.schedule else set()
     if early:
         held = [[deferred(rank, layer) for layer in st.layers] for st in rank.model.stages if st.index in early]
-        working = max(sum(h for h, _ in d) + max((p for _, p in d), default=0) for d in held)
+        sent = b * th * dim  # its input gradient, on its way
+        working = max(sum(h for h, _ in d) + max((p for _, p in d), default=0) for d in held) + sent
         moments.append({"saved": saved - ends(rank), "working": working, "transient": buffers["early"]})
     peak = max(moments, key=lambda m: sum(m.values()))
     peak["transient"] += buffers["held"]

@@ -11,7 +11,8 @@ the peer waits for would deadlock. Shapes are known ahead: every micro-batch has
 state (this rank's cp and sequence-TP part), so no metadata travels. A B that sends its input gradient and has
 no W of its own (Schedule.sends_early) defers its weight gradient as for a W and computes it right after posting
 that send, so the rank before starts its B sooner. A unit's gradient reduction starts as its stage's last
-backward or weight-gradient action of the step completes it; with ZeRO-3 the weights are gathered once per step.
+backward or weight-gradient action of the step completes it (after such an early sender's weight gradient, which
+frees what it held first); with ZeRO-3 the weights are gathered once per step.
 """
 from __future__ import annotations
 
@@ -173,8 +174,9 @@ class Pipeline:
             self._send(after, outbox, sending)
             if late is not None:  # an early sender's weight gradient, once its input gradient is on its way
                 self.sent_early += 1
-                with self.tracer.span(f"W{m}", "compute", mb=m, stage=s):
-                    wg.run(late)
+                if late:  # (a stage of the head alone has none)
+                    with self.tracer.span(f"W{m}", "compute", mb=m, stage=s):
+                        wg.run(late)
             if due:
                 if early:
                     self.sharded.reduce_when_done(due)

@@ -38,16 +38,19 @@ def layer_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
 
 def stage_costs(cfg: ModelConfig, stages: list[Stage], seq_len: int) -> Costs:
     """The simulator's costs of each stage from its FLOPs, in units of the mean stage's forward: F its forward; B
-    and W as much again each (the gradients of the input and of the weights), B more by what cfg.recompute runs
-    again (the blocks' forward, or their attention cores)."""
+    and W as much again each (the gradients of the input and of the weights), but the head's weight gradient in
+    B (it is never deferred); B more by what cfg.recompute runs again (the blocks' forward, or their attention
+    cores)."""
     matmuls, attention = _block_costs(cfg, seq_len)
     again = {"full": matmuls + attention, "selective": attention}.get(cfg.recompute, 0.0)
     costs = layer_costs(cfg, seq_len)  # piece p: the embedding (0), block p - 1, or the head (last)
     f = [(costs[0] if s.embed else 0.0) + sum(costs[1 + i] for i in s.layers) + (costs[-1] if s.head else 0.0)
          for s in stages]
+    head = [2.0 * cfg.dim * cfg.vocab_size if s.head else 0.0 for s in stages]
     unit = sum(f) / len(f)
-    forward = tuple(x / unit for x in f)
-    return Costs(forward, tuple((x + len(s.layers) * again) / unit for x, s in zip(f, stages)), forward)
+    return Costs(tuple(x / unit for x in f),
+                 tuple((x + len(s.layers) * again + h) / unit for x, s, h in zip(f, stages, head)),
+                 tuple((x - h) / unit for x, h in zip(f, head)))
 
 
 def check_stages(cfg: ModelConfig, stages: int) -> None:
