@@ -38,7 +38,7 @@ def draw_pictures(run_dir: str | Path, cfg: Config | None = None) -> list[Path]:
     if p.pp > 1:
         s = schedules.build(p.pp_schedule, p.pp, p.pp_virtual_stages, cfg.train.micro_batches)
         stages = split_stages(cfg.model, s.stages, cfg.train.seq_len)
-        plan = simulate(s, stage_costs(cfg.model, stages, cfg.train.seq_len))
+        plan = simulate(s, stage_costs(cfg.model, stages, cfg.train.seq_len, s.splits))
         written.append(draw_timeline(schedule_events(plan), run_dir / "schedule.png",
                                      f"{s.name} pp={s.pp} v={s.v} m={s.m}, as planned (simulator; bubble "
                                      f"{plan.bubble:.0%} on average)",

@@ -216,8 +216,7 @@ class Llama(nn.Module):
 
     def logits(self, h: torch.Tensor, sp: bool) -> torch.Tensor:
         """This rank's logits [tokens, vocab piece] from the head's input."""
-        # never deferred: its output gradient is logits-sized
-        return linear(self.tp, h, [self.head_layer.weight], "column", sp, defer=False)
+        return linear(self.tp, h, [self.head_layer.weight], "column", sp, head=True)
 
     def local_logits(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Logits [b*s, this rank's vocab piece] for tokens [b, s], through the whole model."""

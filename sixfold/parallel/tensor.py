@@ -75,13 +75,14 @@ class WeightGrads:
     """Weight gradients computed later than input gradients (zero-bubble pipelines' W actions).
 
     While `defer` is set, linear layers queue their weight-gradient work here (with the output gradient and
-    input it needs, held until then; not the head's, whose output gradient is logits-sized); run() performs it,
-    accumulating into each weight's .grad and then calling on_grad(weight). `used`: some backward may defer,
-    so every linear layer that may runs through the Function that can (autograd's own linear cannot).
+    input it needs, held until then); run() performs it, accumulating into each weight's .grad and then calling
+    on_grad(weight). The head's (the logits' linear) only with `head` set too: its output gradient is
+    logits-sized. `used`: some backward may defer, so every linear layer runs through the Function that can
+    (autograd's own linear cannot).
     """
 
     def __init__(self):
-        self.defer = self.used = False
+        self.defer = self.head = self.used = False
         self.pending: list = []
         self.on_grad = None
 
@@ -153,9 +154,9 @@ class _Linear(torch.autograd.Function):
     x, row mode reduces y."""
 
     @staticmethod
-    def forward(ctx, x, tp: TensorParallel, mode: str, sp: bool, defer: bool, *weights):
+    def forward(ctx, x, tp: TensorParallel, mode: str, sp: bool, head: bool, *weights):
         # the weights themselves, not saved copies: deferred gradients and their hooks need the parameters
-        ctx.tp, ctx.mode, ctx.sp, ctx.defer, ctx.weights = tp, mode, sp, defer, weights
+        ctx.tp, ctx.mode, ctx.sp, ctx.head, ctx.weights = tp, mode, sp, head, weights
         ctx.save_for_backward(x)  # under sequence-TP the shard: gathered again in backward
         full = tp.gather(x, sp)[0] if mode == "column" else x
         y = F.linear(full, _stacked(weights))
@@ -176,7 +177,7 @@ class _Linear(torch.autograd.Function):
             if mode == "row":
                 dy, _ = tp.gather(dy, sp)
             dx, reducing = dy @ _stacked(weights), None
-        dws = _weight_grads(tp, weights, dy, full, ctx.defer)
+        dws = _weight_grads(tp, weights, dy, full, ctx.head)
         _wait(reducing)
         return (dx, None, None, None, None, *dws)
 
@@ -186,30 +187,31 @@ def _stacked(weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 def _weight_grads(tp: TensorParallel, weights: tuple[torch.Tensor, ...], dy: torch.Tensor, x: torch.Tensor,
-                  defer: bool):
+                  head: bool):
     def compute():
         return (dy.flatten(0, -2).t() @ x.flatten(0, -2)).split([w.shape[0] for w in weights])
 
-    if defer and tp.weight_grads.defer:
+    wg = tp.weight_grads
+    if wg.defer and (wg.head or not head):
         tp.weight_grads.pending.append((weights, compute))
         return [None] * len(weights)
     return compute()
 
 
 def linear(tp: TensorParallel, x: torch.Tensor, weights: list[torch.Tensor], mode: str, sp: bool,
-           defer: bool = True) -> torch.Tensor:
+           head: bool = False) -> torch.Tensor:
     """x times the weights stacked by rows, in `mode` (plain, column or row): one product whose last dimension
     holds each weight's outputs in turn (the caller splits it; a split, not slices, keeps its gradient one
-    tensor). defer: the weight gradient may be deferred (WeightGrads)."""
+    tensor). head: the logits' linear (WeightGrads defers it only with `head` set)."""
     wg = tp.weight_grads
-    if defer and (wg.defer or wg.used):
+    if wg.defer or wg.used:
         # torch.compile, if loaded, may be tracing: its backward graph would read weight_grads.defer once, at
         # tracing, and never defer; kept out of its graphs, the Function's backward reads it when it runs
         apply = _outside_compile() if "torch._dynamo" in sys.modules else _Linear.apply
-        return apply(x, tp, mode, sp and tp.size > 1, True, *weights)
+        return apply(x, tp, mode, sp and tp.size > 1, head, *weights)
     if len(weights) == 1 and (tp.size == 1 or mode == "plain"):
         return F.linear(x, weights[0])  # autograd's own linear suffices
-    return _Linear.apply(x, tp, mode, sp and tp.size > 1, False, *weights)
+    return _Linear.apply(x, tp, mode, sp and tp.size > 1, head, *weights)
 
 
 @functools.cache

@@ -87,5 +87,5 @@ def build_rank(cfg: Config, rank: int) -> Rank:
                       p.cp_zigzag), mine, ExpertParallel(comm))
     dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
     sharded = Sharded(model, comm, p.zero, p.reshard, dtype)
-    costs = stage_costs(cfg.model, stages, t.seq_len) if schedule else None
+    costs = stage_costs(cfg.model, stages, t.seq_len, schedule.splits) if schedule else None
     return Rank(cfg, ctx, model, sharded, schedule, costs)

@@ -152,10 +152,10 @@ class Pipeline:
                     outputs[key] = out
                     self.peak_in_flight = max(self.peak_in_flight, len(outputs) + len(deferred))
                 elif a.kind == B:
-                    wg.defer = key in self.split or key in self.early
+                    wg.defer, wg.head = key in self.split or early, key in self.split  # the head: under a W only
                     out = outputs.pop(key)
                     out.backward(None if stage.head else grads.pop(key))
-                    wg.defer = False
+                    wg.defer = wg.head = False
                     if key in self.split:
                         deferred[key] = wg.take()
                     if not stage.embed:

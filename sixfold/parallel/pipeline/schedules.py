@@ -62,6 +62,11 @@ class Schedule:
         step = 1 if action.kind in (SEND_F, RECV_B) else -1
         return self.placement[action.stage + step]
 
+    @property
+    def splits(self) -> bool:
+        """Whether the schedule has W actions (its B's compute input gradients only)."""
+        return any(a.kind == W for acts in self.ranks for a in acts)
+
     def sends_early(self, rank: int) -> set[tuple[int, int]]:
         """(stage, micro) of the rank's B actions that send their input gradient before their weight gradient:
         those with no W of their own whose previous stage is on another rank. The runtime defers their weight

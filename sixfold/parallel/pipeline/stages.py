@@ -36,17 +36,17 @@ def layer_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
     return [2.0 * cfg.dim] + [block] * cfg.n_layers + [2.0 * cfg.dim * cfg.vocab_size + 5.0 * cfg.vocab_size]
 
 
-def stage_costs(cfg: ModelConfig, stages: list[Stage], seq_len: int) -> Costs:
+def stage_costs(cfg: ModelConfig, stages: list[Stage], seq_len: int, split: bool) -> Costs:
     """The simulator's costs of each stage from its FLOPs, in units of the mean stage's forward: F its forward; B
-    and W as much again each (the gradients of the input and of the weights), but the head's weight gradient in
-    B (it is never deferred); B more by what cfg.recompute runs again (the blocks' forward, or their attention
-    cores)."""
+    and W as much again each (the gradients of the input and of the weights), but without W actions (split) the
+    head's weight gradient in B (a B that sends early defers the blocks' only); B more by what cfg.recompute
+    runs again (the blocks' forward, or their attention cores)."""
     matmuls, attention = _block_costs(cfg, seq_len)
     again = {"full": matmuls + attention, "selective": attention}.get(cfg.recompute, 0.0)
     costs = layer_costs(cfg, seq_len)  # piece p: the embedding (0), block p - 1, or the head (last)
     f = [(costs[0] if s.embed else 0.0) + sum(costs[1 + i] for i in s.layers) + (costs[-1] if s.head else 0.0)
          for s in stages]
-    head = [2.0 * cfg.dim * cfg.vocab_size if s.head else 0.0 for s in stages]
+    head = [2.0 * cfg.dim * cfg.vocab_size if s.head and not split else 0.0 for s in stages]
     unit = sum(f) / len(f)
     return Costs(tuple(x / unit for x in f),
                  tuple((x + len(s.layers) * again + h) / unit for x, s, h in zip(f, stages, head)),
