@@ -7,7 +7,7 @@ Each layout is one torchrun job of sixfold's trainer on configs/bench.yaml (1F1B
 whose steps alternate between the two ways after --warmup steps of each; a step is timed on rank 0 between two
 barriers, and a way's time is the median of its steps. Alternating step by step leaves the machine's slow
 spells on both sides. The simulator's prediction beside it uses the job's own median F, B (input gradient) and
-W spans, from a traced step of each way.
+W spans, from the first timed step with early sends, traced.
 """
 from __future__ import annotations
 
@@ -41,12 +41,12 @@ def worker(args) -> None:
     trainer = Trainer(cfg, ctx)
     pipe, tracer = trainer.pipeline, trainer.comm.tracer
     early, wg = pipe.early, trainer.model.tp.weight_grads
-    times, spans = {True: [], False: []}, {True: [], False: []}
+    times, spans = {True: [], False: []}, []
     for i in range(2 * (args.warmup + args.steps)):
         on = i % 2 == 0
         pipe.early = early if on else set()
         wg.used = bool(pipe.split or pipe.early)
-        traced = i // 2 == args.warmup  # the first timed step of each way
+        traced = on and i // 2 == args.warmup  # the first timed step with early sends
         tracer.enabled, tracer.events = traced, []
         dist.barrier()
         start = time.perf_counter()
@@ -55,10 +55,10 @@ def worker(args) -> None:
         if i // 2 >= args.warmup:
             times[on].append(time.perf_counter() - start)
         if traced:
-            spans[on] = [(e["name"][0], e["args"]["stage"], e["dur"]) for e in tracer.events
-                         if e["cat"] == "compute" and "stage" in e["args"]]
+            spans = [(e["name"][0], e["args"]["stage"], e["dur"]) for e in tracer.events
+                     if e["cat"] == "compute" and "stage" in e["args"]]
     gathered = [None] * dist.get_world_size() if ctx.rank == 0 else None
-    dist.gather_object(spans[True], gathered, dst=0)
+    dist.gather_object(spans, gathered, dst=0)
     if ctx.rank == 0:
         save_result(args.out, {"early": statistics.median(times[True]), "after": statistics.median(times[False]),
                                "spans": [s for part in gathered for s in part]})

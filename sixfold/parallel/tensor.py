@@ -193,7 +193,7 @@ def _weight_grads(tp: TensorParallel, weights: tuple[torch.Tensor, ...], dy: tor
 
     wg = tp.weight_grads
     if wg.defer and (wg.head or not head):
-        tp.weight_grads.pending.append((weights, compute))
+        wg.pending.append((weights, compute))
         return [None] * len(weights)
     return compute()
 
@@ -204,14 +204,13 @@ def linear(tp: TensorParallel, x: torch.Tensor, weights: list[torch.Tensor], mod
     holds each weight's outputs in turn (the caller splits it; a split, not slices, keeps its gradient one
     tensor). head: the logits' linear (WeightGrads defers it only with `head` set)."""
     wg = tp.weight_grads
-    if wg.defer or wg.used:
-        # torch.compile, if loaded, may be tracing: its backward graph would read weight_grads.defer once, at
-        # tracing, and never defer; kept out of its graphs, the Function's backward reads it when it runs
-        apply = _outside_compile() if "torch._dynamo" in sys.modules else _Linear.apply
-        return apply(x, tp, mode, sp and tp.size > 1, head, *weights)
-    if len(weights) == 1 and (tp.size == 1 or mode == "plain"):
+    may_defer = wg.defer or wg.used
+    if len(weights) == 1 and not may_defer and (tp.size == 1 or mode == "plain"):
         return F.linear(x, weights[0])  # autograd's own linear suffices
-    return _Linear.apply(x, tp, mode, sp and tp.size > 1, head, *weights)
+    # torch.compile, if loaded, may be tracing: its backward graph would read weight_grads.defer once, at tracing,
+    # and never defer; kept out of its graphs, the Function's backward reads it when it runs
+    apply = _outside_compile() if may_defer and "torch._dynamo" in sys.modules else _Linear.apply
+    return apply(x, tp, mode, sp and tp.size > 1, head, *weights)
 
 
 @functools.cache

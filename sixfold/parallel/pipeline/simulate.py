@@ -173,21 +173,21 @@ class _Run:
         peer = self.s.peer(a)
         if peer == r:
             raise self.fail(r, a, "both stages are on this rank, which passes the data locally", at)
-        at_time = self.clock[r]
+        when = self.clock[r]
         if a.kind in (SEND_F, SEND_B):
             self.need(r, a, Action(F if a.kind == SEND_F else B, a.stage, a.micro))
-            channel, posted, at_time = (r, peer), self.sends, self.ready[r]
+            channel, posted, when = (r, peer), self.sends, self.ready[r]
         else:
             channel, posted = (peer, r), self.recvs
         queue = posted.setdefault(channel, [])
-        queue.append((a, at_time, at))
+        queue.append((a, when, at))
         k = len(queue) - 1
         sends, recvs = self.sends.get(channel, []), self.recvs.get(channel, [])
         if k < len(sends) and k < len(recvs) and sends[k][0] != _source(recvs[k][0]):
             recv, _, where = recvs[k]
             raise self.fail(channel[1], recv, f"message {k} from rank {channel[0]} is {sends[k][0]!r}: sends and "
                                               "receives between two ranks must be posted in the same order", where)
-        return a, channel, k, at_time
+        return a, channel, k, when
 
     def finish(self, r: int) -> float | None:
         """Batched: when rank r's posted batch completes; None while it waits."""
