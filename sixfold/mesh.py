@@ -248,25 +248,26 @@ class ParallelContext:
         """fn() on each machine's first rank, then on the other ranks; returns once every rank has run it. However
         long fn() takes (a first rank tokenizing a large corpus), the ranks check in with each other every third of
         parallel.timeout_s (heartbeat.py). A rank that fails, dies or stops answering for parallel.timeout_s (its
-        process or machine gone or frozen) stops the ranks waiting; a rank still running fn() stops once fn()
-        returns. In one process or inside sixfold.multirun's job, fn() at once."""
+        process or machine gone or frozen) stops the ranks waiting and those still running fn(). In one process or
+        inside sixfold.multirun's job, fn() at once."""
         if not self.job or self.world_size == 1:
             return fn()
         if self._patient is None:
             self._patient = dist.new_group(backend="gloo", timeout=self.timeout)
         first = int(os.environ.get("LOCAL_RANK", 0)) == 0
         out = self._in_turn(fn, first, "the machines' first ranks to run")
-        later = self._in_turn(fn, not first, "every rank to run")
+        later = self._in_turn(fn, not first, "the other ranks to run")
         return out if first else later
 
     def _in_turn(self, fn, mine: bool, what: str):
+        stopped = f"rank {self.rank} stopped " + (f"(one of {what})" if mine else f"waiting for {what}")
         try:
             return in_turn(self._patient, fn, mine, self.timeout.total_seconds() / 3)
         except PeerFailed as e:
-            raise RuntimeError(f"rank {self.rank} stopped waiting for {what}: {e} (see its log)") from None
+            raise RuntimeError(f"{stopped}: {e} (see its log)") from None
         except PeerLost as e:
-            raise RuntimeError(f"rank {self.rank} stopped waiting for {what}: another rank died or did not answer "
-                               f"within parallel.timeout_s ({self.timeout.total_seconds():g} s): {e}") from None
+            raise RuntimeError(f"{stopped}: another rank died or did not answer within parallel.timeout_s "
+                               f"({self.timeout.total_seconds():g} s): {e}") from None
 
     def close(self) -> None:
         """Drop our references to the process groups and leave the job."""

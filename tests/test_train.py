@@ -298,7 +298,7 @@ def test_nproc_starts_the_ranks(tmp_path):
     assert len(read_metrics(tmp_path / "run")) == 2
 
 
-@pytest.mark.parametrize("mode", ["ok", "fail-first", "fail-last", "hang-first"])
+@pytest.mark.parametrize("mode", ["ok", "fail-first", "fail-last", "hang-first", "hang-waiting"])
 def test_ranks_wait_for_the_first_rank_loading_beyond_the_timeout(tmp_path, mode):
     proc = torchrun("local_first.py", 3, str(tmp_path), mode, timeout=60)
     if mode == "ok":
@@ -310,7 +310,13 @@ def test_ranks_wait_for_the_first_rank_loading_beyond_the_timeout(tmp_path, mode
             assert f"rank {rank} stopped waiting for the machines' first ranks to run: another rank died or did " \
                    "not answer within parallel.timeout_s (2 s)" in proc.stdout, proc.stdout + proc.stderr[-3000:]
         return
+    if mode == "hang-waiting":  # rank 2 silent: rank 0 stops its minute of work, rank 1 its wait
+        assert "rank 0 stopped (one of the machines' first ranks to run): another rank died or did not answer " \
+               "within parallel.timeout_s (2 s)" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+        assert "rank 1 stopped waiting for the machines' first ranks to run" in proc.stdout, proc.stdout
+        assert not (tmp_path / "first-done").exists()
+        return
     failed = 0 if mode == "fail-first" else 2
     assert f"rank {failed} corpus broken" in proc.stdout, proc.stderr[-3000:]
     for rank in {0, 1, 2} - {failed}:
-        assert f"rank {rank} stopped waiting for" in proc.stdout, proc.stdout
+        assert f"rank {rank} stopped" in proc.stdout, proc.stdout

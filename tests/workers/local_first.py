@@ -1,12 +1,14 @@
 """ctx.local_first: the other ranks wait for the first longer than parallel.timeout_s and run after it; when a
 rank fails, the others stop instead of waiting; when the first rank hangs (stopped by a signal, its heartbeat with
-it), the others stop within parallel.timeout_s and rank 1 kills it.
+it), the others stop within parallel.timeout_s and rank 1 kills it; when a waiting rank hangs, the first rank stops
+its work before finishing it, and kills the hung rank.
 
-    torchrun --nproc-per-node 3 local_first.py DIR ok|fail-first|fail-last|hang-first
+    torchrun --nproc-per-node 3 local_first.py DIR ok|fail-first|fail-last|hang-first|hang-waiting
 """
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,14 +22,22 @@ ctx = ParallelContext.initialize(ParallelConfig(dp_replicate=3, timeout_s=2))
 first = int(os.environ["LOCAL_RANK"]) == 0
 
 
+def hang() -> None:
+    (marker.parent / "pid").write_text(str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def load():
+    if first and mode == "hang-waiting":
+        for _ in range(600):  # a minute of work in short steps, far beyond parallel.timeout_s
+            time.sleep(0.1)
+        marker.write_text("x")
     if first:
         time.sleep(5)  # longer than parallel.timeout_s
         if mode == "fail-first":
             raise ValueError("corpus broken")
         if mode == "hang-first":
-            (marker.parent / "pid").write_text(str(os.getpid()))
-            os.kill(os.getpid(), signal.SIGSTOP)
+            hang()
         marker.write_text("x")
     assert marker.exists(), "ran before the first rank finished"
     if mode == "fail-last" and ctx.rank == 2:
@@ -35,12 +45,14 @@ def load():
     return ctx.rank
 
 
+if mode == "hang-waiting" and ctx.rank == 2:
+    threading.Timer(3, hang).start()  # once the heartbeat group exists
 try:
     assert ctx.local_first(load) == ctx.rank
     dist.barrier()  # the job's groups still work
     print(f"rank {ctx.rank} local_first OK", flush=True)
 except (ValueError, RuntimeError) as e:
     print(f"rank {ctx.rank} {e}", flush=True)
-    if mode == "hang-first" and ctx.rank == 1:
+    if (mode, ctx.rank) in (("hang-first", 1), ("hang-waiting", 0)):
         os.kill(int((marker.parent / "pid").read_text()), signal.SIGKILL)
 ctx.close()
