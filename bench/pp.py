@@ -1,13 +1,13 @@
 """Pipeline parallel: each schedule's bubble (measured from sixfold's trace, simulated, theory), and sixfold's
 pipeline beside torch.distributed.pipelining on the same stages and data.
 
-    python bench/pp.py --runs 5 --micro 8 --pp4
+    python bench/pp.py --runs 5 --micro 8 --pp4 --runs4 2
 
 The workload is configs/bench.yaml with uniform stages: 8 blocks of dim 256, a 320-token vocabulary (the
 embedding and head cost about a tenth of a block), 8 sequences of 256 tokens per step, one per micro-batch.
-Each run is a torchrun job (OMP_NUM_THREADS=1 per rank, bench/common.py); at pp=2 sixfold and torch alternate
-per schedule, --runs times. The timed steps (after the warm-up) come before the last 3, which sixfold's jobs
-trace.
+Each run is a torchrun job (OMP_NUM_THREADS=1 per rank, bench/common.py); sixfold and torch alternate per
+schedule, --runs times at pp=2 and with --pp4 --runs4 times at pp=4. The timed steps (after the warm-up) come
+before the last 3, which sixfold's jobs trace.
 
 Bubble: per rank, 1 - (its F, B and W spans) / (the step's makespan: first compute start to last compute end
 over all ranks), averaged over the traced steps, then the median over runs. The simulator gets the median F,
@@ -281,7 +281,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=WARMUP + TIMED + TRACED,
                    help=f"steps per job; the first {WARMUP} and the last {TRACED} (traced) untimed")
     p.add_argument("--tries", type=int, default=3, help="launches of a job while other processes are busy")
-    p.add_argument("--pp4", action="store_true", help="also the bubble at pp=4 (4 ranks on the cores there are)")
+    p.add_argument("--pp4", action="store_true", help="also pp=4, the bubble and torch beside it (4 ranks on the "
+                   "cores there are)")
+    p.add_argument("--runs4", type=int, default=2, help="alternations per schedule at pp=4")
     p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
     p.add_argument("--config", default=str(ROOT / "configs" / "bench.yaml"))
     p.add_argument("--worker", choices=("sixfold", "torch"), help="(internal) run one rank of one side")
@@ -295,18 +297,17 @@ def main() -> None:
                 f"{TRACED} traced")
     wait_quiet(120)
     rev, load, others, began = revision(), os.getloadavg(), [], time.perf_counter()
-    runs = {(name, 2): [] for name in args.schedules}
-    torch_runs = {name: [] for name in args.schedules if SCHEDULES[name][1]}
-    for i in range(args.runs):
-        for name in args.schedules:
-            for side in ("sixfold", "torch")[::1 if i % 2 == 0 else -1]:  # who goes first alternates too
-                if side == "sixfold":
-                    runs[name, 2].append(job("sixfold", name, 2, args, others))
-                elif name in torch_runs:
-                    torch_runs[name].append(job("torch", name, 2, args, others))
-    if args.pp4:
-        for name in args.schedules:
-            runs[name, 4] = [job("sixfold", name, 4, args, others)]
+    sizes = [(2, args.runs)] + ([(4, args.runs4)] if args.pp4 else [])
+    runs = {(name, pp): [] for pp, _ in sizes for name in args.schedules}
+    torch_runs = {(name, pp): [] for pp, _ in sizes for name in args.schedules if SCHEDULES[name][1]}
+    for pp, alternations in sizes:
+        for i in range(alternations):
+            for name in args.schedules:
+                for side in ("sixfold", "torch")[::1 if i % 2 == 0 else -1]:  # who goes first alternates too
+                    if side == "sixfold":
+                        runs[name, pp].append(job("sixfold", name, pp, args, others))
+                    elif (name, pp) in torch_runs:
+                        torch_runs[name, pp].append(job("torch", name, pp, args, others))
     if revision() != rev:
         rev += f", then {revision()} before the last run ended"
 
@@ -317,15 +318,15 @@ def main() -> None:
     rows = [bubble_row(name, pp, args.micro, rs) for (name, pp), rs in runs.items()]
     notes = [note for _, note in rows if note]
     bubble += [row for row, _ in rows] + ([""] + notes if notes else [])
-    versus = ["| schedule | sixfold s/step | torch s/step | time ratio | paired | sixfold peak MB | torch peak MB | "
-              "memory ratio | step-1 loss sixfold / torch |", "|---|---|---|---|---|---|---|---|---|"]
-    for name, theirs in torch_runs.items():
-        ours = runs[name, 2]
+    versus = ["| schedule | pp | sixfold s/step | torch s/step | time ratio | paired | sixfold peak MB | "
+              "torch peak MB | memory ratio | step-1 loss sixfold / torch |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (name, pp), theirs in torch_runs.items():
+        ours = runs[name, pp]
         st = [[step_time(r[0]) for r in side] for side in (ours, theirs)]
         mem = [[max(x["peak_mb"] for x in r) for r in side] for side in (ours, theirs)]
         loss = [ours[0][0]["loss"][0], theirs[0][0]["loss"][0]]
         flag = "" if abs(loss[0] - loss[1]) <= 1e-5 * abs(loss[0]) else " **differ**"
-        versus.append(f"| {name} | {spread(st[0], 3)} | {spread(st[1], 3)} | "
+        versus.append(f"| {name} | pp={pp} | {spread(st[0], 3)} | {spread(st[1], 3)} | "
                       f"**{statistics.median(st[0]) / statistics.median(st[1]):.3f}** | {paired(*st)} | "
                       f"{spread(mem[0], 0)} | "
                       f"{spread(mem[1], 0)} | **{statistics.median(mem[0]) / statistics.median(mem[1]):.3f}** | "
@@ -335,7 +336,8 @@ def main() -> None:
     body = "\n".join([
         f"Command: `python bench/pp.py {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}  ", f"sixfold: {rev}  ",
         f"Date: {time.strftime('%Y-%m-%d')}; m={args.micro} micro-batches; {args.runs} alternating run(s) per "
-        f"schedule at pp=2, steps {WARMUP + 1}-{args.steps - TRACED} timed, the last {TRACED} traced. "
+        f"schedule at pp=2{f' and {args.runs4} at pp=4' if args.pp4 else ''}, steps {WARMUP + 1}-"
+        f"{args.steps - TRACED} timed, the last {TRACED} traced. "
         f"{repeats} job(s) run again because other processes were busy; in the jobs kept they used "
         f"{statistics.median(cores):.2f} cores "
         f"in the median job, {busy:.2f} at most; load average (1 min) "
@@ -360,7 +362,7 @@ def main() -> None:
         "holds at once."
         + (" pp=4 runs 4 ranks on the 2 cores (OMP_NUM_THREADS=1): spans stretch while more than 2 ranks compute, "
            "so its rows show each schedule's shape more than its cost." if args.pp4 else ""), "", *bubble,
-        "", "### sixfold vs torch.distributed.pipelining (pp=2)", "",
+        "", "### sixfold vs torch.distributed.pipelining", "",
         "Times are s/step and memory MB (peak RSS above the mark before the model, max over ranks): median over "
         "runs (range). Paired: the time ratio of each alternation (a sixfold job and the torch job next to it; "
         "sixfold goes first in odd alternations, torch in even ones): median (range).", "", *versus])
