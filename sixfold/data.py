@@ -328,30 +328,32 @@ def _chunks(docs, size: int = 1 << 23):
         yield chunk
 
 
-def _write_stream(path: Path, tok, docs, dtype) -> Path:
-    tmp = _tmp(path)
+def _write_stream(tmp: Path, tok, docs, dtype) -> None:
     with open(tmp, "wb") as f:
         for texts in _chunks(docs):
             parts, eot = [], np.array([tok.eot], dtype)
             for ids in tok.encode_batch(texts):
                 parts += [ids.astype(dtype, copy=False), eot]
             f.write(np.concatenate(parts).tobytes())
-    return tmp
 
 
 def _write_cache(tok, train_docs, val_docs, train_path: Path, val_path: Path, val_fraction, dtype) -> None:
-    train_tmp = _write_stream(train_path, tok, train_docs, dtype)
-    if val_docs:
-        val_tmp = _write_stream(val_path, tok, val_docs, dtype)
-    else:  # a single document: its last val_fraction of tokens is the val split
-        tokens = np.memmap(train_tmp, dtype, mode="r")
-        cut = len(tokens) - _val_count(len(tokens), val_fraction)
-        val_tmp = _tmp(val_path)
-        tokens[cut:].tofile(val_tmp)
-        del tokens
-        os.truncate(train_tmp, cut * np.dtype(dtype).itemsize)
-    os.replace(val_tmp, val_path)
-    os.replace(train_tmp, train_path)  # last: its presence means both are complete
+    train_tmp, val_tmp = _tmp(train_path), _tmp(val_path)
+    try:
+        _write_stream(train_tmp, tok, train_docs, dtype)
+        if val_docs:
+            _write_stream(val_tmp, tok, val_docs, dtype)
+        else:  # a single document: its last val_fraction of tokens is the val split
+            tokens = np.memmap(train_tmp, dtype, mode="r")
+            cut = len(tokens) - _val_count(len(tokens), val_fraction)
+            tokens[cut:].tofile(val_tmp)
+            del tokens
+            os.truncate(train_tmp, cut * np.dtype(dtype).itemsize)
+        os.replace(val_tmp, val_path)
+        os.replace(train_tmp, train_path)  # last: its presence means both are complete
+    finally:  # stopped part-way (an error, a signal, a lost peer): no half-written files left behind
+        train_tmp.unlink(missing_ok=True)
+        val_tmp.unlink(missing_ok=True)
 
 
 def _load_bin(cfg: DataConfig, root: Path, files) -> TokenData:

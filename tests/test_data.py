@@ -244,6 +244,27 @@ def test_concurrent_load_data(tmp_path):
     assert not list((tmp_path / "cache").glob(".*tmp*"))
 
 
+def test_a_build_stopped_part_way_leaves_no_files(tmp_path, monkeypatch):
+    """Stopped while it writes the val stream (here Ctrl-C; a lost peer stops it the same way), the cache keeps no
+    half-written file, and the next run builds it whole."""
+    c = cfg(tmp_path, source=str(write_corpus(tmp_path / "c")), val_fraction=0.2)
+    real, calls = ByteTokenizer.encode_batch, []
+
+    def stopped_second_time(self, texts):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, texts)
+
+    monkeypatch.setattr(ByteTokenizer, "encode_batch", stopped_second_time)
+    with pytest.raises(KeyboardInterrupt):
+        load_data(c)
+    assert not [f.name for f in (tmp_path / "cache").iterdir() if not f.name.endswith(".lock")]
+    monkeypatch.setattr(ByteTokenizer, "encode_batch", real)
+    data = load_data(c)
+    assert len(data.train) and len(data.val)
+
+
 def test_cached_corpus_is_opened_without_reading_its_text(tmp_path, monkeypatch):
     root = write_corpus(tmp_path / "c")
     c = cfg(tmp_path, source=str(root), tokenizer="bpe", bpe_vocab_size=300)
