@@ -49,8 +49,16 @@ def _docs_hash(docs) -> str:
     return h.hexdigest()
 
 
-def _tmp(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+@contextmanager
+def _written(path: Path):
+    """A temporary name beside `path`, moved onto it once the block completes; removed if the block stops part-way
+    (an error, a signal, a lost peer), so that no half-written file is left."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @contextmanager
@@ -133,10 +141,8 @@ class BPETokenizer:
         return cls(tok)
 
     def save(self, path) -> None:
-        path = Path(path)
-        tmp = _tmp(path)
-        self._tok.save(str(tmp))
-        os.replace(tmp, path)
+        with _written(Path(path)) as tmp:
+            self._tok.save(str(tmp))
 
     def to_json(self) -> str:
         return self._tok.to_str()
@@ -338,22 +344,17 @@ def _write_stream(tmp: Path, tok, docs, dtype) -> None:
 
 
 def _write_cache(tok, train_docs, val_docs, train_path: Path, val_path: Path, val_fraction, dtype) -> None:
-    train_tmp, val_tmp = _tmp(train_path), _tmp(val_path)
-    try:
-        _write_stream(train_tmp, tok, train_docs, dtype)
-        if val_docs:
-            _write_stream(val_tmp, tok, val_docs, dtype)
-        else:  # a single document: its last val_fraction of tokens is the val split
-            tokens = np.memmap(train_tmp, dtype, mode="r")
-            cut = len(tokens) - _val_count(len(tokens), val_fraction)
-            tokens[cut:].tofile(val_tmp)
-            del tokens
-            os.truncate(train_tmp, cut * np.dtype(dtype).itemsize)
-        os.replace(val_tmp, val_path)
-        os.replace(train_tmp, train_path)  # last: its presence means both are complete
-    finally:  # stopped part-way (an error, a signal, a lost peer): no half-written files left behind
-        train_tmp.unlink(missing_ok=True)
-        val_tmp.unlink(missing_ok=True)
+    with _written(train_path) as train_tmp:  # moved in last: its presence means both are complete
+        with _written(val_path) as val_tmp:
+            _write_stream(train_tmp, tok, train_docs, dtype)
+            if val_docs:
+                _write_stream(val_tmp, tok, val_docs, dtype)
+            else:  # a single document: its last val_fraction of tokens is the val split
+                tokens = np.memmap(train_tmp, dtype, mode="r")
+                cut = len(tokens) - _val_count(len(tokens), val_fraction)
+                tokens[cut:].tofile(val_tmp)
+                del tokens
+                os.truncate(train_tmp, cut * np.dtype(dtype).itemsize)
 
 
 def _load_bin(cfg: DataConfig, root: Path, files) -> TokenData:
@@ -378,11 +379,10 @@ def _load_bin(cfg: DataConfig, root: Path, files) -> TokenData:
         path = Path(cfg.cache_dir).expanduser() / f"tokens-{_sha(CACHE_FORMAT, str(root), str(dtype), stats)[:32]}.bin"
         with _lock(path):
             if not path.exists():
-                with open(_tmp(path), "wb") as out:
+                with _written(path) as tmp, open(tmp, "wb") as out:
                     for _, p in files:
                         with open(p, "rb") as f:
                             shutil.copyfileobj(f, out, 1 << 24)
-                os.replace(_tmp(path), path)
     tokens = np.memmap(path, dtype, mode="r")
     cut = len(tokens) - _val_count(len(tokens), cfg.val_fraction)
     return TokenData(tokens[:cut], tokens[cut:], tok)
@@ -443,10 +443,9 @@ def load_data(cfg: DataConfig) -> TokenData:
         if not (train_path.exists() and val_path.exists()):
             _write_cache(tok, train_docs, val_docs, train_path, val_path, cfg.val_fraction, dtype)
         tok_file = "byte" if isinstance(tok, ByteTokenizer) else str(tok.path)
-        _tmp(index).write_text(json.dumps({"train": str(train_path), "val": str(val_path),
-                                           "dtype": np.dtype(dtype).name, "tokenizer": tok_file,
-                                           "warnings": [str(w.message) for w in said]}))
-        os.replace(_tmp(index), index)
+        with _written(index) as tmp:
+            tmp.write_text(json.dumps({"train": str(train_path), "val": str(val_path), "dtype": np.dtype(dtype).name,
+                                       "tokenizer": tok_file, "warnings": [str(w.message) for w in said]}))
     return TokenData(np.memmap(train_path, dtype, mode="r"), np.memmap(val_path, dtype, mode="r"), tok)
 
 
