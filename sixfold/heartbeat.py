@@ -66,9 +66,9 @@ def in_turn(group: dist.ProcessGroup, fn, mine: bool, interval: float):
                     _raise_in(worker, _Stopped)
 
     thread = threading.Thread(target=beat, daemon=True)
-    thread.start()
     try:
         try:
+            thread.start()  # inside: its first check may already raise here
             out = fn()
             state[0] = 1
         except _Stopped:

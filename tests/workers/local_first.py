@@ -45,8 +45,10 @@ def load():
     return ctx.rank
 
 
-if mode == "hang-waiting" and ctx.rank == 2:
-    threading.Timer(3, hang).start()  # once the heartbeat group exists
+if mode == "hang-waiting":
+    ctx.local_first(lambda: None)  # the heartbeat's group made, on every rank
+    if ctx.rank == 2:
+        threading.Timer(1, hang).start()
 try:
     assert ctx.local_first(load) == ctx.rank
     dist.barrier()  # the job's groups still work
