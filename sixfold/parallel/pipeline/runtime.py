@@ -170,13 +170,15 @@ class Pipeline:
                     work = deferred.pop(key)
                     self.deferred += len(work)
                     wg.run(work)
-                out = grad = None  # what was sent is held only by its send, and counted so (held_sends)
+                out = grad = work = None  # what was sent is held only by its send (counted so: held_sends); a W's
+                # products freed now, not at the next W
             self._send(after, outbox, sending)
             if late is not None:  # an early sender's weight gradient, once its input gradient is on its way
                 self.sent_early += 1
                 if late:  # (a stage of the head alone has none)
                     with self.tracer.span(f"W{m}", "compute", mb=m, stage=s):
                         wg.run(late)
+                late = None  # its products freed before the reductions below
             if due:
                 if early:
                     self.sharded.reduce_when_done(due)
