@@ -95,13 +95,17 @@ class WeightGrads:
     def run(self, work: list | None = None) -> None:
         """Perform `work` (by default everything queued)."""
         for weights, compute in self.take() if work is None else work:
-            for weight, grad in zip(weights, compute()):
-                if weight.grad is None:
-                    weight.grad = grad
-                else:
-                    weight.grad.add_(grad)
-                if self.on_grad is not None:
-                    self.on_grad(weight)
+            self._accumulate(weights, compute())
+
+    def _accumulate(self, weights, grads) -> None:
+        """Into each weight's .grad; the product is freed on return, before the next one is made."""
+        for weight, grad in zip(weights, grads):
+            if weight.grad is None:
+                weight.grad = grad
+            else:
+                weight.grad.add_(grad)
+            if self.on_grad is not None:
+                self.on_grad(weight)
 
 
 class TensorParallel:
