@@ -77,4 +77,5 @@ def test_every_section_in_the_docs_gives_numbers():
         seen += 1
     assert seen >= 8
     pp = run_all.ratios(run_all.section(text, "pp"), run_all.COMPARISONS["pp"])
-    assert [label for label, *_ in pp] == ["gpipe", "1f1b", "interleaved", "breadth-first", "zb-v"]
+    schedules = ["gpipe", "1f1b", "interleaved", "breadth-first", "zb-v"]
+    assert [label for label, *_ in pp] == [f"pp={n}, {s}" for n in (2, 4) for s in schedules]
