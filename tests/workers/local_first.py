@@ -28,12 +28,9 @@ def hang() -> None:
 
 
 def load():
-    if first and mode == "hang-waiting":
-        for _ in range(600):  # a minute of work in short steps, far beyond parallel.timeout_s
+    if first:  # longer than parallel.timeout_s (hang-waiting: a minute), in short steps that a stop can cut
+        for _ in range(600 if mode == "hang-waiting" else 50):
             time.sleep(0.1)
-        marker.write_text("x")
-    if first:
-        time.sleep(5)  # longer than parallel.timeout_s
         if mode == "fail-first":
             raise ValueError("corpus broken")
         if mode == "hang-first":
