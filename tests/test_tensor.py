@@ -1,6 +1,7 @@
 """Tensor parallelism's pieces: splits of full tensors, the collectives' bytes, deferred weight gradients,
 activation memory under sequence-TP. Parity of whole runs is in test_parity.py."""
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,28 @@ def test_deferred_weight_gradients_equal_immediate_ones_in_one_process():
     for n, p in model.named_parameters():
         # autograd's own linear against ours: equal to round-off
         assert (p.grad - immediate[n]).norm() <= 1e-6 * immediate[n].norm(), n
+
+
+def test_running_deferred_weight_gradients_drops_each_item_before_the_next():
+    model = Llama(load_config(TINY).model)
+    init_weights(model, 1)
+    wg = model.tp.weight_grads
+    wg.defer = True
+    model.loss_sum(*[torch.randint(0, 300, (2, 16))] * 2).backward()
+    wg.defer = False
+    work = wg.take()
+    held = [{id(c.cell_contents): c.cell_contents for c in compute.__closure__
+             if isinstance(c.cell_contents, torch.Tensor)} for _, compute in work]
+    # what an item alone holds (the output gradient and input it needs), by weak reference
+    alone = [[weakref.ref(t) for i, t in mine.items() if not any(i in other for other in held[k + 1:])]
+             for k, mine in enumerate(held)]
+    owner = {id(w): k for k, (weights, _) in enumerate(work) for w in weights}
+    del held
+    alive = []
+    wg.on_grad = lambda w: alive.append(sum(r() is not None for refs in alone[:owner[id(w)]] for r in refs))
+    wg.run(work)
+    assert work == [] and len(alive) == len(owner) and max(alive) == 0
+    assert sum(len(refs) for refs in alone) > len(alone) and all(r() is None for refs in alone for r in refs)
 
 
 def _layers(tp: int, sequence: bool, out: Path) -> dict:

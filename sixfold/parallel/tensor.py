@@ -93,8 +93,11 @@ class WeightGrads:
 
     @torch.no_grad()
     def run(self, work: list | None = None) -> None:
-        """Perform `work` (by default everything queued)."""
-        for weights, compute in self.take() if work is None else work:
+        """Perform `work` (by default everything queued), emptying the list: each item, with the output gradient
+        and input it holds, is dropped before the next item's product is made."""
+        work = self.take() if work is None else work
+        while work:
+            weights, compute = work.pop(0)
             self._accumulate(weights, compute())
 
     def _accumulate(self, weights, grads) -> None:

@@ -135,9 +135,10 @@ def in_flight(rank: Rank) -> int:
 def step(rank: Rank) -> dict[str, int]:
     """Bytes a step holds beyond the persistent buffers at its peak, the largest of its moments, by kind:
     "saved" activations, "working" (the computation's own temporaries) and "transient" buffers.
-    At the loss's backward (the head's rank): every saved activation; its logits-sized temporaries (the fp32
-    gradient and log-softmax gradient, 8 * T * vocab, or with model.loss_chunk a chunk's logits, their fp32 copy
-    and gradient); the gradients allocated at forward (ZeRO-2/3: the head's, a tied embedding's), the gathered
+    At the loss's backward (the head's rank): every saved activation; the larger of its logits-sized temporaries
+    (the fp32 gradient and log-softmax gradient, 8 * T * vocab, or with model.loss_chunk a chunk's logits, their
+    fp32 copy and gradient) and the head's backward (the logits' gradient in the compute dtype, unless chunked,
+    and the products for the head's weight, b * vocab * dim, and its input, b * T * dim); the gradients allocated at forward (ZeRO-2/3: the head's, a tied embedding's), the gathered
     weights, the pipeline's buffers.
     At the backward of the first block to go back, which begins with its MLP: the saved activations less the ends
     of that micro-batch, now freed; the incoming gradient, the stacked gate and up gradient and silu(gate) again
@@ -146,16 +147,17 @@ def step(rank: Rank) -> dict[str, int]:
     reduced (ZeRO-2/3) and their copies in the reduction's dtype (bf16 gradients reduced in fp32): the
     REDUCING + 1 largest units'.
     Under pipelining, at the weight gradient of a B that sent its input gradient first (Schedule.sends_early):
-    the saved activations less the ends, that B's stage's deferred tensors and its largest weight gradient
-    (deferred()), the input gradient it sent, and the buffers of the first moment (its units start reducing
-    after it)."""
+    the saved activations less that B's micro-batch's on its stage (freed by the B), that stage's deferred tensors
+    and its largest weight gradient (deferred()), the input gradient it sent, and the buffers of the first moment
+    (its units start reducing after it)."""
     b, th, dim = rank.compute_bytes, rank.hidden_tokens, rank.cfg.model.dim
     saved = activations(rank)["saved"]
     buffers = _buffers(rank)
     moments = [{"saved": saved, "working": 0, "transient": buffers["early"]}]
     if rank.model.norm is not None:
         vocab, chunk, t = _vocab(rank), rank.cfg.model.loss_chunk, rank.micro_tokens
-        loss = (4 + 2 * b) * min(chunk, t) * vocab if chunk else 8 * t * vocab
+        head = b * vocab * dim + b * t * dim  # the head's weight and input gradients, as its backward makes them
+        loss = max((4 + 2 * b) * min(chunk, t) * vocab, head) if chunk else max(8 * t * vocab, b * t * vocab + head)
         moments.append({"saved": saved, "working": loss, "transient": buffers["early"]})
     if rank.blocks:
         block = 0
@@ -165,11 +167,13 @@ def step(rank: Rank) -> dict[str, int]:
             block = max(block, rebuilt + mlp + 2 * b * th * dim)
         moments.append({"saved": saved - ends(rank), "working": block, "transient": buffers["reducing"]})
     early = {s for s, _ in rank.schedule.sends_early(rank.ctx.rank_in("pp"))} if rank.schedule else set()
-    if early:
-        held = [[deferred(rank, layer) for layer in st.layers] for st in rank.model.stages if st.index in early]
-        sent = b * th * dim  # its input gradient, on its way
-        working = max(sum(h for h, _ in d) + max((p for _, p in d), default=0) for d in held) + sent
-        moments.append({"saved": saved - ends(rank), "working": working, "transient": buffers["early"]})
+    sent = b * th * dim  # an early sender's input gradient, on its way
+    for st in (st for st in rank.model.stages if st.index in early):
+        held = [deferred(rank, layer) for layer in st.layers]
+        gone = sum(block_activations(rank, layer, rank.cfg.model.recompute) for layer in st.layers) + \
+            (ends(rank) if st.head else 0)  # its B is done: the micro-batch's saved tensors freed but for `held`
+        working = sum(h for h, _ in held) + max((p for _, p in held), default=0) + sent
+        moments.append({"saved": saved - gone, "working": working, "transient": buffers["early"]})
     peak = max(moments, key=lambda m: sum(m.values()))
     peak["transient"] += buffers["held"]
     return peak
