@@ -173,7 +173,7 @@ def step(rank: Rank) -> dict[str, int]:
         gone = sum(block_activations(rank, layer, rank.cfg.model.recompute) for layer in st.layers) + \
             (ends(rank) if st.head else 0)  # its B is done: the micro-batch's saved tensors freed but for `held`
         working = sum(h for h, _ in held) + max((p for _, p in held), default=0) + sent
-        moments.append({"saved": saved - gone, "working": working, "transient": buffers["early"]})
+        moments.append({"saved": max(0, saved - gone), "working": working, "transient": buffers["early"]})
     peak = max(moments, key=lambda m: sum(m.values()))
     peak["transient"] += buffers["held"]
     return peak
