@@ -131,6 +131,17 @@ def test_peak_in_flight():
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
+def test_crowds_count_each_stage_pairs_and_the_largest_is_the_peak(name):
+    for s in valid(name)[::3]:
+        for r, stats in enumerate(simulate(s).ranks):
+            mine = {st for st, at in enumerate(s.placement) if at == r}
+            assert all({st for st, _ in crowd} <= mine and all(n > 0 for _, n in crowd) for crowd in stats.crowds)
+            assert max(sum(n for _, n in crowd) for crowd in stats.crowds) == stats.peak_in_flight
+    if name == "zb-v":  # rank 0 holds the first stage and the head's: its four pairs, three of them the first's
+        assert ((0, 3), (3, 1)) in simulate(build("zb-v", 2, 2, 4)).ranks[0].crowds
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_a_send_is_let_go_only_once_its_data_was_used(name):
     for s in valid(name)[::3]:
         ranks = simulate(s).ranks

@@ -24,9 +24,10 @@ key/value widths, a the heads, f the ffn width:
   ends        the final norm (2 * b * T_h * dim and its statistics), the logits (4 * T * vocab / tp; with
               model.loss_chunk the head weight's gradient instead, 4 * vocab * dim), token ids and labels
               (16 * T), the rotary tables (4 * seq * head_dim)
-A pipeline rank keeps its stages' activations for the (stage, micro-batch) pairs in flight (the simulator's
-peak). The step's peak (step()) adds the computation's temporaries and transient buffers at the largest of
-three moments: the loss's backward, the first block's, and under pipelining an early sender's weight gradient.
+A pipeline rank keeps each stage's activations for that stage's (stage, micro-batch) pairs in flight (of the
+simulator's crowds of pairs, the largest in bytes). The step's peak (step()) adds the computation's temporaries
+and transient buffers at the largest of three moments: the loss's backward, the first block's, and under
+pipelining an early sender's weight gradient.
 """
 from __future__ import annotations
 
@@ -117,19 +118,16 @@ def _vocab(rank: Rank) -> int:
 
 
 def activations(rank: Rank) -> dict[str, int]:
-    """Bytes saved for backward on this rank at the peak: its stages' blocks and ends, times the (stage,
-    micro-batch) pairs in flight over its stages."""
-    cfg = rank.cfg.model
-    per_micro = sum(block_activations(rank, layer, cfg.recompute) for layer in rank.blocks) + ends(rank)
-    if rank.blocks:
-        per_micro += 4 * rank.cfg.train.seq_len // rank.model.cp.size * cfg.head_dim
-    return {"saved": per_micro * in_flight(rank) // len(rank.model.stages)}
-
-
-def in_flight(rank: Rank) -> int:
-    """(stage, micro-batch) pairs whose activations are alive at once on this rank (without pipelining, one:
-    each backward follows its forward)."""
-    return rank.pipeline.peak_in_flight if rank.pipeline else 1
+    """Bytes saved for backward on this rank at the peak: each stage's blocks and ends times its (stage,
+    micro-batch) pairs in flight, in the simulated schedule's largest crowd (without pipelining, one pair: each
+    backward follows its forward); the rotary tables once per pair and stage."""
+    cfg, stages = rank.cfg.model, rank.model.stages
+    own = {st.index: sum(block_activations(rank, layer, cfg.recompute) for layer in st.layers) +
+           (ends(rank) if st.head else 0) for st in stages}
+    rope = 4 * rank.cfg.train.seq_len // rank.model.cp.size * cfg.head_dim if rank.blocks else 0
+    crowds = rank.pipeline.crowds if rank.pipeline else [tuple((i, 1) for i in own)]
+    return {"saved": max(sum(n * own[s] for s, n in crowd) + rope * sum(n for _, n in crowd) // len(stages)
+                         for crowd in crowds)}
 
 
 def step(rank: Rank) -> dict[str, int]:

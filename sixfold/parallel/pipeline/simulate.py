@@ -15,6 +15,7 @@ once; no deadlock (the error shows what each stuck rank waits for).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from .schedules import B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Schedule
@@ -49,6 +50,8 @@ class RankStats:
     bubble: float  # idle fraction of the makespan: 1 - busy / makespan
     peak_in_flight: int  # most (stage, micro) pairs with saved activations alive at once
     events: tuple[tuple[float, float, Action], ...]  # (start, end, action) for each action, in list order
+    # each distinct crowd of pairs alive after a forward, as (stage, pairs of that stage) for the rank's stages
+    crowds: frozenset[tuple[tuple[int, int], ...]] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class _Run:
         self.early = set().union(*(schedule.sends_early(r) for r in range(schedule.pp))) if early else set()
         n = schedule.pp
         self.pos, self.clock, self.busy, self.peak = [0] * n, [0.0] * n, [0.0] * n, [0] * n
+        self.crowds: list[set[tuple[tuple[int, int], ...]]] = [set() for _ in range(n)]
         self.ready = [0.0] * n  # when the data of each rank's last compute could be sent
         self.events: list[list[tuple[float, float, Action]]] = [[] for _ in range(n)]
         self.alive: list[set[tuple[int, int]]] = [set() for _ in range(n)]
@@ -160,6 +164,7 @@ class _Run:
         if a.kind == F:
             self.alive[r].add((s, m))
             self.peak[r] = max(self.peak[r], len(self.alive[r]))
+            self.crowds[r].add(tuple(sorted(Counter(st for st, _ in self.alive[r]).items())))
         elif a.kind == W or not split or self.release == "B":
             self.alive[r].discard((s, m))
         return True
@@ -261,7 +266,7 @@ class _Run:
         makespan = max(self.clock)
         return Simulation(makespan, tuple(
             RankStats(self.clock[r], self.busy[r], 1 - self.busy[r] / makespan if makespan else 0.0,
-                      self.peak[r], tuple(self.events[r])) for r in ranks))
+                      self.peak[r], tuple(self.events[r]), frozenset(self.crowds[r])) for r in ranks))
 
     def check_complete(self) -> None:
         for channel, queue in self.sends.items():
