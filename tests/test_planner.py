@@ -39,7 +39,7 @@ LAYOUTS = {
     "moe-shared-tp2": ["model.moe_experts=4", "model.moe_shared_expert=true", "parallel.tp=2"],
 }
 # The step's peak beyond the persistent buffers, planned over measured, at least PEAK_UNDER and at most PEAK_OVER.
-# Here 0.92 to 1.12 in every layout but MoE: ZeRO-2/3 gradients and gathers are counted at their busiest moment of
+# Here 0.92 to 1.09 in every layout but MoE: ZeRO-2/3 gradients and gathers are counted at their busiest moment of
 # the backward; pp=4's middle ranks peak in a gate-and-up linear's backward, beside a copy of the stacked weights
 # that the planner leaves out (on this model larger than a micro-batch's activations). MoE experts are counted for
 # balanced routing: up to 1.23 on this model, whose units weigh as much as its activations.

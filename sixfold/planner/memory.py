@@ -135,8 +135,9 @@ def step(rank: Rank) -> dict[str, int]:
     "saved" activations, "working" (the computation's own temporaries) and "transient" buffers.
     At the loss's backward (the head's rank): every saved activation; the larger of its logits-sized temporaries
     (the fp32 gradient and log-softmax gradient, 8 * T * vocab, or with model.loss_chunk a chunk's logits, their
-    fp32 copy and gradient) and the head's backward (the logits' gradient in the compute dtype, unless chunked,
-    and the products for the head's weight, b * vocab * dim, and its input, b * T * dim); the gradients allocated at forward (ZeRO-2/3: the head's, a tied embedding's), the gathered
+    fp32 copy and gradient) and the head's backward (unless chunked, the logits' gradient in the compute dtype in
+    place of the saved fp32 logits, now freed; the products for the head's weight, b * vocab * dim, and its input,
+    b * T * dim); the gradients allocated at forward (ZeRO-2/3: the head's, a tied embedding's), the gathered
     weights, the pipeline's buffers.
     At the backward of the first block to go back, which begins with its MLP: the saved activations less the ends
     of that micro-batch, now freed; the incoming gradient, the stacked gate and up gradient and silu(gate) again
@@ -155,7 +156,11 @@ def step(rank: Rank) -> dict[str, int]:
     if rank.model.norm is not None:
         vocab, chunk, t = _vocab(rank), rank.cfg.model.loss_chunk, rank.micro_tokens
         head = b * vocab * dim + b * t * dim  # the head's weight and input gradients, as its backward makes them
-        loss = max((4 + 2 * b) * min(chunk, t) * vocab, head) if chunk else max(8 * t * vocab, b * t * vocab + head)
+        # unchunked, by then the saved fp32 logits (in ends()) are freed and their gradient is in the compute dtype
+        if chunk:
+            loss = max((4 + 2 * b) * min(chunk, t) * vocab, head)
+        else:
+            loss = max(8 * t * vocab, head - (4 - b) * t * vocab)
         moments.append({"saved": saved, "working": loss, "transient": buffers["early"]})
     if rank.blocks:
         block = 0
