@@ -23,7 +23,8 @@ key/value widths, a the heads, f the ffn width:
               are fewer; neither under selective recomputation
   ends        the final norm (2 * b * T_h * dim and its statistics), the logits (4 * T * vocab / tp; with
               model.loss_chunk the head weight's gradient instead, 4 * vocab * dim), token ids and labels
-              (16 * T), the rotary tables (4 * seq * head_dim)
+              (16 * T)
+  rotary      the tables (4 * seq / cp * head_dim), once: one set is alive at a time
 A pipeline rank keeps each stage's activations for that stage's (stage, micro-batch) pairs in flight (of the
 simulator's crowds of pairs, the largest in bytes). The step's peak (step()) adds the computation's temporaries
 and transient buffers at the largest of three moments: the loss's backward, the first block's, and under
@@ -83,21 +84,19 @@ def mlp_activations(rank: Rank, layer: int) -> int:
 
 
 def deferred(rank: Rank, layer: int) -> tuple[int, int]:
-    """Bytes a block's deferred weight gradients hold until they are computed: each linear's output gradient (a
-    row linear's gathered over sequence-TP) and under sequence-TP each column linear's gathered input (the
-    saved shard aside), under full recomputation also their rebuilt inputs; and the largest weight gradient one
-    of them makes (stacked weights in one product). MoE experts do not defer; a shared expert does, as a dense
-    SwiGLU."""
-    cfg, b, t, th = rank.cfg.model, rank.compute_bytes, rank.micro_tokens, rank.hidden_tokens
+    """Bytes a block's deferred weight gradients hold until they are computed, which its backward does not free:
+    each linear's output gradient (a row linear's gathered over sequence-TP) and input (a column linear's gathered
+    over sequence-TP; saved, or under full recomputation rebuilt); and the largest weight gradient one of them
+    makes (stacked weights in one product). MoE experts do not defer; a shared expert does, as a dense SwiGLU."""
+    cfg, b, t = rank.cfg.model, rank.compute_bytes, rank.micro_tokens
     block = rank.model.layers[str(layer)]
     attn, dense = block.attn, block.mlp.shared if isinstance(block.mlp, MoE) else block.mlp
     q, kv = attn.n_heads * cfg.head_dim, attn.n_kv_heads * cfg.head_dim
-    full = cfg.recompute == "full"  # the inputs rebuilt for the backward are held too (else saved anyway)
-    held = b * (t * (q + 2 * kv) + t * cfg.dim + (t - th) * cfg.dim + (th * cfg.dim + t * q if full else 0))
+    held = b * t * ((q + 2 * kv) + cfg.dim + cfg.dim + q)  # qkv: gradient, input; wo: gradient, input
     products = [attn.wq.weight.numel() + attn.wk.weight.numel() + attn.wv.weight.numel(), attn.wo.weight.numel()]
     if dense is not None:
         f = dense.w_gate.weight.shape[0]
-        held += b * (2 * t * f + t * cfg.dim + (t - th) * cfg.dim + (th * cfg.dim + t * f if full else 0))
+        held += b * t * (2 * f + cfg.dim + cfg.dim + f)  # gate and up: gradient, input; w_down: gradient, input
         products += [dense.w_gate.weight.numel() + dense.w_up.weight.numel(), dense.w_down.weight.numel()]
     return held, b * max(products)
 
@@ -120,14 +119,14 @@ def _vocab(rank: Rank) -> int:
 def activations(rank: Rank) -> dict[str, int]:
     """Bytes saved for backward on this rank at the peak: each stage's blocks and ends times its (stage,
     micro-batch) pairs in flight, in the simulated schedule's largest crowd (without pipelining, one pair: each
-    backward follows its forward); the rotary tables once per pair and stage."""
+    backward follows its forward); and the rotary tables once (a pipeline step makes one set for all its
+    micro-batches; without pipelining, one micro-batch's are freed before the next's are made)."""
     cfg, stages = rank.cfg.model, rank.model.stages
     own = {st.index: sum(block_activations(rank, layer, cfg.recompute) for layer in st.layers) +
            (ends(rank) if st.head else 0) for st in stages}
     rope = 4 * rank.cfg.train.seq_len // rank.model.cp.size * cfg.head_dim if rank.blocks else 0
     crowds = rank.pipeline.crowds if rank.pipeline else [tuple((i, 1) for i in own)]
-    return {"saved": max(sum(n * own[s] for s, n in crowd) + rope * sum(n for _, n in crowd) // len(stages)
-                         for crowd in crowds)}
+    return {"saved": max(sum(n * own[s] for s, n in crowd) for crowd in crowds) + rope}
 
 
 def step(rank: Rank) -> dict[str, int]:

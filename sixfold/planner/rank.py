@@ -53,7 +53,7 @@ class Rank:
     @property
     def pipeline(self) -> RankStats | None:
         """This rank's line of the simulated schedule, each stage costing its FLOPs: its bubble (which counts the
-        time it waits for heavier stages) and peak in flight."""
+        time it waits for heavier stages), peak in flight and crowds of (stage, micro-batch) pairs in flight."""
         if self.schedule is None:
             return None
         p = self.cfg.parallel
