@@ -39,7 +39,7 @@ LAYOUTS = {
     "moe-shared-tp2": ["model.moe_experts=4", "model.moe_shared_expert=true", "parallel.tp=2"],
 }
 # The step's peak beyond the persistent buffers, planned over measured, at least PEAK_UNDER and at most PEAK_OVER.
-# Here 0.94 to 1.09 in every layout but MoE: ZeRO-2/3 gradients and gathers are counted at their busiest moment of
+# Here 0.95 to 1.09 in every layout but MoE: ZeRO-2/3 gradients and gathers are counted at their busiest moment of
 # the backward, and the lowest pipeline ranks peak beside temporaries the planner leaves out (in pp=4's, the copy
 # of the stacked gate and up weights their linear's backward makes). MoE experts are counted for balanced routing:
 # up to 1.23 on this model, whose units weigh as much as its activations.
