@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sixfold.parallel import context
 from sixfold.parallel.context import ContextParallel, _Ring, _pairs
 from helpers import torchrun
 
@@ -43,10 +44,22 @@ def sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
+@pytest.mark.parametrize("kernels", ["cpu", "math"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-def test_ring_blocks_and_merge_in_one_process(heads, kv_heads):
-    """The blockwise math path (CPU) in fp64: output, dq, dk, dv to round-off."""
+def test_ring_blocks_and_merge_in_one_process(heads, kv_heads, kernels, monkeypatch):
+    """The CPU's flash-attention kernels and the blockwise math path (a GPU's in fp32) in fp64: output, dq, dk, dv
+    to round-off."""
+    if kernels == "math":
+        monkeypatch.setattr(context, "_kernels", lambda q: (context._math_forward, context._math_backward))
     assert max(relative_errors(ring, torch.float64, "cpu", heads, kv_heads)) < 1e-12
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_ring_in_bf16_on_a_cpu_is_as_close_as_fused_attention(heads, kv_heads):
+    """The CPU's flash-attention kernels (bf16) inside the ring: output and gradients as close to fp64 as fused
+    SDPA's on the whole sequence in bf16 (within twice its error)."""
+    ours, fused = (relative_errors(f, torch.bfloat16, "cpu", heads, kv_heads) for f in (ring, sdpa))
+    assert all(a < 2 * b for a, b in zip(ours, fused)), (ours, fused)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel runs on a GPU")

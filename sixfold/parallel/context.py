@@ -167,9 +167,10 @@ class _GatherKV(torch.autograd.Function):
 
 # ring attention ------------------------------------------------------------------------------------
 # Per chunk pair, a kernel pair: forward gives the block's output and log-sum-exp; backward, given the merged
-# output and log-sum-exp of the query chunk, gives the block's exact share of dq, dk and dv. On a GPU in 16-bit
-# floats: the flash-attention kernels; otherwise blockwise math. Queries come grouped [b, hkv, g, n, d] (g query
-# heads per kv head), keys and values [b, hkv, m, d]. Outputs and gradients are summed in at least fp32.
+# output and log-sum-exp of the query chunk, gives the block's exact share of dq, dk and dv. On a CPU: its
+# flash-attention kernels; on a GPU in 16-bit floats: its flash-attention kernels; otherwise blockwise math.
+# Queries come grouped [b, hkv, g, n, d] (g query heads per kv head), keys and values [b, hkv, m, d]. Outputs and
+# gradients are summed in at least fp32.
 
 def _scores(q, k, causal: bool, scale: float):
     """q [b, hkv, g, n, d] against k [b, hkv, m, d] -> [b, hkv, g, n, m], upper triangle masked if causal."""
@@ -218,7 +219,25 @@ def _flash_backward(dout, delta, q, k, v, out, lse, causal: bool, scale: float, 
     return dq.view(q.shape), dk.view(b, h, g, m, d).sum(2), dv.view(b, h, g, m, d).sum(2)
 
 
+def _cpu_forward(q, k, v, causal: bool, scale: float):
+    g = q.shape[2]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _flat(q, g), _flat(k, g), _flat(v, g), 0.0, causal, scale=scale)
+    return out.view(q.shape), lse.view(q.shape[:4]), None
+
+
+def _cpu_backward(dout, delta, q, k, v, out, lse, causal: bool, scale: float, aux):
+    b, h, g, n, d = q.shape
+    m = k.shape[2]
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _flat(dout, g).contiguous(), _flat(q, g), _flat(k, g), _flat(v, g), _flat(out, g),
+        lse.flatten(1, 2).contiguous(), 0.0, causal, scale=scale)
+    return dq.view(q.shape), dk.view(b, h, g, m, d).sum(2), dv.view(b, h, g, m, d).sum(2)
+
+
 def _kernels(q: torch.Tensor):
+    if q.device.type == "cpu":
+        return _cpu_forward, _cpu_backward
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         return _flash_forward, _flash_backward
     return _math_forward, _math_backward
