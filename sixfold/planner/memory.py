@@ -121,12 +121,17 @@ def activations(rank: Rank) -> dict[str, int]:
     micro-batch) pairs in flight, in the simulated schedule's largest crowd (without pipelining, one pair: each
     backward follows its forward); and the rotary tables once (a pipeline step makes one set for all its
     micro-batches; without pipelining, one micro-batch's are freed before the next's are made)."""
-    cfg, stages = rank.cfg.model, rank.model.stages
-    own = {st.index: sum(block_activations(rank, layer, cfg.recompute) for layer in st.layers) +
-           (ends(rank) if st.head else 0) for st in stages}
-    rope = 4 * rank.cfg.train.seq_len // rank.model.cp.size * cfg.head_dim if rank.blocks else 0
+    own = {st.index: _stage_activations(rank, st) for st in rank.model.stages}
+    rope = 4 * rank.cfg.train.seq_len // rank.model.cp.size * rank.cfg.model.head_dim if rank.blocks else 0
     crowds = rank.pipeline.crowds if rank.pipeline else [tuple((i, 1) for i in own)]
     return {"saved": max(sum(n * own[s] for s, n in crowd) for crowd in crowds) + rope}
+
+
+def _stage_activations(rank: Rank, stage) -> int:
+    """Bytes one micro-batch saves for backward on one of the rank's stages: its blocks, and the ends if it has the
+    head."""
+    blocks = sum(block_activations(rank, layer, rank.cfg.model.recompute) for layer in stage.layers)
+    return blocks + (ends(rank) if stage.head else 0)
 
 
 def step(rank: Rank) -> dict[str, int]:
@@ -172,10 +177,9 @@ def step(rank: Rank) -> dict[str, int]:
     sent = b * th * dim  # an early sender's input gradient, on its way
     for st in (st for st in rank.model.stages if st.index in early):
         held = [deferred(rank, layer) for layer in st.layers]
-        gone = sum(block_activations(rank, layer, rank.cfg.model.recompute) for layer in st.layers) + \
-            (ends(rank) if st.head else 0)  # its B is done: the micro-batch's saved tensors freed but for `held`
+        gone = _stage_activations(rank, st)  # its B is done: the micro-batch's saved tensors freed but for `held`
         working = sum(h for h, _ in held) + max((p for _, p in held), default=0) + sent
-        moments.append({"saved": max(0, saved - gone), "working": working, "transient": buffers["early"]})
+        moments.append({"saved": saved - gone, "working": working, "transient": buffers["early"]})
     peak = max(moments, key=lambda m: sum(m.values()))
     peak["transient"] += buffers["held"]
     return peak
