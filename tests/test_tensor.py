@@ -9,7 +9,7 @@ import torch
 
 from sixfold.config import load_config
 from sixfold.model.llama import Llama, init_weights
-from sixfold.parallel.tensor import TensorParallel
+from sixfold.parallel.tensor import TensorParallel, _stacked, linear
 from sixfold.slices import Cut
 from helpers import TINY, torchrun
 
@@ -82,6 +82,27 @@ def test_running_deferred_weight_gradients_drops_each_item_before_the_next():
     wg.run(work)
     assert work == [] and len(alive) == len(owner) and max(alive) == 0
     assert sum(len(refs) for refs in alone) > len(alone) and all(r() is None for refs in alone for r in refs)
+
+
+def test_weights_lying_one_after_another_are_stacked_as_a_view_not_copied():
+    flat = torch.randn(2 * 24 + 16)
+    a, b, c = flat[:24].view(3, 8), flat[24:48].view(3, 8), flat[48:].view(2, 8)
+    x = torch.randn(5, 8)
+    assert _stacked((a, b, c)).data_ptr() == flat.data_ptr()
+    assert _stacked((b, a)).data_ptr() not in (a.data_ptr(), b.data_ptr())  # out of order: a copy
+    turned = flat[24:56].view(8, 4).t()  # right after a, but not contiguous: a copy
+    copy = _stacked((a, turned))
+    assert torch.equal(copy, torch.cat([a, turned])) and copy.data_ptr() != a.data_ptr()
+    results = []
+    for weights in [(a, b, c), (a.clone(), b.clone(), c.clone())]:
+        for w in weights:
+            w.requires_grad_(True)
+        y = linear(TensorParallel(), x.requires_grad_(True), list(weights), "column", False)
+        y.square().sum().backward()
+        results.append([y.detach(), x.grad.clone()] + [w.grad for w in weights])
+        x.grad = None
+    for view, copy in zip(*results):
+        assert torch.equal(view, copy)
 
 
 def _layers(tp: int, sequence: bool, out: Path) -> dict:

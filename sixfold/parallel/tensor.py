@@ -190,7 +190,25 @@ class _Linear(torch.autograd.Function):
 
 
 def _stacked(weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    return weights[0] if len(weights) == 1 else torch.cat(weights)
+    """The weights stacked by rows: a view where they lie one after another in one storage (a unit's flat buffer
+    lays a module's weights out in order), else a copy. torch.compile cannot trace storage offsets: it copies."""
+    first = weights[0]
+    if len(weights) == 1:
+        return first
+    if not torch.compiler.is_compiling() and _adjacent(weights):
+        return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), first.stride())
+    return torch.cat(weights)
+
+
+def _adjacent(weights: tuple[torch.Tensor, ...]) -> bool:
+    first = weights[0]
+    ptr, end = first.untyped_storage().data_ptr(), first.storage_offset()
+    for w in weights:
+        if not w.is_contiguous() or w.dtype != first.dtype or w.shape[1:] != first.shape[1:] \
+                or w.storage_offset() != end or w.untyped_storage().data_ptr() != ptr:
+            return False
+        end += w.numel()
+    return True
 
 
 def _weight_grads(tp: TensorParallel, weights: tuple[torch.Tensor, ...], dy: torch.Tensor, x: torch.Tensor,
