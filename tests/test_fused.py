@@ -1,6 +1,8 @@
 """The hand-written backward of the model's norm, attention heads and SwiGLU: their gradients against finite
 differences in fp64 (parity across layouts cannot see a wrong one: every layout runs the same), and their
 forward against autograd's own operations written as Hugging Face writes them."""
+from itertools import accumulate
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +10,7 @@ import torch.nn.functional as F
 from sixfold.model.fused import attention_heads, rms_norm, swiglu
 from sixfold.config import load_config
 from sixfold.model.llama import Llama, init_weights, rope_tables
+from sixfold.parallel.tensor import note_laid_out
 
 D = torch.float64
 
@@ -80,15 +83,36 @@ def test_bf16_forward_and_backward_are_fp64_to_bf16_round_off(device, compiled):
         assert float((a - ref).norm() / ref.norm()) < 1e-2
 
 
-def test_a_block_compiles_into_one_graph():
+def _lay_out(model: Llama) -> None:
+    """The parameters one after another in one flat tensor, as a unit's flat buffer holds them."""
+    params = list(model.parameters())
+    flat = torch.cat([p.detach().flatten() for p in params])
+    for p, o in zip(params, accumulate([0] + [p.numel() for p in params])):
+        p.data = flat[o:o + p.numel()].view_as(p)
+    note_laid_out(model)
+
+
+@pytest.mark.parametrize("laid_out", [False, True])
+def test_a_block_compiles_into_one_graph(laid_out):
     """train.compile compiles each block's forward: a graph break would leave its pieces (and their backward)
     eager. Compiled, the block gives eager's output and gradients, also at a second sequence length (which the
-    compiler traces again with the length symbolic)."""
+    compiler traces again with the length symbolic). Its stacked weights (qkv, gate and up) are copied into one
+    product only where they do not lie one after another in one buffer."""
     torch.manual_seed(0)
     model = Llama(load_config("configs/tiny.yaml", []).model)
     init_weights(model, 0)
+    if laid_out:
+        _lay_out(model)
     block = model.layers["0"]
-    compiled = torch.compile(block.forward, fullgraph=True)
+    cats = []
+
+    def inductor(gm, inputs):
+        from torch._inductor.compile_fx import compile_fx  # torch.compile's default backend
+        cats.extend(tuple(n.meta["example_value"].shape) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+                    for n in m.graph.nodes if n.target is torch.cat)
+        return compile_fx(gm, inputs)
+
+    compiled = torch.compile(block.forward, fullgraph=True, backend=inductor)
     for s in (16, 24):
         x, t = torch.randn(2 * s, model.cfg.dim), model.tokens(2, s, torch.device("cpu"))
         results = []
@@ -100,3 +124,6 @@ def test_a_block_compiles_into_one_graph():
             results.append([out.detach(), inp.grad, *(p.grad.clone() for p in block.parameters())])
         for a, b in zip(*results):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), s
+    stacks = [(sum(w.shape[0] for w in m.stacked()), model.cfg.dim) for m in (block.attn, block.mlp)]
+    copies = sum(shape in stacks for shape in cats)
+    assert copies == (0 if laid_out else 8)  # forward and backward, each traced at two lengths

@@ -88,10 +88,10 @@ def test_weights_lying_one_after_another_are_stacked_as_a_view_not_copied():
     flat = torch.randn(2 * 24 + 16)
     a, b, c = flat[:24].view(3, 8), flat[24:48].view(3, 8), flat[48:].view(2, 8)
     x = torch.randn(5, 8)
-    assert _stacked((a, b, c)).data_ptr() == flat.data_ptr()
-    assert _stacked((b, a)).data_ptr() not in (a.data_ptr(), b.data_ptr())  # out of order: a copy
+    assert _stacked((a, b, c), False).data_ptr() == flat.data_ptr()
+    assert _stacked((b, a), False).data_ptr() not in (a.data_ptr(), b.data_ptr())  # out of order: a copy
     turned = flat[24:56].view(8, 4).t()  # right after a, but not contiguous: a copy
-    copy = _stacked((a, turned))
+    copy = _stacked((a, turned), False)
     assert torch.equal(copy, torch.cat([a, turned])) and copy.data_ptr() != a.data_ptr()
     results = []
     for weights in [(a, b, c), (a.clone(), b.clone(), c.clone())]:

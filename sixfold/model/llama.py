@@ -84,10 +84,14 @@ class Attention(nn.Module):
         self.wk = Linear(tp, cfg.dim, kv, "column", kv_split)
         self.wv = Linear(tp, cfg.dim, kv, "column", kv_split)
         self.wo = Linear(tp, q, cfg.dim, "row")
+        self.laid_out = False  # note_laid_out
+
+    def stacked(self) -> list[torch.Tensor]:
+        return [self.wq.weight, self.wk.weight, self.wv.weight]
 
     def forward(self, x: torch.Tensor, t: Tokens) -> torch.Tensor:
         (b, s), sp = t.shape, t.sequence_tp
-        qkv = linear(self.tp, x, [self.wq.weight, self.wk.weight, self.wv.weight], "column", sp)
+        qkv = linear(self.tp, x, self.stacked(), "column", sp, laid_out=self.laid_out)
         q, k, v = attention_heads(qkv.view(b, s, self.n_heads + 2 * self.n_kv_heads, self.head_dim),
                                   self.n_heads, self.n_kv_heads, t.cos, t.sin)
         attend = self.cp.attention if t.context else partial(self._local_attention, cache=t.cache)
@@ -118,9 +122,14 @@ class MLP(nn.Module):
         self.w_gate = Linear(tp, cfg.dim, cfg.ffn_dim, "column")
         self.w_up = Linear(tp, cfg.dim, cfg.ffn_dim, "column")
         self.w_down = Linear(tp, cfg.ffn_dim, cfg.dim, "row")
+        self.laid_out = False  # note_laid_out
+
+    def stacked(self) -> list[torch.Tensor]:
+        return [self.w_gate.weight, self.w_up.weight]
 
     def forward(self, x: torch.Tensor, sp: bool) -> torch.Tensor:
-        return self.w_down(swiglu(linear(self.tp, x, [self.w_gate.weight, self.w_up.weight], "column", sp)), sp)
+        gate_up = linear(self.tp, x, self.stacked(), "column", sp, laid_out=self.laid_out)
+        return self.w_down(swiglu(gate_up), sp)
 
 
 class Block(nn.Module):

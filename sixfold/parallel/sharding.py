@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm, Pending
-from .tensor import Split, VocabEmbedding
+from .tensor import Split, VocabEmbedding, note_laid_out
 
 ALIGN = 16  # elements: shard boundaries stay aligned
 REDUCING = 2  # reductions in flight before the oldest is waited for and its full gradients (ZeRO-2/3) or copy freed
@@ -173,6 +173,7 @@ class Sharded:
             unit.expert, unit.zero = expert, self.zero if shards > 1 else 0
             unit.group = group if unit.zero else "edp" if expert else "loss"
             self.units.append(unit)
+        note_laid_out(model)
         self._due: list[Unit] = []  # reduce_when_done
         self._done: set[int] = set()
         self._reducing: list[Unit] = []

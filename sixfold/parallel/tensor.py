@@ -161,12 +161,12 @@ class _Linear(torch.autograd.Function):
     x, row mode reduces y."""
 
     @staticmethod
-    def forward(ctx, x, tp: TensorParallel, mode: str, sp: bool, head: bool, *weights):
+    def forward(ctx, x, tp: TensorParallel, mode: str, sp: bool, head: bool, laid_out: bool, *weights):
         # the weights themselves, not saved copies: deferred gradients and their hooks need the parameters
-        ctx.tp, ctx.mode, ctx.sp, ctx.head, ctx.weights = tp, mode, sp, head, weights
+        ctx.tp, ctx.mode, ctx.sp, ctx.head, ctx.laid_out, ctx.weights = tp, mode, sp, head, laid_out, weights
         ctx.save_for_backward(x)  # under sequence-TP the shard: gathered again in backward
         full = tp.gather(x, sp)[0] if mode == "column" else x
-        y = F.linear(full, _stacked(weights))
+        y = F.linear(full, _stacked(weights, laid_out))
         if mode == "row":
             y, _ = tp.reduce(y, sp)
         return y
@@ -177,25 +177,27 @@ class _Linear(torch.autograd.Function):
         (x,), weights = ctx.saved_tensors, ctx.weights
         if mode == "column":
             full, gathering = tp.gather(x, sp, async_op=True)
-            dx, reducing = tp.reduce(dy @ _stacked(weights), sp, async_op=True)  # overlaps the weight gradients
+            # overlaps the weight gradients
+            dx, reducing = tp.reduce(dy @ _stacked(weights, ctx.laid_out), sp, async_op=True)
             _wait(gathering)
         else:
             full = x
             if mode == "row":
                 dy, _ = tp.gather(dy, sp)
-            dx, reducing = dy @ _stacked(weights), None
+            dx, reducing = dy @ _stacked(weights, ctx.laid_out), None
         dws = _weight_grads(tp, weights, dy, full, ctx.head)
         _wait(reducing)
-        return (dx, None, None, None, None, *dws)
+        return (dx, None, None, None, None, None, *dws)
 
 
-def _stacked(weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def _stacked(weights: tuple[torch.Tensor, ...], laid_out: bool) -> torch.Tensor:
     """The weights stacked by rows: a view where they lie one after another in one storage (a unit's flat buffer
-    lays a module's weights out in order), else a copy. torch.compile cannot trace storage offsets: it copies."""
+    lays a module's weights out in order), else a copy. torch.compile cannot check storage offsets: under it the
+    caller's laid_out (see note_laid_out) decides."""
     first = weights[0]
     if len(weights) == 1:
         return first
-    if not torch.compiler.is_compiling() and _adjacent(weights):
+    if laid_out if torch.compiler.is_compiling() else _adjacent(weights):
         return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), first.stride())
     return torch.cat(weights)
 
@@ -211,6 +213,14 @@ def _adjacent(weights: tuple[torch.Tensor, ...]) -> bool:
     return True
 
 
+def note_laid_out(model: nn.Module) -> None:
+    """Set `laid_out` on each module with stacked weights (its `stacked()`): whether they lie one after another
+    in one storage, as the unit's flat buffer lays them out; once, since torch.compile cannot check it."""
+    for m in model.modules():
+        if hasattr(m, "stacked"):
+            m.laid_out = _adjacent(tuple(m.stacked()))
+
+
 def _weight_grads(tp: TensorParallel, weights: tuple[torch.Tensor, ...], dy: torch.Tensor, x: torch.Tensor,
                   head: bool):
     def compute():
@@ -224,10 +234,11 @@ def _weight_grads(tp: TensorParallel, weights: tuple[torch.Tensor, ...], dy: tor
 
 
 def linear(tp: TensorParallel, x: torch.Tensor, weights: list[torch.Tensor], mode: str, sp: bool,
-           head: bool = False) -> torch.Tensor:
+           head: bool = False, laid_out: bool = False) -> torch.Tensor:
     """x times the weights stacked by rows, in `mode` (plain, column or row): one product whose last dimension
     holds each weight's outputs in turn (the caller splits it; a split, not slices, keeps its gradient one
-    tensor). head: the logits' linear (WeightGrads defers it only with `head` set)."""
+    tensor). head: the logits' linear (WeightGrads defers it only with `head` set). laid_out: the weights lie
+    one after another in one storage (note_laid_out)."""
     wg = tp.weight_grads
     may_defer = wg.defer or wg.used
     if len(weights) == 1 and not may_defer and (tp.size == 1 or mode == "plain"):
@@ -235,7 +246,7 @@ def linear(tp: TensorParallel, x: torch.Tensor, weights: list[torch.Tensor], mod
     # torch.compile, if loaded, may be tracing: its backward graph would read weight_grads.defer once, at tracing,
     # and never defer; kept out of its graphs, the Function's backward reads it when it runs
     apply = _outside_compile() if may_defer and "torch._dynamo" in sys.modules else _Linear.apply
-    return apply(x, tp, mode, sp and tp.size > 1, head, *weights)
+    return apply(x, tp, mode, sp and tp.size > 1, head, laid_out, *weights)
 
 
 @functools.cache
