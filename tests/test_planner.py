@@ -40,8 +40,8 @@ LAYOUTS = {
 }
 # The step's peak beyond the persistent buffers, planned over measured, at least PEAK_UNDER and at most PEAK_OVER.
 # Here 0.95 to 1.09 in every layout but MoE: ZeRO-2/3 gradients and gathers are counted at their busiest moment of
-# the backward, and the lowest pipeline ranks peak beside temporaries the planner leaves out (in pp=4's, the copy
-# of the stacked gate and up weights their linear's backward makes). MoE experts are counted for balanced routing:
+# the backward, and the lowest pipeline ranks peak beside temporaries the planner leaves out (in ZB-V's, inside
+# SwiGLU's backward: the gate computed again and the gradient buffer). MoE experts are counted for balanced routing:
 # up to 1.23 on this model, whose units weigh as much as its activations.
 PEAK_UNDER = 0.9
 PEAK_OVER = 1.35
