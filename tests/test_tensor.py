@@ -93,6 +93,8 @@ def test_weights_lying_one_after_another_are_stacked_as_a_view_not_copied():
     turned = flat[24:56].view(8, 4).t()  # right after a, but not contiguous: a copy
     copy = _stacked((a, turned), False)
     assert torch.equal(copy, torch.cat([a, turned])) and copy.data_ptr() != a.data_ptr()
+    row = flat[:8].view(8, 1).t()  # one row, contiguous whatever its stride says
+    assert torch.equal(_stacked((row, flat[8:16].view(1, 8)), False), flat[:16].view(2, 8))
     results = []
     for weights in [(a, b, c), (a.clone(), b.clone(), c.clone())]:
         for w in weights:

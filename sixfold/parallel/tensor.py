@@ -198,7 +198,7 @@ def _stacked(weights: tuple[torch.Tensor, ...], laid_out: bool) -> torch.Tensor:
     if len(weights) == 1:
         return first
     if laid_out if torch.compiler.is_compiling() else _adjacent(weights):
-        return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), first.stride())
+        return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), (first.shape[1], 1))
     return torch.cat(weights)
 
 
