@@ -215,7 +215,8 @@ def _adjacent(weights: tuple[torch.Tensor, ...]) -> bool:
 
 def note_laid_out(model: nn.Module) -> None:
     """Set `laid_out` on each module with stacked weights (its `stacked()`): whether they lie one after another
-    in one storage, as the unit's flat buffer lays them out; once, since torch.compile cannot check it."""
+    in one storage, as the unit's flat buffer lays them out. A compiled block trusts it (torch.compile cannot check
+    storage offsets): whatever points a parameter's data elsewhere must call this again."""
     for m in model.modules():
         if hasattr(m, "stacked"):
             m.laid_out = _adjacent(tuple(m.stacked()))
