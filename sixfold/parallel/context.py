@@ -91,6 +91,9 @@ class ContextParallel:
     # all-gather KV --------------------------------------------------------------------------------
     def _allgather(self, q, k, v):
         keys = _GatherKV.apply(torch.stack([k, v]), self)  # [2, b, hkv, cp*local, d], ranks' chunks in rank order
+        # attention saves q: a copy of its own (in q's layout, which its output takes, and the output projection
+        # reads without a copy), or q's storage, the heads' buffer, would keep the local k and v too
+        q = q.clone()
         return F.scaled_dot_product_attention(q, keys[0], keys[1], attn_mask=self._causal_mask(q),
                                               enable_gqa=k.shape[1] != q.shape[1])
 

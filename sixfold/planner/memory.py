@@ -62,7 +62,7 @@ def block_activations(rank: Rank, layer: int, recompute: str) -> int:
     saved = b * (4 * th * cfg.dim + t * q + 2 * t * kv) + mlp_activations(rank, layer) + core + 4 * 2 * th
     cp = rank.model.cp
     if cp.size > 1 and recompute != "selective" and cp.mode == "allgather":  # inside the core selective rebuilds
-        saved += b * 2 * cp.size * t * kv
+        saved += b * 2 * (cp.size - 1) * t * kv  # every rank's keys and values, q copied out of the heads' buffer
     if cp.size > 1 and recompute != "selective" and cp.mode == "ulysses":  # kv heads repeated up to cp if fewer
         saved += b * t * q + b * 2 * t * kv * (max(1, cp.size // attn.n_kv_heads) - 1)
     return saved
