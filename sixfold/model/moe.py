@@ -17,6 +17,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel.expert import ExpertParallel
 from ..parallel.tensor import Split, TensorParallel
+from .fused import swiglu
 
 
 def routing_warning(cfg: ModelConfig) -> str:
@@ -64,7 +65,8 @@ class Experts(nn.Module):
         out = []  # unbind once: indexing per expert would give each a whole zeroed gradient in backward
         for piece, gate, up, down in zip(rows.split(counts), self.w_gate.unbind(), self.w_up.unbind(),
                                          self.w_down.unbind()):
-            out.append((F.silu(piece @ gate.t()) * (piece @ up.t())) @ down.t())
+            # gate and up side by side: SwiGLU saves them as one tensor and computes silu(gate) again in backward
+            out.append(swiglu(torch.cat([piece @ gate.t(), piece @ up.t()], -1)) @ down.t())
         return torch.cat(out)
 
 

@@ -70,8 +70,8 @@ def block_activations(rank: Rank, layer: int, recompute: str) -> int:
 
 def mlp_activations(rank: Rank, layer: int) -> int:
     """Bytes a block's MLP saves beyond its input: a dense SwiGLU b * 3 * T * f; an MoE layer, with R = T_h * k
-    routed rows (those reaching this rank's experts when routing is balanced over ep), b * R * (3 * dim + 4 * f)
-    (the rows in, each expert's gate, its activation, up and their product, the outputs out and weighted) and
+    routed rows (those reaching this rank's experts when routing is balanced over ep), b * R * (3 * dim + 3 * f)
+    (the rows in, each expert's gate and up (one tensor) and their SwiGLU, the outputs out and weighted) and
     its routing (probabilities and log-sum-exp inputs 8 * T_h * E, the top k, their sum, weights and row indices
     (28 + b) * R + 8 * T_h), plus a shared expert as a dense SwiGLU."""
     cfg, b, t, th = rank.cfg.model, rank.compute_bytes, rank.micro_tokens, rank.hidden_tokens
@@ -79,7 +79,7 @@ def mlp_activations(rank: Rank, layer: int) -> int:
     if not isinstance(mlp, MoE):
         return b * 3 * t * mlp.w_gate.weight.shape[0]
     rows, experts = th * cfg.moe_top_k, cfg.moe_experts
-    out = b * rows * (3 * cfg.dim + 4 * cfg.ffn_dim) + (28 + b) * rows + 8 * th * experts + 8 * th + 4 * experts
+    out = b * rows * (3 * cfg.dim + 3 * cfg.ffn_dim) + (28 + b) * rows + 8 * th * experts + 8 * th + 4 * experts
     return out + (b * 3 * t * mlp.shared.w_gate.weight.shape[0] if mlp.shared is not None else 0)
 
 
