@@ -18,6 +18,8 @@ import hashlib
 import json
 import os
 import shutil
+import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,21 +45,57 @@ def _sha256(path: Path) -> str:
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or the latest checkpoint of a run directory."""
+    """A checkpoint directory, or the latest checkpoint of a run directory: the one `latest` names, or without
+    that pointer the newest complete one."""
     path = Path(path)
     if (path / META).is_file():
         return path
     latest = path / "checkpoints" / "latest"
     if latest.is_file():
-        found = path / "checkpoints" / latest.read_text().strip()
+        name = latest.read_text().strip()
+        found = path / "checkpoints" / name
+        if not name.startswith("step_") or Path(name).name != name:
+            raise CheckpointError(f"{latest} names {name!r}, not a checkpoint of this run; point it at one of "
+                                  f"{path / 'checkpoints'}'s step_* directories, or remove it")
         for old in found.parent.glob(f".{found.name}.old-*"):  # a save replacing it stopped in between
             restore_replaced(old)
         if (found / META).is_file():
             return found
-        raise CheckpointError(f"{latest} points to {found}, which holds no {META}")
+        done = complete_steps(path)
+        hint = f"; the newest complete one is {done[-1]}: resume from it" if done else ""
+        raise CheckpointError(f"{latest} points to {found}, which holds no {META}{hint}")
+    done = complete_steps(path)
+    if done:
+        warnings.warn(f"{latest} is missing: resuming from the newest complete checkpoint, {done[-1]}")
+        return done[-1]
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
-    raise CheckpointError(f"{path} is neither a checkpoint (no {META}) nor a run directory with checkpoints/latest")
+    raise CheckpointError(f"{path} is neither a checkpoint (no {META}) nor a run directory with checkpoints")
+
+
+def complete_steps(run_dir: str | Path) -> list[Path]:
+    """A run directory's checkpoints that hold their meta.json, oldest first."""
+    return sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if (p / META).is_file())
+
+
+def has_checkpoint(run_dir: str | Path) -> bool:
+    return (Path(run_dir) / "checkpoints" / "latest").is_file() or bool(complete_steps(run_dir))
+
+
+def set_aside(run_dir: str | Path) -> Path | None:
+    """Move an earlier run's checkpoints out of the way of a run that starts over in its directory: to
+    checkpoints-before-DATE-TIME beside them (returned), None if there were none."""
+    root = Path(run_dir) / "checkpoints"
+    if not any(root.glob("step_*")):
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = root.with_name(f"checkpoints-before-{stamp}")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = root.with_name(f"checkpoints-before-{stamp}-{n}")
+    root.rename(aside)
+    return aside
 
 
 def read_meta(path: str | Path) -> dict:
@@ -232,6 +270,6 @@ def mark_latest(run_dir: str | Path, path: Path, keep: int) -> None:
     tmp = root / f".latest.tmp-{os.getpid()}"
     tmp.write_text(path.name)
     tmp.replace(root / "latest")
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name <= path.name)
+    steps = [p for p in complete_steps(run_dir) if p.name <= path.name]
     for old in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)

@@ -16,6 +16,7 @@ import yaml
 
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+MAX_TIMEOUT_S = 1_000_000  # 11.6 days: the heartbeat's deadlines stay within the platform's time_t
 
 
 class ConfigError(ValueError):
@@ -419,8 +420,18 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if t.eval_every < 0 or (t.eval_every and t.eval_batches < 1):
         raise ConfigError(f"train.eval_every={t.eval_every} must be 0 (no evaluation) or more, and "
                           f"train.eval_batches={t.eval_batches} at least 1 when it is set")
-    if p.timeout_s <= 0:
-        raise ConfigError(f"parallel.timeout_s={p.timeout_s} must be a positive number of seconds")
+    if not 1 <= p.timeout_s <= MAX_TIMEOUT_S:  # NaN too
+        raise ConfigError(f"parallel.timeout_s={p.timeout_s} must be a number of seconds from 1 to {MAX_TIMEOUT_S}")
+    adam = {"beta1": 0 <= t.beta1 < 1, "beta2": 0 <= t.beta2 < 1, "eps": 0 < t.eps < 1,
+            "weight_decay": 0 <= t.weight_decay < math.inf, "grad_clip": 0 <= t.grad_clip < math.inf,
+            "min_lr": t.min_lr <= t.lr}
+    for key, ok in adam.items():
+        if not ok:
+            raise ConfigError(f"train.{key}={getattr(t, key)} is out of range: AdamW takes betas in [0, 1), eps in "
+                              f"(0, 1), weight_decay and grad_clip 0 (off) or more, min_lr at most lr")
+    for key in ("norm_eps", "rope_theta", "init_std"):
+        if not 0 < getattr(m, key) < math.inf:
+            raise ConfigError(f"model.{key}={getattr(m, key)} must be a positive number")
     for key in ("every", "keep"):
         if getattr(cfg.checkpoint, key) < 0:
             raise ConfigError(f"checkpoint.{key}={getattr(cfg.checkpoint, key)} must be 0 (never / keep all) or more")

@@ -402,11 +402,42 @@ def _index_path(cfg: DataConfig, root: Path, files) -> Path:
     return Path(cfg.cache_dir).expanduser() / f"index-{key}.json"
 
 
+def _stamp(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _file_sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _sums_path(train_path: Path) -> Path:
+    return train_path.with_name(train_path.name.removesuffix(".train.bin") + ".sha256")
+
+
+def _intact(train_path: Path, val_path: Path) -> bool:
+    """Whether cached streams hold what was written (their sha256 as recorded then): tokenizing again is slower
+    than reading them, and a stream cut short or overwritten would train on the wrong tokens."""
+    try:
+        sums = json.loads(_sums_path(train_path).read_text())
+        return sums == {"train": _file_sha(train_path), "val": _file_sha(val_path)}
+    except (OSError, ValueError):
+        return False
+
+
 def _from_index(index: Path) -> TokenData | None:
-    """The streams and tokenizer an index names, or None if it or any of them is missing or unreadable; the
-    warnings of the corpus's first read are given again."""
+    """The streams and tokenizer an index names, or None if it or any of them is missing, unreadable or changed
+    since (size, modification time); the warnings of the corpus's first read are given again."""
     try:
         entry = json.loads(index.read_text())
+        if [_stamp(Path(entry[k])) for k in ("train", "val")] != entry["stamps"]:
+            warnings.warn(f"the token cache {entry['train']} changed since {index} named it: checking it against "
+                          f"the corpus", stacklevel=3)
+            return None
         dtype = np.dtype(entry["dtype"])
         tok = ByteTokenizer() if entry["tokenizer"] == "byte" else BPETokenizer.from_file(entry["tokenizer"])
         data = TokenData(np.memmap(entry["train"], dtype, mode="r"), np.memmap(entry["val"], dtype, mode="r"), tok)
@@ -440,12 +471,15 @@ def load_data(cfg: DataConfig) -> TokenData:
     cache = Path(cfg.cache_dir).expanduser()
     train_path, val_path = cache / f"tokens-{key}.train.bin", cache / f"tokens-{key}.val.bin"
     with _lock(train_path):
-        if not (train_path.exists() and val_path.exists()):
+        if not (train_path.exists() and val_path.exists() and _intact(train_path, val_path)):
             _write_cache(tok, train_docs, val_docs, train_path, val_path, cfg.val_fraction, dtype)
+            with _written(_sums_path(train_path)) as tmp:
+                tmp.write_text(json.dumps({"train": _file_sha(train_path), "val": _file_sha(val_path)}))
         tok_file = "byte" if isinstance(tok, ByteTokenizer) else str(tok.path)
         with _written(index) as tmp:
             tmp.write_text(json.dumps({"train": str(train_path), "val": str(val_path), "dtype": np.dtype(dtype).name,
-                                       "tokenizer": tok_file, "warnings": [str(w.message) for w in said]}))
+                                       "tokenizer": tok_file, "warnings": [str(w.message) for w in said],
+                                       "stamps": [_stamp(train_path), _stamp(val_path)]}))
     return TokenData(np.memmap(train_path, dtype, mode="r"), np.memmap(val_path, dtype, mode="r"), tok)
 
 

@@ -75,7 +75,7 @@ class Trainer:
         self.saver = train_state.Saver(ctx, self.comm, cfg)
         resume = cfg.checkpoint.resume
         if resume == "auto":  # the run directory's latest checkpoint, if it has one
-            resume = str(self.run_dir) if (self.run_dir / "checkpoints" / "latest").is_file() else ""
+            resume = str(self.run_dir) if ckpt.has_checkpoint(self.run_dir) else ""
         if resume:
             self.load(resume)
 
@@ -241,6 +241,9 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         log = RunLog(self.run_dir, self.ctx.is_main, t.steps, self.step, cfg.log.progress, cfg.log.tensorboard)
         history, began = [], time.perf_counter()
+        if self.step >= t.steps and self.ctx.is_main:
+            warnings.warn(f"the run resumes at step {self.step} and train.steps={t.steps}: no step left to train; "
+                          f"raise train.steps to train on")
         with StopSignal() as stop:
             try:
                 while self.step < t.steps:
@@ -300,7 +303,8 @@ class Trainer:
 
     def sample(self) -> str:
         from .generate import sample_text
-        return sample_text(self.pipeline or self.model, self.data.tokenizer, self.cfg.log.sample_prompt, self.cfg.log.sample_tokens,
+        log = self.cfg.log
+        return sample_text(self.pipeline or self.model, self.data.tokenizer, log.sample_prompt, log.sample_tokens,
                            seed=self.cfg.train.seed)
 
     def _write_outputs(self, log: RunLog) -> None:
@@ -324,7 +328,7 @@ class Trainer:
 def check_inputs(cfg: Config, data: TokenData) -> None:
     """Refuse what the config and the data alone show cannot run, before any step (and, from `sixfold train`,
     before its ranks start): a vocabulary smaller than the tokenizer's, a split too short for one sequence, a
-    checkpoint to resume from that is not there."""
+    sample prompt longer than the model takes, a checkpoint to resume from that is not there."""
     t = cfg.train
     if data.tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
@@ -332,30 +336,53 @@ def check_inputs(cfg: Config, data: TokenData) -> None:
     BatchLoader(data.train, t.seq_len, t.global_batch, t.seed)
     if t.eval_every:
         eval_batches(data.val, t.seq_len, t.global_batch, 1)
+        windows = (len(data.val) - 1) // t.seq_len
+        if (t.eval_batches - 1) * t.global_batch >= windows:
+            warnings.warn(f"train.eval_batches={t.eval_batches} batches of {t.global_batch} sequences go round the "
+                          f"val split's {windows} sequences more than once: {-(-windows // t.global_batch)} cover it, "
+                          f"in less time")
+    prompt = len(data.tokenizer.encode(cfg.log.sample_prompt)) if cfg.log.sample_tokens else 1
+    if prompt > cfg.model.max_seq_len:
+        raise ConfigError(f"log.sample_prompt is {prompt} tokens, more than model.max_seq_len={cfg.model.max_seq_len} "
+                          f"that the sample after training may hold; shorten it, or set log.sample_tokens=0")
     if cfg.checkpoint.resume not in ("", "auto"):
         ckpt.find_checkpoint(cfg.checkpoint.resume)
 
 
-def prepare_run_dir(cfg: Config, ctx: ParallelContext) -> None:
+def resumes_here(cfg: Config) -> bool:
+    """Whether the run continues from its own directory's checkpoints."""
+    run_dir, resume = Path(cfg.log.run_dir), cfg.checkpoint.resume
+    if resume == "auto":
+        return ckpt.has_checkpoint(run_dir)
+    return bool(resume) and run_dir.resolve() in [Path(resume).resolve(), *Path(resume).resolve().parents]
+
+
+def start_run_dir(cfg: Config, ctx: ParallelContext) -> None:
+    """Once the trainer is built (a checkpoint to resume from loaded): a run that does not continue its directory's
+    own checkpoints moves them aside (an earlier run's, which its own would replace), then config.yaml."""
     if ctx.is_main:
-        run_dir = make_run_dir(cfg)
-        resumes = cfg.checkpoint.resume not in ("", "auto") or (
-            cfg.checkpoint.resume == "auto" and (run_dir / "checkpoints" / "latest").is_file())
-        if not resumes and (run_dir / "metrics.jsonl").is_file():
-            warnings.warn(f"{run_dir} holds an earlier run: this one starts over, replacing its metrics.jsonl, "
-                          f"config.yaml and trace (its checkpoints stay); to continue it instead, set "
-                          f"checkpoint.resume=auto, or to keep both, another log.run_dir")
+        run_dir = Path(cfg.log.run_dir)
+        if not resumes_here(cfg):
+            aside = ckpt.set_aside(run_dir)
+            if aside or (run_dir / "metrics.jsonl").is_file():
+                kept = f"its checkpoints are moved to {aside}" if aside else "it has no checkpoints"
+                warnings.warn(f"{run_dir} holds an earlier run: this one starts over, replacing its metrics.jsonl, "
+                              f"config.yaml and trace ({kept}); to continue it instead, set "
+                              f"checkpoint.resume=auto, or to keep both, another log.run_dir")
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
     ctx.barrier()
 
 
 def run(cfg: Config, ctx: ParallelContext, data: TokenData | None = None) -> list[dict]:
     """Train in the ranks of `ctx` (and with `data`, if loaded already)."""
-    prepare_run_dir(cfg, ctx)
+    if ctx.is_main:
+        make_run_dir(cfg)
     if ctx.is_main and cfg.log.progress:
         print(f"sixfold: {cfg.parallel.describe()} on {ctx.world_size} process(es), {ctx.backend}, "
               f"{cfg.model.num_params():,} parameters\n--- config ---\n{cfg.to_yaml()}--------------", flush=True)
-    history = Trainer(cfg, ctx, data).fit()
+    trainer = Trainer(cfg, ctx, data)
+    start_run_dir(cfg, ctx)
+    history = trainer.fit()
     ctx.barrier()  # the ranks leave together: none tears down its groups while a peer still uses them
     return history
 

@@ -194,15 +194,25 @@ def test_an_unfinished_save_is_ignored_and_cleared_and_the_last_k_are_kept(tmp_p
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000002", "step_0000003"]  # keep=2
 
 
-def test_checkpoints_of_later_steps_from_an_earlier_run_are_left_and_latest_is_the_new_one(tmp_path):
-    """A shorter run in a run directory that holds an earlier run's later checkpoints keeps its own newest ones."""
+def test_a_run_that_starts_over_moves_the_earlier_runs_checkpoints_aside(tmp_path):
+    """A run in a directory that holds an earlier run's checkpoints, not resuming them, writes its own beside them:
+    none of the earlier ones is replaced or removed. Without `latest`, resume=auto takes the newest complete one."""
     run = tmp_path / "run"
-    common = [f"log.run_dir={run}", "checkpoint.every=1", "checkpoint.keep=1"]
+    common = [f"log.run_dir={run}", "checkpoint.every=1", "checkpoint.keep=2"]
     train(load_config(TINY, [*common, "train.steps=3"]))
-    with pytest.warns(UserWarning, match="holds an earlier run: this one starts over"):
-        train(load_config(TINY, [*common, "train.steps=2"]))
-    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000002", "step_0000003"]
-    assert Checkpoint(run).path.name == "step_0000002"
+    earlier = {p.name: (p / "model-00000.safetensors").read_bytes() for p in (run / "checkpoints").glob("step_*")}
+    with pytest.warns(UserWarning, match="holds an earlier run: this one starts over.*checkpoints are moved to"):
+        train(load_config(TINY, [*common, "train.steps=2", "train.seed=7"]))
+    (aside,) = run.glob("checkpoints-before-*")
+    assert {p.name: (p / "model-00000.safetensors").read_bytes() for p in aside.glob("step_*")} == earlier
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000001", "step_0000002"]
+    (run / "checkpoints" / "latest").unlink()
+    (run / "checkpoints" / "step_0000005").mkdir()  # no meta.json: not a checkpoint, nor counted by keep
+    with pytest.warns(UserWarning, match="latest is missing: resuming from the newest complete checkpoint"):
+        train(load_config(TINY, [*common, "train.steps=3", "train.seed=7", "checkpoint.resume=auto"]))
+    assert read_metrics(run)[-1]["step"] == 3 and not list(run.glob("checkpoints-before-*-2"))
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000002", "step_0000003",
+                                                                           "step_0000005"]
 
 
 def test_the_last_periodic_checkpoint_is_written_without_a_final_one(tmp_path):

@@ -69,6 +69,12 @@ def test_bad_values():
     (["parallel.zero=1", "parallel.dp_replicate=2"], "parallel.zero=1 shards over the dp_shard x cp ranks .*"
      "set parallel.dp_shard above 1, or parallel.zero=0"),
     (["train.precision=fp16"], "train.precision='fp16': choose fp32 or bf16"),
+    (["parallel.timeout_s=1e12"], "parallel.timeout_s=1000000000000.0 must be a number of seconds from 1 to"),
+    (["parallel.timeout_s=nan"], "parallel.timeout_s=nan must be"),
+    (["train.beta2=-1"], "train.beta2=-1.0 is out of range: AdamW takes betas in"),
+    (["train.eps=0"], "train.eps=0.0 is out of range"),
+    (["train.min_lr=1.0"], "train.min_lr=1.0 is out of range.* min_lr at most lr"),
+    (["model.init_std=0"], "model.init_std=0.0 must be a positive number"),
 ])
 def test_impossible_layouts(overrides, message):
     with pytest.raises(ConfigError, match=message):

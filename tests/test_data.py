@@ -354,3 +354,25 @@ def test_eval_batches_are_fixed_and_sharded():
         assert torch.equal(torch.cat([halves[0][i][0], halves[1][i][0]]), whole[i][0])
     with pytest.raises(DataError, match="val_fraction"):
         eval_batches(t[:10], 16, 4, 1, 0, 1)
+
+
+@pytest.mark.parametrize("damage", ["cut short", "overwritten"])
+def test_a_damaged_token_cache_is_tokenized_again(tmp_path, damage):
+    c = cfg(tmp_path, source=str(write_corpus(tmp_path / "c")))
+    data = load_data(c)
+    first = np.array(data.train), np.array(data.val)  # copies: the damage below is to the mapped file
+    del data
+    (train,) = (tmp_path / "cache").glob("tokens-*.train.bin")
+    size = train.stat().st_size
+    if damage == "cut short":
+        os.truncate(train, size // 2)
+    else:
+        train.write_bytes(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+    with pytest.warns(UserWarning, match="changed since"):
+        again = load_data(c)
+    assert np.array_equal(again.train, first[0]) and np.array_equal(again.val, first[1])
+    del again
+    for index in (tmp_path / "cache").glob("index-*.json"):  # the index gone too: the streams checked all the same
+        index.unlink()
+    train.write_bytes(b"\0" * size)
+    assert np.array_equal(load_data(c).train, first[0])

@@ -147,3 +147,15 @@ def test_mixtral_import_and_export_match_transformers(tmp_path):
     back = MixtralForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").float().eval()
     with torch.no_grad():
         assert max_diff(back(tokens()).logits, expected) <= TOL
+
+
+def test_import_and_export_write_only_new_directories(tmp_path):
+    """Neither replaces what an output path holds (a training checkpoint, another model)."""
+    hf_model(tied=True).save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+    with pytest.raises(CheckpointError, match="exists and is not empty"):
+        import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="exists and is not empty"):
+        export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before

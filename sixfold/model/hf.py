@@ -173,9 +173,18 @@ def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _new_output(out_dir: str | Path) -> Path:
+    """out_dir, refused if something is there already: nothing of the user's is overwritten."""
+    out_dir = Path(out_dir)
+    if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir())):
+        raise CheckpointError(f"{out_dir} exists and is not empty, and writing there would replace what it holds; "
+                              f"give a new output path, or move it away")
+    return out_dir
+
+
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
-    """Turn a LlamaForCausalLM directory into a sixfold checkpoint (fp32) at out_dir."""
-    hf_dir = Path(hf_dir)
+    """Turn a LlamaForCausalLM directory into a sixfold checkpoint (fp32) at out_dir (a new directory)."""
+    hf_dir, out_dir = Path(hf_dir), _new_output(out_dir)
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{hf_dir} has no config.json; give a directory written by save_pretrained")
     model_cfg = model_config_from_hf(json.loads((hf_dir / "config.json").read_text()))
@@ -212,15 +221,15 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Ll
 
 def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     """Write a sixfold checkpoint as a LlamaForCausalLM or MixtralForCausalLM directory (config.json,
-    model.safetensors, and tokenizer.json when it was trained with a BPE tokenizer)."""
+    model.safetensors, and tokenizer.json when it was trained with a BPE tokenizer) at out_dir (a new directory)."""
     from ..data import BPETokenizer, DataError
     from ..generate import checkpoint_tokenizer
+    out_dir = _new_output(out_dir)
     model, cfg = load_model(path)
     try:  # its end-of-text token is the model's eos (not LlamaConfig's default 2, a byte for a byte model)
         tok = checkpoint_tokenizer(path, cfg)
     except DataError:
         tok = None
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf = {**hf_config_from_model(cfg.model), "bos_token_id": None, "eos_token_id": tok.eot if tok else None}
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
