@@ -104,10 +104,11 @@ def test_a_block_compiles_into_one_graph(laid_out):
     if laid_out:
         _lay_out(model)
     block = model.layers["0"]
-    cats = []
+    cats, traces = [], []
 
     def inductor(gm, inputs):
         from torch._inductor.compile_fx import compile_fx  # torch.compile's default backend
+        traces.append(gm)
         cats.extend(tuple(n.meta["example_value"].shape) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
                     for n in m.graph.nodes if n.target is torch.cat)
         return compile_fx(gm, inputs)
@@ -126,4 +127,5 @@ def test_a_block_compiles_into_one_graph(laid_out):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), s
     stacks = [(sum(w.shape[0] for w in m.stacked()), model.cfg.dim) for m in (block.attn, block.mlp)]
     copies = sum(shape in stacks for shape in cats)
-    assert copies == (0 if laid_out else 8)  # forward and backward, each traced at two lengths
+    # per trace, qkv and gate/up in forward and in backward (one trace or two: a length may already be dynamic)
+    assert traces and copies == (0 if laid_out else 4 * len(traces))
