@@ -158,8 +158,9 @@ class Trainer:
                 "expert_share": {i: [min(s), max(s)] for i, s in sorted(shares.items())}}
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """The validation loss; not traced (the trace and its overlap table are the training steps')."""
+    def evaluate(self, stop: StopSignal | None = None) -> float | None:
+        """The validation loss; not traced (the trace and its overlap table are the training steps'). With `stop`,
+        None once a rank has received a signal (asked before each batch, by all ranks together)."""
         t = self.cfg.train
         batches = eval_batches(self.data.val, t.seq_len, t.global_batch, t.eval_batches,
                                self.ctx.batch_index, self.ctx.size("batch"))
@@ -167,6 +168,9 @@ class Trainer:
         tracing, self.tracer.enabled = self.tracer.enabled, False
         try:
             for x, y in batches:
+                if stop is not None and self._stop_heard(stop):
+                    self.sharded.release()
+                    return None
                 x, y = self._local(x, y)
                 total += self.pipeline.forward(x, y) if self.pipeline else float(self.model.loss_sum(x, y))
                 count += int((y != IGNORE_INDEX).sum())
@@ -253,7 +257,9 @@ class Trainer:
                     m = self.train_step()
                     m["elapsed_s"] = time.perf_counter() - began
                     if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
-                        m["val_loss"] = self.evaluate()
+                        val = self.evaluate(stop)
+                        if val is not None:
+                            m["val_loss"] = val
                         self.comm.ledger.close("eval")
                     history.append(m)
                     log.step(m, show=self.step % cfg.log.every == 0 or self.step == t.steps)

@@ -260,6 +260,22 @@ def test_sigterm_and_sigint_are_noted_while_training_and_the_handlers_before_put
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
+def test_a_signal_ends_an_evaluation_between_its_batches(tmp_path):
+    """A long evaluation does not hold up a preemption: a signal heard before a batch ends it without a loss."""
+    from sixfold.config import load_config
+    from sixfold.mesh import ParallelContext
+    from sixfold.train import Trainer
+    trainer = Trainer(load_config(TINY, [f"log.run_dir={tmp_path}", "train.eval_every=1", "train.eval_batches=3"]),
+                      ParallelContext.single())
+    forwards = []
+    real = trainer.model.loss_sum
+    trainer.model.loss_sum = lambda *a: forwards.append(1) or real(*a)
+    stop = StopSignal()
+    assert trainer.evaluate(stop) > 0 and len(forwards) == 3
+    stop.received = "SIGTERM"
+    assert trainer.evaluate(stop) is None and len(forwards) == 3
+
+
 def test_ctrl_c_to_the_launcher_stops_its_ranks_after_a_step_with_a_checkpoint(tmp_path):
     """`sixfold train --nproc 2` passes SIGINT (or SIGTERM) on to torchrun as SIGTERM, so the ranks end as under a
     scheduler's preemption instead of running on or dying mid-step."""
