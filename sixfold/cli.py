@@ -239,7 +239,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser().parse_args(argv)
+    cli = parser()
+    args, extra = cli.parse_known_args(argv)
+    if extra and hasattr(args, "config") and all("=" in a and not a.startswith("-") for a in extra):
+        args.config += extra  # overrides after the flags
+    elif extra:
+        cli.error(f"unrecognized arguments: {' '.join(extra)}")
     warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
     from .benchjob import BenchError
     from .comm import CommError

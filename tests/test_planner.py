@@ -71,6 +71,13 @@ def test_predictions_equal_what_a_run_held_and_sent(tmp_path, layout):
         assert PEAK_UNDER * measured <= predicted <= PEAK_OVER * measured, (predicted, measured)
 
 
+def test_overrides_may_follow_the_flags(capsys):
+    assert cli.main(["plan", "configs/llama3-8b.yaml", "--gpus", "8", "parallel.tp=8", "train.precision=bf16"]) == 0
+    assert capsys.readouterr().out.startswith("tp8, sequence-TP on 8 x h100")
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "configs/llama3-8b.yaml", "--gpus", "8", "--bogus"])
+
+
 def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     args = ["configs/llama3-8b.yaml", "train.precision=bf16", "--gpus", "16", "--nodes", "2"]
     assert cli.main(["plan", *args[:2], "parallel.tp=8", "parallel.dp_shard=2", "parallel.zero=3", *args[2:]]) == 0
