@@ -154,6 +154,8 @@ def bench(args, path: str | None, overrides: list[str], argv: list[str]) -> None
         if _given(args, "--table", "--write", "--steps"):
             raise ConfigError(f"{', '.join(_given(args, '--table', '--write', '--steps'))}: not with --max-seq, "
                               f"whose probes run 2 steps each")
+        if args.budget_gb is not None and not args.budget_gb > 0:
+            raise ConfigError(f"--budget-gb {args.budget_gb}: give a positive number of GB")
         from .maxseq import max_seq
         max_seq(path or str(BENCH), overrides, args.budget_gb, args.min, args.max)
         return
@@ -161,12 +163,15 @@ def bench(args, path: str | None, overrides: list[str], argv: list[str]) -> None
         raise ConfigError(f"{', '.join(_given(args, '--budget-gb', '--min', '--max'))}: only with --max-seq")
     if args.write and not args.table:
         raise ConfigError("--write puts the --table into docs/benchmarks.md; add --table")
-    steps = args.steps or 10
+    steps = 10 if args.steps is None else args.steps
     if steps <= WARMUP:
         raise ConfigError(f"--steps {steps}: the first {WARMUP} steps are not timed; give at least {WARMUP + 1}")
     if args.table:
         table(path, overrides, steps, args.write, argv, args.runs)
         return
     cfg = workload_config(path, overrides, steps)
+    from .data import load_data
+    from .train import check_inputs
+    check_inputs(cfg, load_data(cfg.data))  # refused here, not by the job's ranks
     threads = os.environ.get("OMP_NUM_THREADS") or str(threads_per_rank(cfg))
     print(line(cfg.parallel.describe(), time_run(cfg, threads), steps))

@@ -209,8 +209,10 @@ def parser() -> argparse.ArgumentParser:
                                                           "of 2 steps")
     b.add_argument("--budget-gb", type=float, default=None, help="--max-seq: GB a rank may use (required on CPU: "
                                                                  "resident-set growth; on CUDA: allocated)")
-    b.add_argument("--min", type=int, default=None, help="--max-seq: the first length probed (default train.seq_len)")
-    b.add_argument("--max", type=int, default=None, help="--max-seq: the longest length probed (default 1048576)")
+    b.add_argument("--min", type=_at_least(1), default=None, help="--max-seq: the first length probed (default "
+                                                                   "train.seq_len)")
+    b.add_argument("--max", type=_at_least(1), default=None, help="--max-seq: the longest length probed (default "
+                                                                   "1048576)")
     b.set_defaults(fn=cmd_bench)
     m = sub.add_parser("matrix", help="every layout of the parity matrix against the single process, in one job")
     m.add_argument("config", nargs="*", help="the base config (configs/tiny.yaml), then section.key=value overrides")

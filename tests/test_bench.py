@@ -67,6 +67,9 @@ def test_max_seq_on_cpu_needs_a_budget(capsys):
     (["bench", "--runs", "3"], "add --table"),
     (["bench", "--table", "--runs", "0"], "give at least 1"),
     (["bench", "--budget-gb", "1"], "--budget-gb: only with --max-seq"),
+    (["bench", "--steps", "0"], "--steps 0: the first 2 steps are not timed"),
+    (["bench", "--max-seq", TINY, "--budget-gb", "-1"], "--budget-gb -1.0: give a positive number of GB"),
+    (["bench", TINY, "model.vocab_size=200"], "model.vocab_size=200 is smaller than the tokenizer's"),
 ])
 def test_bad_input_is_refused_before_any_job(capsys, argv, message):
     assert main(argv) == 2
