@@ -263,8 +263,11 @@ def _documents(cfg: DataConfig, root: Path, files) -> list[tuple[str, str]]:
         warnings.warn(f"skipped {len(skipped)} file(s) that are not UTF-8 text: {', '.join(skipped[:5])}"
                       f"{' ...' if len(skipped) > 5 else ''}", stacklevel=2)
     if not docs:
+        jsonl = any(_format(cfg, path) == "jsonl" for _, path in files)
         raise DataError(f"data.source={cfg.source!r}: no non-empty UTF-8 documents in {root} "
-                        f"({len(files)} file(s) looked at); point data.source at text data")
+                        f"({len(files)} file(s) looked at); point data.source at text data"
+                        + (f", or set data.jsonl_field (now {cfg.jsonl_field!r}) to the field that holds the text"
+                           if jsonl else ""))
     return docs
 
 
@@ -458,11 +461,13 @@ def load_data(cfg: DataConfig) -> TokenData:
     found = _from_index(index)
     if found is not None:
         return found
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        docs = _documents(cfg, root, files)
-    for w in said:
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            docs = _documents(cfg, root, files)
+    finally:  # also when no document was found: the lines or files skipped say why
+        for w in said:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction)
     tok = build_tokenizer(cfg, train_docs)
     dtype = np.uint16 if tok.vocab_size < 65536 else np.uint32
