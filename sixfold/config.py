@@ -339,9 +339,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"(dp_replicate alone all-reduces the gradients, as DDP)")
     if world_size is not None:
         check_world_size(p, world_size)
-    if m.moe_experts and not 1 <= m.moe_top_k <= m.moe_experts:
+    if m.moe_experts > 0 and not 1 <= m.moe_top_k <= m.moe_experts:
         raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be between 1 and model.moe_experts={m.moe_experts}")
-    if p.ep > 1 and (not m.moe_experts or m.moe_experts % p.ep):
+    if p.ep > 1 and m.moe_experts <= 0:
+        raise ConfigError(f"parallel.ep={p.ep} splits a model's experts, and this model has none "
+                          f"(model.moe_experts={m.moe_experts}): set model.moe_experts, or parallel.ep=1")
+    if p.ep > 1 and m.moe_experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts} (the experts are "
                           f"split over ep); change parallel.ep or model.moe_experts")
     if (p.dp_shard * p.cp) % p.ep:

@@ -59,7 +59,8 @@ def test_bad_values():
     (["parallel.tp=4", "model.ffn_dim=170"], "model.ffn_dim=170 is not divisible by parallel.tp=4"),
     (["parallel.tp=2", "model.n_heads=6", "model.dim=96", "model.n_kv_heads=3"],
      "model.n_kv_heads=3 and parallel.tp=2: one must divide the other"),
-    (["parallel.ep=2"], "parallel.ep=2 must divide model.moe_experts=0"),
+    (["parallel.ep=2"], "parallel.ep=2 splits a model's experts, and this model has none"),
+    (["model.moe_experts=-1"], "model.moe_experts must be 0 or more"),
     (["model.moe_experts=4", "model.moe_top_k=5"], "model.moe_top_k=5 must be between 1"),
     (["train.seq_len=4096"], "exceeds model.max_seq_len"),
     (["data.format=parquet"], "data.format"),
@@ -98,7 +99,7 @@ def test_shipped_configs_load():
     (["model.moe_experts=6", "parallel.dp_shard=4", "parallel.ep=4"], "must divide model.moe_experts=6"),
     (["model.moe_experts=8", "parallel.dp_shard=2", "parallel.ep=4"], "must divide parallel.dp_shard"),
     (["model.moe_experts=4", "model.moe_top_k=5"], "moe_top_k=5"),
-    (["parallel.dp_shard=2", "parallel.ep=2"], "must divide model.moe_experts=0"),
+    (["parallel.dp_shard=2", "parallel.ep=2"], "this model has none \\(model.moe_experts=0\\)"),
 ])
 def test_bad_expert_layouts_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

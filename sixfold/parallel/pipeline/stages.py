@@ -55,9 +55,10 @@ def stage_costs(cfg: ModelConfig, stages: list[Stage], seq_len: int, split: bool
 
 def check_stages(cfg: ModelConfig, stages: int) -> None:
     if stages > cfg.n_layers + 2:
+        blocks = f"{cfg.n_layers} block{'s' if cfg.n_layers > 1 else ''}"
         raise ConfigError(
             f"parallel.pp*parallel.pp_virtual_stages={stages} stages, but the model has only {cfg.n_layers + 2} "
-            f"pieces to place (embedding, {cfg.n_layers} blocks, head): lower parallel.pp or "
+            f"pieces to place (embedding, {blocks}, head): lower parallel.pp or "
             f"parallel.pp_virtual_stages, or raise model.n_layers to at least {stages - 2}")
 
 
