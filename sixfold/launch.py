@@ -21,7 +21,7 @@ def run_torchrun(nproc: int, argv: list[str], capture: bool = False, module: str
                  threads: str | None = None) -> subprocess.CompletedProcess:
     """Run `python -m MODULE ARGV` (by default `sixfold ARGV`) as `nproc` ranks on this machine (a standalone
     rendezvous on a free port)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "sixfold.launch", "--standalone", f"--nproc-per-node={nproc}",
            "-m", module, *argv]
     if capture:
         return subprocess.run(cmd, env=_env(threads), text=True, capture_output=True)
@@ -52,3 +52,23 @@ def run_ranks(nproc: int, module: str, argv: list[str], threads: str | None = No
     if nproc > 1:
         return run_torchrun(nproc, argv, capture=True, module=module, threads=threads)
     return subprocess.run([sys.executable, "-m", module, *argv], env=_env(threads), text=True, capture_output=True)
+
+
+def torchrun(argv: list[str]) -> int:
+    """torchrun ARGV, ending with the ranks' own exit code (the first failed rank's; 128 + the signal when torchrun
+    itself is stopped by one) instead of torchrun's traceback and 1: each rank has said what went wrong."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+    try:
+        main(argv)
+    except ChildFailedError as e:
+        failed = sorted(e.failures.values(), key=lambda f: f.timestamp)
+        return next((f.exitcode for f in failed if f.exitcode > 0), 1)
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun(sys.argv[1:]))

@@ -289,9 +289,16 @@ def test_ctrl_c_to_the_launcher_stops_its_ranks_after_a_step_with_a_checkpoint(t
     job.send_signal(signal.SIGINT)
     out, err = job.communicate(timeout=300)
     last = read_metrics(run)[-1]["step"]
-    assert job.returncode != 0 and last < 30, err[-3000:]
+    assert job.returncode == 128 + signal.SIGTERM and last < 30 and "Traceback" not in err, err[-3000:]
     assert err.count(f"stopped by SIGTERM after step {last} of 30; checkpoint ") == 2, err[-3000:]
     assert (run / "checkpoints" / "latest").read_text() == f"step_{last:07d}"
+
+
+def test_a_ranks_error_ends_the_launcher_with_its_exit_code_and_no_torchrun_traceback(tmp_path):
+    proc = _train(tmp_path / "run", "parallel.dp_shard=2", "train.lr=1e9", "train.skip_nonfinite=0",
+                  "train.steps=3", nproc=2)
+    assert proc.returncode == 2 and "sixfold error (rank 0): loss nan" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
 
 
 def test_what_the_data_refuses_is_refused_before_the_ranks_start(tmp_path):
