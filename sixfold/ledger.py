@@ -75,7 +75,11 @@ def write(path: Path, parts: list[dict], layout: str) -> dict:
 
 
 def read(run_dir: str | Path) -> dict:
-    return json.loads((Path(run_dir) / "comm_ledger.json").read_text())
+    path = Path(run_dir) / "comm_ledger.json"
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is not a ledger sixfold wrote ({e}); train the run again to rewrite it") from None
 
 
 def step_traffic(part: dict, step: int) -> Traffic:

@@ -202,4 +202,7 @@ def overlap_table(events: list[dict]) -> str:
 
 def read_chrome_trace(path: Path) -> list[dict]:
     """The events of a trace.json written above."""
-    return [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    try:
+        return [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a trace sixfold wrote ({e}); train again with log.trace=true") from None
