@@ -8,7 +8,7 @@ import warnings
 from pathlib import Path
 
 from .checkpoint import CheckpointError
-from .config import ConfigError, check_available, check_world_size, load_config, make_run_dir, validate
+from .config import ConfigError, check_available, check_world_size, load_config, make_run_dir, validate, writable_dir
 from .launch import run_torchrun, under_torchrun
 
 KNOWN_ERRORS = (ValueError, CheckpointError)  # ConfigError and DataError are ValueErrors
@@ -89,6 +89,8 @@ def cmd_check(args, argv) -> int:
         raise ConfigError("sixfold check compares fp32 runs to round-off; set train.precision=fp32 "
                           "(bf16 training is checked against fp32 by its learning test)")
     from .parity import check
+    if args.workdir:
+        writable_dir(args.workdir, "--workdir")
     result = check(cfg, args.steps, args.workdir)
     print(result.line())
     return 0 if result.ok else 1
@@ -250,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
     from .benchjob import BenchError
     from .comm import CommError
+    from .mesh import PeerStopped
+    from .parity import ParityError
     from .stop import Stopped
     from .train import TrainingError
     rank = f" (rank {os.environ['RANK']})" if os.environ.get("RANK") else ""
@@ -258,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     except Stopped as e:
         print(f"sixfold{rank}: {e}", file=sys.stderr)
         return e.exit_code
-    except (*KNOWN_ERRORS, TrainingError, CommError, BenchError) as e:
+    except (*KNOWN_ERRORS, TrainingError, CommError, PeerStopped, ParityError, BenchError) as e:
         print(f"sixfold error{rank}: {e}", file=sys.stderr)
         return 2
 

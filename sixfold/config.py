@@ -201,6 +201,8 @@ def _coerce(value, typ, name: str):
             raise ConfigError(f"{name} must be an integer, got {value!r}")
         return int(value)
     if typ is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name} must be a number, got {value!r}")
         try:
             return float(value)
         except (TypeError, ValueError):
@@ -251,6 +253,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
             data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections")
         for k, v in data.items():
@@ -304,16 +308,21 @@ def check_world_size(p: ParallelConfig, world_size: int, name: str = "world size
 
 def make_run_dir(cfg: Config) -> Path:
     """The run directory, created; refused early (before any process starts) if it cannot be written."""
-    run_dir = Path(cfg.log.run_dir)
+    return writable_dir(cfg.log.run_dir, "log.run_dir")
+
+
+def writable_dir(path: str | Path, setting: str) -> Path:
+    """Directory `path` (given as `setting`), created and checked writable."""
+    directory = Path(path)
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{id(cfg)}"
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"log.run_dir={cfg.log.run_dir} cannot be written ({e.strerror or e}); "
-                          f"set log.run_dir to a writable directory") from None
-    return run_dir
+        raise ConfigError(f"{setting}={path} cannot be written ({e.strerror or e}); set {setting} to a writable "
+                          f"directory") from None
+    return directory
 
 
 def check_available(cfg: Config) -> None:

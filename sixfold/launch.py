@@ -29,13 +29,13 @@ def run_torchrun(nproc: int, argv: list[str], capture: bool = False, module: str
 
 
 def _forwarding_signals(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    """Run torchrun in its own session and pass SIGTERM or SIGINT (Ctrl-C) on to it as SIGTERM, which it sends
-    its ranks: they finish the step, write a checkpoint and end (stop.py). Without this a scheduler's SIGTERM
-    to this launcher would leave torchrun and the ranks running, and Ctrl-C would interrupt every rank mid-step."""
+    """Run torchrun in its own session and pass SIGTERM or SIGINT (Ctrl-C) on to it, which sends the same signal
+    to its ranks: they finish the step, write a checkpoint and end (stop.py). Without this a scheduler's SIGTERM
+    to this launcher alone would leave torchrun and the ranks running."""
     job = subprocess.Popen(cmd, env=env, start_new_session=True)
 
     def forward(signum, frame) -> None:
-        job.send_signal(signal.SIGTERM)
+        job.send_signal(signum)
 
     main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}

@@ -36,6 +36,10 @@ GROUP_DIMS = {
 GROUP_NAMES = tuple(GROUP_DIMS) + ("ep", "edp", "pp_ends")
 
 
+class PeerStopped(RuntimeError):
+    """A rank stopped while the ranks ran a step in turn, because another failed, died or did not answer."""
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     pp: int = 1
@@ -264,9 +268,9 @@ class ParallelContext:
         try:
             return in_turn(self._patient, fn, mine, self.timeout.total_seconds() / 3)
         except PeerFailed as e:
-            raise RuntimeError(f"{stopped}: {e} (see its log)") from None
+            raise PeerStopped(f"{stopped}: {e} (see its log)") from None
         except PeerLost as e:
-            raise RuntimeError(f"{stopped}: another rank died or did not answer within parallel.timeout_s "
+            raise PeerStopped(f"{stopped}: another rank died or did not answer within parallel.timeout_s "
                                f"({self.timeout.total_seconds():g} s): {e}") from None
 
     def close(self) -> None:

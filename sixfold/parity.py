@@ -27,6 +27,12 @@ LOSS_RTOL = 1e-5
 WEIGHT_RTOL = 1e-5
 BF16_LOSS_RTOL = 0.02
 LEARNED = 1.0
+
+
+class ParityError(RuntimeError):
+    """The two runs of a check could not be compared: the layout's run failed, or the runs differ in their steps."""
+
+
 QUIET = {"log": {"progress": False, "tensorboard": False, "sample_tokens": 0, "trace": False},
          "checkpoint": {"every": 0, "save_final": True, "resume": ""}}
 
@@ -89,7 +95,7 @@ def _steps(layout_dir: Path, reference_dir: Path) -> tuple[list[dict], list[dict
     a, b = read_metrics(layout_dir), read_metrics(reference_dir)
     same = b[-len(a):] if 0 < len(a) <= len(b) else []
     if not same or [m["step"] for m in a] != [m["step"] for m in same]:
-        raise RuntimeError(f"the layout ran steps {[m['step'] for m in a]}, the reference steps 1 to {len(b)}")
+        raise ParityError(f"the layout ran steps {[m['step'] for m in a]}, the reference steps 1 to {len(b)}")
     return a, same
 
 
@@ -117,7 +123,7 @@ def compare_learning(layout_dir: Path, reference_dir: Path, layout: str) -> Pari
     """A bf16 run against the fp32 reference: the last losses only (weights reported, not checked)."""
     a, b = _steps(layout_dir, reference_dir)
     if not b[0]["loss"] - b[-1]["loss"] >= LEARNED:
-        raise RuntimeError(f"the fp32 reference went from loss {b[0]['loss']:.3f} to {b[-1]['loss']:.3f}, not "
+        raise ParityError(f"the fp32 reference went from loss {b[0]['loss']:.3f} to {b[-1]['loss']:.3f}, not "
                            f"{LEARNED} lower: too few steps to tell whether bf16 learns")
     loss_rel = abs(a[-1]["loss"] - b[-1]["loss"]) / abs(b[-1]["loss"])
     if math.isnan(loss_rel):
@@ -135,7 +141,7 @@ def check(cfg: Config, steps: int, workdir: str | None = None) -> ParityResult:
     if cfg.parallel.world_size > 1:
         proc = run_torchrun(cfg.parallel.world_size, ["train", str(root / "layout.yaml")], capture=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"the layout run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
+            raise ParityError(f"the layout run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
                                f"\n{proc.stderr[-4000:]}")
     else:
         train(layout_cfg)

@@ -14,7 +14,9 @@ SIGNAL_NAMES = tuple(s.name for s in SIGNALS)
 class Stopped(RuntimeError):
     """Training ended early on a signal, after a checkpoint when checkpoints are on; the message says how to go on."""
 
-    exit_code = 128 + signal.SIGTERM  # what a shell reports for a process that SIGTERM ended
+    def __init__(self, message: str, signal_name: str):
+        super().__init__(message)
+        self.exit_code = 128 + signal.Signals[signal_name]  # what a shell reports for a process the signal ended
 
 
 class StopSignal:

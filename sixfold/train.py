@@ -301,11 +301,12 @@ class Trainer:
         c, done = self.cfg.checkpoint, f"stopped by {signal_name} after step {self.step} of {self.cfg.train.steps}"
         self.sharded.settle()  # no weight gather left in flight
         if not (c.every or c.save_final):
-            return Stopped(f"{done}; no checkpoint written (checkpoint.every=0, checkpoint.save_final=false)")
+            return Stopped(f"{done}; no checkpoint written (checkpoint.every=0, checkpoint.save_final=false)",
+                           signal_name)
         path = ckpt.step_dir(self.run_dir, self.step) if saved else self.save()
         self.saver.wait()
         return Stopped(f"{done}; checkpoint {path}: run the same command with checkpoint.resume=auto (or "
-                       f"checkpoint.resume={path}) to go on")
+                       f"checkpoint.resume={path}) to go on", signal_name)
 
     def sample(self) -> str:
         from .generate import sample_text

@@ -18,7 +18,8 @@ def sixfold(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def torchrun(script: str, nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """nproc ranks of tests/workers/SCRIPT.py, or of a module (`sixfold.cli`), under plain torchrun."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(ROOT / "tests" / "workers" / script), *args]
+    what = [str(ROOT / "tests" / "workers" / script)] if script.endswith(".py") else ["-m", script]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *what, *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True, timeout=timeout)

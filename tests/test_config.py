@@ -37,9 +37,15 @@ def test_unknown_key_in_yaml(tmp_path):
         load_config(path)
 
 
-def test_bad_values():
+def test_bad_values(tmp_path):
     with pytest.raises(ConfigError, match="train.steps must be an integer"):
         load_config(None, ["train.steps=abc"])
+    with pytest.raises(ConfigError, match="train.lr must be a number, got True"):
+        load_config(None, ["train.lr=true"])
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\x00\x01\xff\xfe")
+    with pytest.raises(ConfigError, match=f"config file {binary} is not UTF-8 text"):
+        load_config(binary)
     with pytest.raises(ConfigError, match="model.tie_embeddings must be true or false"):
         load_config(None, ["model.tie_embeddings=maybe"])
     with pytest.raises(ConfigError, match="does not exist"):

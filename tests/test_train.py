@@ -145,6 +145,8 @@ def test_layout_errors_before_any_process_starts(tmp_path):
     assert proc.returncode == 2 and "model.n_layers to at least 6" in proc.stderr
     proc = sixfold("check", TINY, "train.precision=bf16")
     assert proc.returncode == 2 and "set train.precision=fp32" in proc.stderr
+    proc = sixfold("check", TINY, "parallel.dp_replicate=2", "--workdir", "/proc/sixfold")
+    assert proc.returncode == 2 and "--workdir=/proc/sixfold cannot be written" in proc.stderr, proc.stderr
     proc = _train(tmp_path / "run", "parallel.dp_shrd=2")
     assert proc.returncode == 2 and "did you mean 'dp_shard'" in proc.stderr
     empty = tmp_path / "empty"
@@ -277,8 +279,8 @@ def test_a_signal_ends_an_evaluation_between_its_batches(tmp_path):
 
 
 def test_ctrl_c_to_the_launcher_stops_its_ranks_after_a_step_with_a_checkpoint(tmp_path):
-    """`sixfold train --nproc 2` passes SIGINT (or SIGTERM) on to torchrun as SIGTERM, so the ranks end as under a
-    scheduler's preemption instead of running on or dying mid-step."""
+    """`sixfold train --nproc 2` passes SIGINT (or SIGTERM) on to torchrun, which sends it to the ranks: they end
+    as under a scheduler's preemption instead of running on or dying mid-step."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}", *LONG, "--nproc", "2"]
     job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
@@ -289,8 +291,8 @@ def test_ctrl_c_to_the_launcher_stops_its_ranks_after_a_step_with_a_checkpoint(t
     job.send_signal(signal.SIGINT)
     out, err = job.communicate(timeout=300)
     last = read_metrics(run)[-1]["step"]
-    assert job.returncode == 128 + signal.SIGTERM and last < 30 and "Traceback" not in err, err[-3000:]
-    assert err.count(f"stopped by SIGTERM after step {last} of 30; checkpoint ") == 2, err[-3000:]
+    assert job.returncode == 128 + signal.SIGINT and last < 30 and "Traceback" not in err, err[-3000:]
+    assert err.count(f"stopped by SIGINT after step {last} of 30; checkpoint ") == 2, err[-3000:]
     assert (run / "checkpoints" / "latest").read_text() == f"step_{last:07d}"
 
 
@@ -315,6 +317,17 @@ def test_what_the_data_refuses_is_refused_before_the_ranks_start(tmp_path):
         proc = _train(tmp_path / "run", "parallel.dp_shard=2", *overrides)
         assert proc.returncode == 2 and f"sixfold error: {message}" in proc.stderr, proc.stderr[-2000:]
         assert "torch.distributed" not in proc.stderr  # no rank started
+
+
+def test_a_data_error_under_plain_torchrun_is_one_line_per_rank(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = torchrun("sixfold.cli", 2, "train", TINY, f"log.run_dir={tmp_path / 'run'}", f"data.source={empty}",
+                    "parallel.dp_replicate=2", timeout=120)
+    assert f"sixfold error (rank 0): data.source='{empty}': {empty} holds no files" in proc.stderr, proc.stderr
+    assert "sixfold error (rank 1): rank 1 stopped waiting for the machines' first ranks to run: 1 rank(s) failed " \
+           "(see its log)" in proc.stderr, proc.stderr
+    assert "PeerStopped" not in proc.stderr
 
 
 def test_nproc_starts_the_ranks(tmp_path):

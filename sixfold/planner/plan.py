@@ -82,7 +82,7 @@ def layouts(cfg: Config, world: int, per_node: int):
     m, t = cfg.model, cfg.train
     for tp, cp, pp in itertools.product(_divisors(min(world, per_node)), _divisors(world), _divisors(world)):
         rest = world // (tp * cp * pp) if world % (tp * cp * pp) == 0 else 0
-        if not rest or m.n_heads % tp or pp > m.n_layers:
+        if not rest or m.n_heads % tp:
             continue
         for replicate in _divisors(rest):
             shard = rest // replicate
@@ -130,9 +130,9 @@ def search(cfg: Config, world: int, device: Device, per_node: int) -> list[Plan]
     plans = [_fewest_micro_batches(c, device, per_node) for c in layouts(cfg, world, per_node)]
     if not plans:
         raise ConfigError(f"no layout of {world} GPUs divides this model and batch (tp must divide model.n_heads="
-                          f"{cfg.model.n_heads}, pp be at most model.n_layers={cfg.model.n_layers}, the data-parallel "
-                          f"size divide train.global_batch={cfg.train.global_batch}, cp divide train.seq_len="
-                          f"{cfg.train.seq_len}); choose another --gpus or change those settings")
+                          f"{cfg.model.n_heads}, pp be at most model.n_layers+2={cfg.model.n_layers + 2}, the "
+                          f"data-parallel size divide train.global_batch={cfg.train.global_batch}, cp divide "
+                          f"train.seq_len={cfg.train.seq_len}); choose another --gpus or change those settings")
     fits = sorted((p for p in plans if p.fits), key=lambda p: p.step_s)
     if not fits:
         raise ConfigError(_none_fits(plans, device))
