@@ -82,11 +82,14 @@ def has_checkpoint(run_dir: str | Path) -> bool:
     return (Path(run_dir) / "checkpoints" / "latest").is_file() or bool(complete_steps(run_dir))
 
 
-def set_aside(run_dir: str | Path) -> Path | None:
-    """Move an earlier run's checkpoints out of the way of a run that starts over in its directory: to
-    checkpoints-before-DATE-TIME beside them (returned), None if there were none."""
+def set_aside(run_dir: str | Path, after: int | None = None) -> Path | None:
+    """Move an earlier run's checkpoints out of the way of a run in its directory: all of them (one that starts
+    over), or the complete ones of steps after `after` (one that resumes from an earlier step, whose own would
+    replace them), to checkpoints-before-DATE-TIME beside them (returned); None if there were none."""
     root = Path(run_dir) / "checkpoints"
-    if not any(root.glob("step_*")):
+    moved = list(root.glob("step_*")) if after is None else [
+        p for p in complete_steps(run_dir) if p.name > step_dir(run_dir, after).name]
+    if not moved:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside = root.with_name(f"checkpoints-before-{stamp}")
@@ -94,7 +97,14 @@ def set_aside(run_dir: str | Path) -> Path | None:
     while aside.exists():
         n += 1
         aside = root.with_name(f"checkpoints-before-{stamp}-{n}")
-    root.rename(aside)
+    if after is None:
+        root.rename(aside)
+        return aside
+    aside.mkdir()
+    for path in sorted(moved):
+        path.rename(aside / path.name)
+    if (root / "latest").is_file() and (root / "latest").read_text().strip() > step_dir(run_dir, after).name:
+        (root / "latest").replace(aside / "latest")
     return aside
 
 

@@ -28,7 +28,7 @@ class RunLog:
         self.tb = None
         if not enabled:
             return
-        self.file = open(run_dir / "metrics.jsonl", "a" if start else "w")
+        self.file = open(run_dir / "metrics.jsonl", "a")  # begun by start_metrics
         if progress:
             self.bar = tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr,
                             dynamic_ncols=True, leave=True)
@@ -68,6 +68,20 @@ class RunLog:
         if self.tb:
             self.tb.close()
         self.file.close()
+
+
+def start_metrics(run_dir: Path, up_to: int) -> None:
+    """Keep metrics.jsonl's lines of steps up to `up_to` (those a resumed run goes on from; none when it starts
+    over), so that the steps it runs again replace the earlier ones."""
+    path = run_dir / "metrics.jsonl"
+    kept = []
+    for line in path.read_text().splitlines() if up_to and path.is_file() else []:
+        try:
+            if json.loads(line)["step"] <= up_to:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):  # a line cut short when the run was killed
+            continue
+    path.write_text("".join(kept))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

@@ -14,7 +14,7 @@ from . import ledger, train_state
 from .comm import Comm
 from .config import DTYPES, Config, ConfigError, check_available, make_run_dir
 from .data import BatchLoader, DataError, TokenData, eval_batches, load_data
-from .logs import RunLog
+from .logs import RunLog, start_metrics
 from .mesh import ParallelContext
 from .model.llama import Llama, init_weights, no_decay
 from .optim import AdamW, clip_grad_norm, learning_rate
@@ -364,18 +364,23 @@ def resumes_here(cfg: Config) -> bool:
     return bool(resume) and run_dir.resolve() in [Path(resume).resolve(), *Path(resume).resolve().parents]
 
 
-def start_run_dir(cfg: Config, ctx: ParallelContext) -> None:
-    """Once the trainer is built (a checkpoint to resume from loaded): a run that does not continue its directory's
-    own checkpoints moves them aside (an earlier run's, which its own would replace), then config.yaml."""
+def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
+    """Once the trainer is built (a checkpoint to resume from loaded, at `step`): a run that does not continue its
+    directory's own checkpoints moves them aside (an earlier run's, which its own would replace), one that
+    continues them from an earlier step moves aside those of later steps; then metrics.jsonl and config.yaml."""
     if ctx.is_main:
-        run_dir = Path(cfg.log.run_dir)
-        if not resumes_here(cfg):
+        run_dir, here = Path(cfg.log.run_dir), resumes_here(cfg)
+        if not here:
             aside = ckpt.set_aside(run_dir)
             if aside or (run_dir / "metrics.jsonl").is_file():
                 kept = f"its checkpoints are moved to {aside}" if aside else "it has no checkpoints"
                 warnings.warn(f"{run_dir} holds an earlier run: this one starts over, replacing its metrics.jsonl, "
                               f"config.yaml and trace ({kept}); to continue it instead, set "
                               f"checkpoint.resume=auto, or to keep both, another log.run_dir")
+        elif aside := ckpt.set_aside(run_dir, after=step):
+            warnings.warn(f"this run goes on from step {step} of {run_dir}, which holds checkpoints of later steps: "
+                          f"they are moved to {aside}")
+        start_metrics(run_dir, step if here else 0)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
     ctx.barrier()
 
@@ -388,7 +393,7 @@ def run(cfg: Config, ctx: ParallelContext, data: TokenData | None = None) -> lis
         print(f"sixfold: {cfg.parallel.describe()} on {ctx.world_size} process(es), {ctx.backend}, "
               f"{cfg.model.num_params():,} parameters\n--- config ---\n{cfg.to_yaml()}--------------", flush=True)
     trainer = Trainer(cfg, ctx, data)
-    start_run_dir(cfg, ctx)
+    start_run_dir(cfg, ctx, trainer.step)
     history = trainer.fit()
     ctx.barrier()  # the ranks leave together: none tears down its groups while a peer still uses them
     return history

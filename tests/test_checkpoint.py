@@ -254,3 +254,19 @@ def test_resuming_with_another_tokenizer_is_refused(saved, tmp_path):
                              "data.bpe_vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}"])
     with pytest.raises(DataError, match="trained with the tokenizer 'byte' and this run's data.* settings give 'bpe-"):
         Trainer(cfg, ParallelContext.single())
+
+
+def test_a_run_resumed_from_an_earlier_step_moves_the_later_checkpoints_aside(tmp_path):
+    run = tmp_path / "run"
+    common = [f"log.run_dir={run}", "train.steps=6", "checkpoint.every=2", "checkpoint.keep=5"]
+    first = train(load_config(TINY, common))
+    later = {p.name: (p / "model-00000.safetensors").read_bytes() for p in (run / "checkpoints").glob("step_*")
+             if p.name > "step_0000002"}
+    with pytest.warns(UserWarning, match="goes on from step 2 of .* checkpoints of later steps: they are moved to"):
+        again = train(load_config(TINY, [*common, f"checkpoint.resume={run / 'checkpoints' / 'step_0000002'}"]))
+    (aside,) = run.glob("checkpoints-before-*")
+    assert {p.name: (p / "model-00000.safetensors").read_bytes() for p in aside.glob("step_*")} == later
+    assert (aside / "latest").read_text() == "step_0000006"
+    assert (run / "checkpoints" / "latest").read_text() == "step_0000006"
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4, 5, 6]  # steps 3 to 6 once, from the second run
+    assert [m["loss"] for m in read_metrics(run)] == [m["loss"] for m in first[:2] + again]
