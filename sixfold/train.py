@@ -374,7 +374,9 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
             aside = ckpt.set_aside(run_dir)
             if aside or (run_dir / "metrics.jsonl").is_file():
                 kept = f"its checkpoints are moved to {aside}" if aside else "it has no checkpoints"
-                warnings.warn(f"{run_dir} holds an earlier run: this one starts over, replacing its metrics.jsonl, "
+                resume = cfg.checkpoint.resume
+                how = "starts over" if resume in ("", "auto") else f"goes on from {resume}"
+                warnings.warn(f"{run_dir} holds an earlier run: this one {how}, replacing its metrics.jsonl, "
                               f"config.yaml and trace ({kept}); to continue it instead, set "
                               f"checkpoint.resume=auto, or to keep both, another log.run_dir")
         elif aside := ckpt.set_aside(run_dir, after=step):

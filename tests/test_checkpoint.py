@@ -270,3 +270,9 @@ def test_a_run_resumed_from_an_earlier_step_moves_the_later_checkpoints_aside(tm
     assert (run / "checkpoints" / "latest").read_text() == "step_0000006"
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4, 5, 6]  # steps 3 to 6 once, from the second run
     assert [m["loss"] for m in read_metrics(run)] == [m["loss"] for m in first[:2] + again]
+    other = tmp_path / "other"  # resumed from another directory: this one's metrics begin anew
+    train(load_config(TINY, [f"log.run_dir={other}", "train.steps=3"]))
+    with pytest.warns(UserWarning, match=f"holds an earlier run: this one goes on from {run}/checkpoints/step_0000002"):
+        train(load_config(TINY, [f"log.run_dir={other}", "train.steps=4",
+                                 f"checkpoint.resume={run / 'checkpoints' / 'step_0000002'}"]))
+    assert [m["step"] for m in read_metrics(other)] == [3, 4]
