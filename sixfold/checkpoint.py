@@ -273,13 +273,18 @@ def step_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:07d}"
 
 
-def mark_latest(run_dir: str | Path, path: Path, keep: int) -> None:
-    """Point `latest` at `path` (atomically) and keep only the newest `keep` checkpoints up to it: those of later
-    steps (left by an earlier, longer run in this directory) are not this run's to remove."""
+def point_latest(run_dir: str | Path, path: Path) -> None:
+    """Point the run directory's `latest` at checkpoint `path`, atomically."""
     root = Path(run_dir) / "checkpoints"
     tmp = root / f".latest.tmp-{os.getpid()}"
     tmp.write_text(path.name)
     tmp.replace(root / "latest")
+
+
+def mark_latest(run_dir: str | Path, path: Path, keep: int) -> None:
+    """Point `latest` at `path` (atomically) and keep only the newest `keep` checkpoints up to it: those of later
+    steps (left by an earlier, longer run in this directory) are not this run's to remove."""
+    point_latest(run_dir, path)
     steps = [p for p in complete_steps(run_dir) if p.name <= path.name]
     for old in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)

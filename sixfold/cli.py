@@ -3,16 +3,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
 
-from .checkpoint import CheckpointError
 from .config import ConfigError, check_available, check_world_size, load_config, make_run_dir, validate, writable_dir
 from .launch import run_torchrun, under_torchrun
-
-KNOWN_ERRORS = (ValueError, CheckpointError)  # ConfigError and DataError are ValueErrors
-
 
 def _at_least(low: int):
     """An argparse type: an integer of at least `low`."""
@@ -250,20 +247,31 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         cli.error(f"unrecognized arguments: {' '.join(extra)}")
     warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
+    rank = f" (rank {os.environ['RANK']})" if os.environ.get("RANK") else ""
+    try:
+        return _run(args, argv, rank)
+    except KeyboardInterrupt:  # SIGINT outside the training steps (starting up, or after the last step)
+        print(f"sixfold{rank}: interrupted by SIGINT outside the training steps; nothing was saved for it",
+              file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+def _run(args, argv: list[str], rank: str) -> int:
+    """The command, its known errors as one line each (torch is imported here, inside main's Ctrl-C handling)."""
     from .benchjob import BenchError
+    from .checkpoint import CheckpointError
     from .comm import CommError
     from .mesh import PeerStopped
     from .parity import ParityError
     from .stop import Stopped
     from .train import TrainingError
-    rank = f" (rank {os.environ['RANK']})" if os.environ.get("RANK") else ""
     try:
         return args.fn(args, argv)
     except Stopped as e:
         print(f"sixfold{rank}: {e}", file=sys.stderr)
         return e.exit_code
-    except (*KNOWN_ERRORS, TrainingError, CommError, PeerStopped, ParityError, BenchError) as e:
-        print(f"sixfold error{rank}: {e}", file=sys.stderr)
+    except (ValueError, CheckpointError, TrainingError, CommError, PeerStopped, ParityError, BenchError) as e:
+        print(f"sixfold error{rank}: {e}", file=sys.stderr)  # ConfigError and DataError are ValueErrors
         return 2
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import math
 import os
+import socket
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -316,7 +317,7 @@ def writable_dir(path: str | Path, setting: str) -> Path:
     directory = Path(path)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-test-{os.getpid()}"
+        probe = directory / f".write-test-{socket.gethostname()}-{os.getpid()}"  # ranks of other machines too
         probe.write_text("")
         probe.unlink()
     except OSError as e:

@@ -70,17 +70,21 @@ class RunLog:
         self.file.close()
 
 
-def start_metrics(run_dir: Path, up_to: int) -> None:
+def start_metrics(run_dir: Path, up_to: int, aside: Path | None = None) -> None:
     """Keep metrics.jsonl's lines of steps up to `up_to` (those a resumed run goes on from; none when it starts
-    over), so that the steps it runs again replace the earlier ones."""
+    over), so that the steps it runs again replace the earlier ones; the others go to `aside`'s metrics.jsonl,
+    if given (where their checkpoints went)."""
     path = run_dir / "metrics.jsonl"
-    kept = []
-    for line in path.read_text().splitlines() if up_to and path.is_file() else []:
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines() if path.is_file() else []
+    kept, later = [], []
+    for line in lines:
         try:
-            if json.loads(line)["step"] <= up_to:
-                kept.append(line + "\n")
-        except (ValueError, KeyError, TypeError):  # a line cut short when the run was killed
+            step = json.loads(line)["step"]
+            (kept if step <= up_to else later).append(line + "\n")
+        except (ValueError, KeyError, TypeError):  # a line cut short when the run was killed, or damaged
             continue
+    if aside is not None and later:
+        (aside / "metrics.jsonl").write_text("".join(later))
     path.write_text("".join(kept))
 
 

@@ -273,7 +273,8 @@ class Trainer:
                 self.tracer.enabled = False
                 log.end_progress()
                 self.sharded.settle()
-                if cfg.checkpoint.save_final:
+                again = not history and ckpt.step_dir(self.run_dir, self.step).is_dir()  # no step, nothing new
+                if cfg.checkpoint.save_final and not again:
                     log.print(f"checkpoint: {self.save()}")
                 self.saver.wait()
                 self.comm.ledger.close("other")  # the last step's stop check, the final checkpoint
@@ -357,32 +358,40 @@ def check_inputs(cfg: Config, data: TokenData) -> None:
 
 
 def resumes_here(cfg: Config) -> bool:
-    """Whether the run continues from its own directory's checkpoints."""
+    """Whether the run continues from its own directory's checkpoints (the directory itself, or one of its
+    checkpoints/; not one set aside in checkpoints-before-*)."""
     run_dir, resume = Path(cfg.log.run_dir), cfg.checkpoint.resume
     if resume == "auto":
         return ckpt.has_checkpoint(run_dir)
-    return bool(resume) and run_dir.resolve() in [Path(resume).resolve(), *Path(resume).resolve().parents]
+    path = Path(resume).resolve() if resume else None
+    return bool(resume) and (path == run_dir.resolve() or (run_dir / "checkpoints").resolve() in path.parents)
 
 
 def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
     """Once the trainer is built (a checkpoint to resume from loaded, at `step`): a run that does not continue its
     directory's own checkpoints moves them aside (an earlier run's, which its own would replace), one that
-    continues them from an earlier step moves aside those of later steps; then metrics.jsonl and config.yaml."""
+    continues them from an earlier step moves aside those of later steps, with their lines of metrics.jsonl, and
+    points `latest` at its own; then config.yaml. A resume with no step left to train changes nothing."""
     if ctx.is_main:
         run_dir, here = Path(cfg.log.run_dir), resumes_here(cfg)
         if not here:
             aside = ckpt.set_aside(run_dir)
             if aside or (run_dir / "metrics.jsonl").is_file():
-                kept = f"its checkpoints are moved to {aside}" if aside else "it has no checkpoints"
+                kept = f"its checkpoints and metrics.jsonl are moved to {aside}" if aside else \
+                    "it has no checkpoints; its metrics.jsonl is replaced"
                 resume = cfg.checkpoint.resume
                 how = "starts over" if resume in ("", "auto") else f"goes on from {resume}"
-                warnings.warn(f"{run_dir} holds an earlier run: this one {how}, replacing its metrics.jsonl, "
-                              f"config.yaml and trace ({kept}); to continue it instead, set "
+                warnings.warn(f"{run_dir} holds an earlier run: this one {how}, replacing its config.yaml and trace "
+                              f"({kept}); to continue it instead, set "
                               f"checkpoint.resume=auto, or to keep both, another log.run_dir")
-        elif aside := ckpt.set_aside(run_dir, after=step):
-            warnings.warn(f"this run goes on from step {step} of {run_dir}, which holds checkpoints of later steps: "
-                          f"they are moved to {aside}")
-        start_metrics(run_dir, step if here else 0)
+            start_metrics(run_dir, 0, aside)
+        elif step < cfg.train.steps:
+            if aside := ckpt.set_aside(run_dir, after=step):
+                warnings.warn(f"this run goes on from step {step} of {run_dir}, which holds checkpoints of later "
+                              f"steps: they and their lines of metrics.jsonl are moved to {aside}")
+            if ckpt.step_dir(run_dir, step).is_dir():  # a crash before this run's first save resumes here again
+                ckpt.point_latest(run_dir, ckpt.step_dir(run_dir, step))
+            start_metrics(run_dir, step, aside)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
     ctx.barrier()
 

@@ -201,7 +201,8 @@ def test_a_run_that_starts_over_moves_the_earlier_runs_checkpoints_aside(tmp_pat
     common = [f"log.run_dir={run}", "checkpoint.every=1", "checkpoint.keep=2"]
     train(load_config(TINY, [*common, "train.steps=3"]))
     earlier = {p.name: (p / "model-00000.safetensors").read_bytes() for p in (run / "checkpoints").glob("step_*")}
-    with pytest.warns(UserWarning, match="holds an earlier run: this one starts over.*checkpoints are moved to"):
+    with pytest.warns(UserWarning, match="holds an earlier run: this one starts over.*checkpoints and metrics.jsonl "
+                                         "are moved to"):
         train(load_config(TINY, [*common, "train.steps=2", "train.seed=7"]))
     (aside,) = run.glob("checkpoints-before-*")
     assert {p.name: (p / "model-00000.safetensors").read_bytes() for p in aside.glob("step_*")} == earlier
@@ -262,11 +263,19 @@ def test_a_run_resumed_from_an_earlier_step_moves_the_later_checkpoints_aside(tm
     first = train(load_config(TINY, common))
     later = {p.name: (p / "model-00000.safetensors").read_bytes() for p in (run / "checkpoints").glob("step_*")
              if p.name > "step_0000002"}
-    with pytest.warns(UserWarning, match="goes on from step 2 of .* checkpoints of later steps: they are moved to"):
-        again = train(load_config(TINY, [*common, f"checkpoint.resume={run / 'checkpoints' / 'step_0000002'}"]))
+    step2 = f"checkpoint.resume={run / 'checkpoints' / 'step_0000002'}"
+    with pytest.warns(UserWarning, match="no step left to train"):  # changes nothing
+        train(load_config(TINY, [*common, step2, "train.steps=2"]))
+    assert (run / "checkpoints" / "latest").read_text() == "step_0000006" and not list(run.glob("*-before-*"))
+    with (run / "metrics.jsonl").open("ab") as f:
+        f.write(b"\xff\xfe damaged\n")
+    with pytest.warns(UserWarning, match="goes on from step 2 of .* checkpoints of later steps: they and their "
+                                         "lines of metrics.jsonl are moved to"):
+        again = train(load_config(TINY, [*common, step2]))
     (aside,) = run.glob("checkpoints-before-*")
     assert {p.name: (p / "model-00000.safetensors").read_bytes() for p in aside.glob("step_*")} == later
     assert (aside / "latest").read_text() == "step_0000006"
+    assert [m["loss"] for m in read_metrics(aside)] == [m["loss"] for m in first[2:]]
     assert (run / "checkpoints" / "latest").read_text() == "step_0000006"
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4, 5, 6]  # steps 3 to 6 once, from the second run
     assert [m["loss"] for m in read_metrics(run)] == [m["loss"] for m in first[:2] + again]

@@ -360,3 +360,13 @@ def test_ranks_wait_for_the_first_rank_loading_beyond_the_timeout(tmp_path, mode
         if mode == "fail-first" else {0: "waiting for the other ranks to run", 1: "(one of the other ranks to run)"}
     for rank, how in stopped.items():
         assert f"rank {rank} stopped {how}: 1 rank(s) failed (see its log)" in proc.stdout, proc.stdout
+
+
+def test_ctrl_c_outside_the_training_steps_is_one_line(monkeypatch, capsys):
+    from sixfold import cli
+
+    def interrupted(args, argv):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "cmd_trace", interrupted)
+    assert cli.main(["trace", "anywhere"]) == 128 + signal.SIGINT
+    assert "sixfold: interrupted by SIGINT outside the training steps" in capsys.readouterr().err
