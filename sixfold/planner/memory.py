@@ -16,7 +16,8 @@ key/value widths, a the heads, f the ffn width:
                    + 2 * T * kv_dim         k after rotation, v
                    + 3 * T * f)             gate and up (one product), the w_down input (MoE: mlp_activations)
               + 4 * (2 * T_h + T * a)       norm statistics, the attention log-sum-exp
-  recompute   full: each sub-layer's input only (2 * b * T_h * dim); selective: the log-sum-exp is rebuilt (the
+  recompute   full: each sub-layer's input only (2 * b * T_h * dim; an MoE layer's MLP, not run again, saves as
+              without: 3 * b * T_h * dim + 4 * T_h + its own); selective: the log-sum-exp is rebuilt (the
               attention output is saved as wo's input all the same)
   context     all-gather KV keeps the gathered keys and values (cp times this rank's, b * 2 * cp * T * kv_dim);
               Ulysses the query at the other head split (b * T * q_dim) and kv heads repeated up to cp where there
@@ -56,7 +57,9 @@ def block_activations(rank: Rank, layer: int, recompute: str) -> int:
     attn = rank.model.layers[str(layer)].attn
     t, th = rank.micro_tokens, rank.hidden_tokens
     q, kv = attn.n_heads * cfg.head_dim, attn.n_kv_heads * cfg.head_dim
-    if recompute == "full":
+    if recompute == "full":  # each sub-layer's input; an MoE layer's MLP is not run again (model/llama.py)
+        if isinstance(rank.model.layers[str(layer)].mlp, MoE):
+            return 3 * b * th * cfg.dim + 4 * th + mlp_activations(rank, layer)
         return 2 * b * th * cfg.dim
     core = b * t * q + (0 if recompute == "selective" else 4 * t * attn.n_heads)  # wo keeps the output anyway
     saved = b * (4 * th * cfg.dim + t * q + 2 * t * kv) + mlp_activations(rank, layer) + core + 4 * 2 * th
@@ -81,6 +84,19 @@ def mlp_activations(rank: Rank, layer: int) -> int:
     rows, experts = th * cfg.moe_top_k, cfg.moe_experts
     out = b * rows * (3 * cfg.dim + 3 * cfg.ffn_dim) + (28 + b) * rows + 8 * th * experts + 8 * th + 4 * experts
     return out + (b * 3 * t * mlp.shared.w_gate.weight.shape[0] if mlp.shared is not None else 0)
+
+
+def mlp_working(rank: Rank, layer: int) -> int:
+    """Temporaries of a block's MLP backward: a dense SwiGLU's incoming gradient, stacked gate and up gradient
+    and silu(gate) again, b * 3 * T * f (its saved count); an MoE layer's routed rows' gradient, b * R * dim, and
+    one expert's SwiGLU at a time, b * 3 * (R / local experts) * f, or a shared expert's, whichever is larger."""
+    cfg, b = rank.cfg.model, rank.compute_bytes
+    mlp = rank.model.layers[str(layer)].mlp
+    if not isinstance(mlp, MoE):
+        return mlp_activations(rank, layer)
+    rows, local = rank.hidden_tokens * cfg.moe_top_k, mlp.experts.w_gate.shape[0]
+    routed = b * rows * cfg.dim + b * 3 * -(-rows // local) * cfg.ffn_dim
+    return max(routed, b * 3 * rank.micro_tokens * mlp.shared.w_gate.weight.shape[0] if mlp.shared else 0)
 
 
 def deferred(rank: Rank, layer: int) -> tuple[int, int]:
@@ -144,9 +160,8 @@ def step(rank: Rank) -> dict[str, int]:
     b * T * dim); the gradients allocated at forward (ZeRO-2/3: the head's, a tied embedding's), the gathered
     weights, the pipeline's buffers.
     At the backward of the first block to go back, which begins with its MLP: the saved activations less the ends
-    of that micro-batch, now freed; the incoming gradient, the stacked gate and up gradient and silu(gate) again
-    (4 * T * f, less the w_down input already freed: the MLP's count again), two hidden-state gradients, under
-    full recomputation that sub-layer rebuilt; all the buffers above and the full gradients of the units being
+    of that micro-batch, now freed; the MLP's temporaries (mlp_working), two hidden-state gradients, under full
+    recomputation that sub-layer rebuilt (not an MoE layer's, which is not run again); all the buffers above and the full gradients of the units being
     reduced (ZeRO-2/3) and their copies in the reduction's dtype (bf16 gradients reduced in fp32): the
     REDUCING + 1 largest units'.
     Under pipelining, at the weight gradient of a B that sent its input gradient first (Schedule.sends_early):
@@ -169,9 +184,10 @@ def step(rank: Rank) -> dict[str, int]:
     if rank.blocks:
         block = 0
         for layer in rank.blocks:
-            mlp = mlp_activations(rank, layer)
-            rebuilt = b * th * dim + 4 * th + mlp if rank.cfg.model.recompute == "full" else 0
-            block = max(block, rebuilt + mlp + 2 * b * th * dim)
+            moe = isinstance(rank.model.layers[str(layer)].mlp, MoE)  # its MLP is not run again
+            full = rank.cfg.model.recompute == "full" and not moe
+            rebuilt = b * th * dim + 4 * th + mlp_activations(rank, layer) if full else 0
+            block = max(block, rebuilt + mlp_working(rank, layer) + 2 * b * th * dim)
         moments.append({"saved": saved - ends(rank), "working": block, "transient": buffers["reducing"]})
     early = {s for s, _ in rank.schedule.sends_early(rank.ctx.rank_in("pp"))} if rank.schedule else set()
     sent = b * th * dim  # an early sender's input gradient, on its way

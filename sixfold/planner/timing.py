@@ -15,6 +15,7 @@ import torch
 
 from ..config import ModelConfig
 from ..model.llama import Llama
+from ..model.moe import MoE
 from .devices import Device, peak
 from .rank import Rank
 from .traffic import step_bytes
@@ -82,13 +83,16 @@ def _active(cfg: ModelConfig, dense: int, experts: int, ep: int = 1) -> float:
 def flops(rank: Rank) -> float:
     """Training FLOPs of one step on this rank: 6 per multiplying parameter per token for its stages' weights
     (2 in forward, 4 in backward; each token visits top_k of the experts), attention_flops per block, and the
-    forward again of what recomputation rebuilds (the blocks, or their attention cores); under tp each rank does
-    1/tp, under cp each its tokens."""
+    forward again of what recomputation rebuilds (the blocks but an MoE layer's MLP, or their attention cores);
+    under tp each rank does 1/tp, under cp each its tokens."""
     cfg, t = rank.cfg.model, rank.cfg.train
     tokens, ep = rank.micro_tokens * t.micro_batches, rank.ctx.size("ep")
     matmul = 6 * _active(cfg, *matmul_params(rank.model), ep) * tokens
     attention = attention_flops(t.seq_len, cfg.dim) * tokens * len(rank.blocks) / rank.model.tp.size
-    blocks = 2 * _active(cfg, *_multiplying(rank.model.layers.named_parameters()), ep) * tokens
+    layers = rank.model.layers
+    again = ((n, p) for n, p in layers.named_parameters()  # an MoE layer's MLP is not run again
+             if not (n.split(".")[1] == "mlp" and isinstance(layers[n.split(".")[0]].mlp, MoE)))
+    blocks = 2 * _active(cfg, *_multiplying(again), ep) * tokens
     extra = {"full": blocks + attention / 3, "selective": attention / 3}.get(cfg.recompute, 0.0)
     return matmul + attention + extra
 

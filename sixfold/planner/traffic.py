@@ -103,8 +103,11 @@ def _tensor(rank: Rank, out: Counter) -> None:
         return
     a = t * rank.cfg.model.dim * rank.compute_bytes
     parts = [block_bytes(a, tp.sequence)] * len(rank.blocks)
-    if rank.cfg.model.recompute == "full":
-        parts += [block_bytes(a, tp.sequence, forward_only=True)] * len(rank.blocks)
+    if rank.cfg.model.recompute == "full":  # an MoE layer's MLP is not run again: its attention's half
+        for layer in rank.blocks:
+            again = block_bytes(a, tp.sequence, forward_only=True)
+            moe = isinstance(rank.model.layers[str(layer)].mlp, MoE)
+            parts.append({op: v // 2 for op, v in again.items()} if moe else again)
     if any(s.embed for s in rank.model.stages):
         parts.append(embedding_bytes(a, tp.sequence))
     if any(s.head for s in rank.model.stages):
