@@ -99,6 +99,16 @@ def mlp_working(rank: Rank, layer: int) -> int:
     return max(routed, b * 3 * rank.micro_tokens * mlp.shared.w_gate.weight.shape[0] if mlp.shared else 0)
 
 
+def expert_grads(rank: Rank, layer: int) -> int:
+    """An MoE layer's backward once its experts are done, beyond the saved activations, which no longer hold the
+    layer's own (less mlp_activations): each local expert's three weight gradients, kept until the last expert's
+    are made, and the first of them stacked into one tensor (`unbind`'s backward), b * 4 * local * f * dim, and
+    the routed rows' gradient, b * R * dim. Counted with the shared expert's saved tensors freed too."""
+    cfg, b = rank.cfg.model, rank.compute_bytes
+    local, rows = rank.model.layers[str(layer)].mlp.experts.w_gate.shape[0], rank.hidden_tokens * cfg.moe_top_k
+    return b * 4 * local * cfg.ffn_dim * cfg.dim + b * rows * cfg.dim - mlp_activations(rank, layer)
+
+
 def deferred(rank: Rank, layer: int) -> tuple[int, int]:
     """Bytes a block's deferred weight gradients hold until they are computed, which its backward does not free:
     each linear's output gradient (a row linear's gathered over sequence-TP) and input (a column linear's gathered
@@ -161,7 +171,8 @@ def step(rank: Rank) -> dict[str, int]:
     weights, the pipeline's buffers.
     At the backward of the first block to go back, which begins with its MLP: the saved activations less the ends
     of that micro-batch, now freed; the MLP's temporaries (mlp_working), two hidden-state gradients, under full
-    recomputation that sub-layer rebuilt (not an MoE layer's, which is not run again); all the buffers above and the full gradients of the units being
+    recomputation that sub-layer rebuilt (not an MoE layer's, which is not run again); for an MoE layer, or its
+    experts' weight gradients once they are all made (expert_grads), whichever is more; all the buffers above and the full gradients of the units being
     reduced (ZeRO-2/3) and their copies in the reduction's dtype (bf16 gradients reduced in fp32): the
     REDUCING + 1 largest units'.
     Under pipelining, at the weight gradient of a B that sent its input gradient first (Schedule.sends_early):
@@ -187,7 +198,8 @@ def step(rank: Rank) -> dict[str, int]:
             moe = isinstance(rank.model.layers[str(layer)].mlp, MoE)  # its MLP is not run again
             full = rank.cfg.model.recompute == "full" and not moe
             rebuilt = b * th * dim + 4 * th + mlp_activations(rank, layer) if full else 0
-            block = max(block, rebuilt + mlp_working(rank, layer) + 2 * b * th * dim)
+            block = max(block, rebuilt + mlp_working(rank, layer) + 2 * b * th * dim,
+                        expert_grads(rank, layer) + 2 * b * th * dim if moe else 0)
         moments.append({"saved": saved - ends(rank), "working": block, "transient": buffers["reducing"]})
     early = {s for s, _ in rank.schedule.sends_early(rank.ctx.rank_in("pp"))} if rank.schedule else set()
     sent = b * th * dim  # an early sender's input gradient, on its way

@@ -71,6 +71,7 @@ def _scalars(rank: Rank, out: Counter) -> None:
     _add(rank, out, "tp", "all_reduce", SCALAR)
     if rank.cfg.model.moe_experts:
         _add(rank, out, "loss", "all_reduce", SCALAR)  # the MoE losses, as logged
+        _add(rank, out, "pp", "all_reduce", SCALAR)  # and summed over the stages
         if rank.model.tp.sequence:
             _add(rank, out, "tp", "all_reduce", SCALAR)
         units = [u for u in rank.sharded.units if u.expert]
