@@ -172,9 +172,9 @@ def step(rank: Rank) -> dict[str, int]:
     At the backward of the first block to go back, which begins with its MLP: the saved activations less the ends
     of that micro-batch, now freed; the MLP's temporaries (mlp_working), two hidden-state gradients, under full
     recomputation that sub-layer rebuilt (not an MoE layer's, which is not run again); for an MoE layer, or its
-    experts' weight gradients once they are all made (expert_grads), whichever is more; all the buffers above and the full gradients of the units being
-    reduced (ZeRO-2/3) and their copies in the reduction's dtype (bf16 gradients reduced in fp32): the
-    REDUCING + 1 largest units'.
+    experts' weight gradients once they are all made (expert_grads), whichever is more; all the buffers above
+    and the full gradients of the units being reduced (ZeRO-2/3) and their copies in the reduction's dtype
+    (bf16 gradients reduced in fp32): the REDUCING + 1 largest units'.
     Under pipelining, at the weight gradient of a B that sent its input gradient first (Schedule.sends_early):
     the saved activations less that B's micro-batch's on its stage (freed by the B), that stage's deferred tensors
     and its largest weight gradient (deferred()), the input gradient it sent, and the buffers of the first moment
