@@ -36,7 +36,8 @@ class CheckpointError(RuntimeError):
     """A missing, corrupt or mismatched checkpoint; the message names the file."""
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a file's bytes, read in chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -87,8 +88,8 @@ def set_aside(run_dir: str | Path, after: int | None = None) -> Path | None:
     over), or the complete ones of steps after `after` (one that resumes from an earlier step, whose own would
     replace them), to checkpoints-before-DATE-TIME beside them (returned); None if there were none."""
     root = Path(run_dir) / "checkpoints"
-    moved = list(root.glob("step_*")) if after is None else [
-        p for p in complete_steps(run_dir) if p.name > step_dir(run_dir, after).name]
+    last = None if after is None else step_dir(run_dir, after).name
+    moved = list(root.glob("step_*")) if last is None else [p for p in complete_steps(run_dir) if p.name > last]
     if not moved:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -103,7 +104,7 @@ def set_aside(run_dir: str | Path, after: int | None = None) -> Path | None:
     aside.mkdir()
     for path in sorted(moved):
         path.rename(aside / path.name)
-    if (root / "latest").is_file() and (root / "latest").read_text().strip() > step_dir(run_dir, after).name:
+    if (root / "latest").is_file() and (root / "latest").read_text().strip() > last:
         (root / "latest").replace(aside / "latest")
     return aside
 
@@ -151,7 +152,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.path} has no {fname} (its files: {', '.join(self.meta['files'])})")
         if not file.is_file():
             raise CheckpointError(f"{file} is missing")
-        if file.stat().st_size != entry["bytes"] or _sha256(file) != entry["sha256"]:
+        if file.stat().st_size != entry["bytes"] or file_sha256(file) != entry["sha256"]:
             raise CheckpointError(f"{file} is corrupt: its size or checksum does not match {META}")
         return file
 
@@ -218,7 +219,7 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
 def write_tensors(tmp: Path, fname: str, tensors: dict[str, torch.Tensor]) -> dict:
     """One safetensors file; its size and sha256 for meta.json."""
     save_tensors({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp / fname)
-    return {"sha256": _sha256(tmp / fname), "bytes": (tmp / fname).stat().st_size}
+    return {"sha256": file_sha256(tmp / fname), "bytes": (tmp / fname).stat().st_size}
 
 
 def publish(path: Path, tmp: Path, meta: dict, files: dict, blobs: dict[str, bytes] | None = None) -> Path:
@@ -227,7 +228,7 @@ def publish(path: Path, tmp: Path, meta: dict, files: dict, blobs: dict[str, byt
     files = dict(files)
     for fname, data in (blobs or {}).items():
         (tmp / fname).write_bytes(data)
-        files[fname] = {"sha256": _sha256(tmp / fname), "bytes": len(data)}
+        files[fname] = {"sha256": file_sha256(tmp / fname), "bytes": len(data)}
     text = json.dumps({**meta, "format": FORMAT, "files": files}, indent=1).encode()
     (tmp / META).write_bytes(text)
     (tmp / META_SHA256).write_text(hashlib.sha256(text).hexdigest() + "\n")

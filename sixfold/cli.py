@@ -11,6 +11,7 @@ from pathlib import Path
 from .config import ConfigError, check_available, check_world_size, load_config, make_run_dir, validate, writable_dir
 from .launch import run_torchrun, under_torchrun
 
+
 def _at_least(low: int):
     """An argparse type: an integer of at least `low`."""
     def parse(text: str) -> int:

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sixfold.checkpoint import file_sha256
 from sixfold.config import DataConfig
 
 EOT = "<|endoftext|>"
@@ -410,24 +411,19 @@ def _stamp(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-def _file_sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _sums_path(train_path: Path) -> Path:
     return train_path.with_name(train_path.name.removesuffix(".train.bin") + ".sha256")
+
+
+def _sums(train_path: Path, val_path: Path) -> dict[str, str]:
+    return {"train": file_sha256(train_path), "val": file_sha256(val_path)}
 
 
 def _intact(train_path: Path, val_path: Path) -> bool:
     """Whether cached streams hold what was written (their sha256 as recorded then): tokenizing again is slower
     than reading them, and a stream cut short or overwritten would train on the wrong tokens."""
     try:
-        sums = json.loads(_sums_path(train_path).read_text())
-        return sums == {"train": _file_sha(train_path), "val": _file_sha(val_path)}
+        return json.loads(_sums_path(train_path).read_text()) == _sums(train_path, val_path)
     except (OSError, ValueError):
         return False
 
@@ -479,7 +475,7 @@ def load_data(cfg: DataConfig) -> TokenData:
         if not (train_path.exists() and val_path.exists() and _intact(train_path, val_path)):
             _write_cache(tok, train_docs, val_docs, train_path, val_path, cfg.val_fraction, dtype)
             with _written(_sums_path(train_path)) as tmp:
-                tmp.write_text(json.dumps({"train": _file_sha(train_path), "val": _file_sha(val_path)}))
+                tmp.write_text(json.dumps(_sums(train_path, val_path)))
         tok_file = "byte" if isinstance(tok, ByteTokenizer) else str(tok.path)
         with _written(index) as tmp:
             tmp.write_text(json.dumps({"train": str(train_path), "val": str(val_path), "dtype": np.dtype(dtype).name,

@@ -271,7 +271,7 @@ class ParallelContext:
             raise PeerStopped(f"{stopped}: {e} (see its log)") from None
         except PeerLost as e:
             raise PeerStopped(f"{stopped}: another rank died or did not answer within parallel.timeout_s "
-                               f"({self.timeout.total_seconds():g} s): {e}") from None
+                              f"({self.timeout.total_seconds():g} s): {e}") from None
 
     def close(self) -> None:
         """Drop our references to the process groups and leave the job."""

@@ -58,7 +58,7 @@ def block_activations(rank: Rank, layer: int, recompute: str) -> int:
     t, th = rank.micro_tokens, rank.hidden_tokens
     q, kv = attn.n_heads * cfg.head_dim, attn.n_kv_heads * cfg.head_dim
     if recompute == "full":  # each sub-layer's input; an MoE layer's MLP is not run again (model/llama.py)
-        if isinstance(rank.model.layers[str(layer)].mlp, MoE):
+        if rank.moe(layer) is not None:
             return 3 * b * th * cfg.dim + 4 * th + mlp_activations(rank, layer)
         return 2 * b * th * cfg.dim
     core = b * t * q + (0 if recompute == "selective" else 4 * t * attn.n_heads)  # wo keeps the output anyway
@@ -77,26 +77,30 @@ def mlp_activations(rank: Rank, layer: int) -> int:
     (the rows in, each expert's gate and up (one tensor) and their SwiGLU, the outputs out and weighted) and
     its routing (probabilities and log-sum-exp inputs 8 * T_h * E, the top k, their sum, weights and row indices
     (28 + b) * R + 8 * T_h), plus a shared expert as a dense SwiGLU."""
-    cfg, b, t, th = rank.cfg.model, rank.compute_bytes, rank.micro_tokens, rank.hidden_tokens
-    mlp = rank.model.layers[str(layer)].mlp
-    if not isinstance(mlp, MoE):
-        return b * 3 * t * mlp.w_gate.weight.shape[0]
-    rows, experts = th * cfg.moe_top_k, cfg.moe_experts
+    cfg, b, th = rank.cfg.model, rank.compute_bytes, rank.hidden_tokens
+    moe = rank.moe(layer)
+    if moe is None:
+        return _swiglu(rank, rank.model.layers[str(layer)].mlp)
+    rows, experts = rank.routed_rows, cfg.moe_experts
     out = b * rows * (3 * cfg.dim + 3 * cfg.ffn_dim) + (28 + b) * rows + 8 * th * experts + 8 * th + 4 * experts
-    return out + (b * 3 * t * mlp.shared.w_gate.weight.shape[0] if mlp.shared is not None else 0)
+    return out + (_swiglu(rank, moe.shared) if moe.shared is not None else 0)
+
+
+def _swiglu(rank: Rank, mlp) -> int:
+    """A dense SwiGLU's saved bytes beyond its input, b * 3 * T * f: gate and up (one product), the w_down input."""
+    return rank.compute_bytes * 3 * rank.micro_tokens * mlp.w_gate.weight.shape[0]
 
 
 def mlp_working(rank: Rank, layer: int) -> int:
     """Temporaries of a block's MLP backward: a dense SwiGLU's incoming gradient, stacked gate and up gradient
     and silu(gate) again, b * 3 * T * f (its saved count); an MoE layer's routed rows' gradient, b * R * dim, and
     one expert's SwiGLU at a time, b * 3 * (R / local experts) * f, or a shared expert's, whichever is larger."""
-    cfg, b = rank.cfg.model, rank.compute_bytes
-    mlp = rank.model.layers[str(layer)].mlp
-    if not isinstance(mlp, MoE):
+    cfg, b, moe = rank.cfg.model, rank.compute_bytes, rank.moe(layer)
+    if moe is None:
         return mlp_activations(rank, layer)
-    rows, local = rank.hidden_tokens * cfg.moe_top_k, mlp.experts.w_gate.shape[0]
+    rows, local = rank.routed_rows, moe.experts.w_gate.shape[0]
     routed = b * rows * cfg.dim + b * 3 * -(-rows // local) * cfg.ffn_dim
-    return max(routed, b * 3 * rank.micro_tokens * mlp.shared.w_gate.weight.shape[0] if mlp.shared else 0)
+    return max(routed, _swiglu(rank, moe.shared) if moe.shared is not None else 0)
 
 
 def expert_grads(rank: Rank, layer: int) -> int:
@@ -104,9 +108,8 @@ def expert_grads(rank: Rank, layer: int) -> int:
     layer's own (less mlp_activations): each local expert's three weight gradients, kept until the last expert's
     are made, and the first of them stacked into one tensor (`unbind`'s backward), b * 4 * local * f * dim, and
     the routed rows' gradient, b * R * dim. Counted with the shared expert's saved tensors freed too."""
-    cfg, b = rank.cfg.model, rank.compute_bytes
-    local, rows = rank.model.layers[str(layer)].mlp.experts.w_gate.shape[0], rank.hidden_tokens * cfg.moe_top_k
-    return b * 4 * local * cfg.ffn_dim * cfg.dim + b * rows * cfg.dim - mlp_activations(rank, layer)
+    cfg, b, local = rank.cfg.model, rank.compute_bytes, rank.moe(layer).experts.w_gate.shape[0]
+    return b * 4 * local * cfg.ffn_dim * cfg.dim + b * rank.routed_rows * cfg.dim - mlp_activations(rank, layer)
 
 
 def deferred(rank: Rank, layer: int) -> tuple[int, int]:
@@ -195,7 +198,7 @@ def step(rank: Rank) -> dict[str, int]:
     if rank.blocks:
         block = 0
         for layer in rank.blocks:
-            moe = isinstance(rank.model.layers[str(layer)].mlp, MoE)  # its MLP is not run again
+            moe = rank.moe(layer) is not None  # its MLP is not run again
             full = rank.cfg.model.recompute == "full" and not moe
             rebuilt = b * th * dim + 4 * th + mlp_activations(rank, layer) if full else 0
             block = max(block, rebuilt + mlp_working(rank, layer) + 2 * b * th * dim,

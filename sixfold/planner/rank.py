@@ -11,6 +11,7 @@ from ..comm import Comm
 from ..config import Config
 from ..mesh import ParallelContext, ParallelDims
 from ..model.llama import Llama
+from ..model.moe import MoE
 from ..parallel.context import ContextParallel
 from ..parallel.expert import ExpertParallel
 from ..parallel.pipeline import schedules
@@ -49,6 +50,17 @@ class Rank:
     def hidden_tokens(self) -> int:
         """Rows of the hidden state between sub-layers: split over tp under sequence-TP."""
         return self.micro_tokens // self.model.tp.size if self.model.tp.sequence else self.micro_tokens
+
+    @property
+    def routed_rows(self) -> int:
+        """Rows an MoE layer routes from this rank's hidden state, top_k per token (with balanced routing over ep,
+        also the rows reaching its experts)."""
+        return self.hidden_tokens * self.cfg.model.moe_top_k
+
+    def moe(self, layer: int) -> MoE | None:
+        """Block `layer`'s MLP if it is an MoE layer, else None."""
+        mlp = self.model.layers[str(layer)].mlp
+        return mlp if isinstance(mlp, MoE) else None
 
     @property
     def pipeline(self) -> RankStats | None:

@@ -15,7 +15,6 @@ import torch
 
 from ..config import ModelConfig
 from ..model.llama import Llama
-from ..model.moe import MoE
 from .devices import Device, peak
 from .rank import Rank
 from .traffic import step_bytes
@@ -89,9 +88,8 @@ def flops(rank: Rank) -> float:
     tokens, ep = rank.micro_tokens * t.micro_batches, rank.ctx.size("ep")
     matmul = 6 * _active(cfg, *matmul_params(rank.model), ep) * tokens
     attention = attention_flops(t.seq_len, cfg.dim) * tokens * len(rank.blocks) / rank.model.tp.size
-    layers = rank.model.layers
-    again = ((n, p) for n, p in layers.named_parameters()  # an MoE layer's MLP is not run again
-             if not (n.split(".")[1] == "mlp" and isinstance(layers[n.split(".")[0]].mlp, MoE)))
+    again = ((n, p) for n, p in rank.model.layers.named_parameters()  # an MoE layer's MLP is not run again
+             if not (n.split(".")[1] == "mlp" and rank.moe(int(n.split(".")[0])) is not None))
     blocks = 2 * _active(cfg, *_multiplying(again), ep) * tokens
     extra = {"full": blocks + attention / 3, "selective": attention / 3}.get(cfg.recompute, 0.0)
     return matmul + attention + extra

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..model.moe import MoE
 from ..parallel.pipeline.schedules import SEND_B, SEND_F
 from ..parallel.tensor import block_bytes, embedding_bytes, head_bytes
 from .rank import Rank
@@ -87,9 +86,9 @@ def _experts(rank: Rank, out: Counter) -> None:
     sends its own R = T_h * k rows and those its experts received, R when routing is balanced: the ep group's sum
     is exact, each rank's share depends on the routing."""
     e = rank.cfg.model.moe_experts
-    rows = rank.hidden_tokens * rank.cfg.model.moe_top_k
+    rows = rank.routed_rows
     for layer in rank.blocks:
-        if isinstance(rank.model.layers[str(layer)].mlp, MoE):
+        if rank.moe(layer) is not None:
             _add(rank, out, "loss", "all_reduce", SCALAR * e)
             if rank.model.tp.sequence:
                 _add(rank, out, "tp", "all_reduce", SCALAR * e)
@@ -107,8 +106,7 @@ def _tensor(rank: Rank, out: Counter) -> None:
     if rank.cfg.model.recompute == "full":  # an MoE layer's MLP is not run again: its attention's half
         for layer in rank.blocks:
             again = block_bytes(a, tp.sequence, forward_only=True)
-            moe = isinstance(rank.model.layers[str(layer)].mlp, MoE)
-            parts.append({op: v // 2 for op, v in again.items()} if moe else again)
+            parts.append({op: v // 2 for op, v in again.items()} if rank.moe(layer) is not None else again)
     if any(s.embed for s in rank.model.stages):
         parts.append(embedding_bytes(a, tp.sequence))
     if any(s.head for s in rank.model.stages):
