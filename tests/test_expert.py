@@ -1,4 +1,5 @@
-"""Expert parallelism's pieces: dispatch bytes and outputs against one process; the router's weights. Whole-run
+"""Expert parallelism's pieces: dispatch bytes and outputs against one process; the experts' Function against
+autograd; the router's weights. Whole-run
 parity is in test_parity.py, Mixtral interop in test_hf.py, bad layouts in test_config.py."""
 import pytest
 import torch
@@ -6,7 +7,8 @@ import torch
 from sixfold.config import ConfigError, load_config
 from sixfold.model.hf import hf_config_from_model
 from sixfold.model.llama import Llama, init_weights
-from sixfold.model.moe import routing_warning
+from sixfold.model.moe import _Grouped, routing_warning
+from sixfold.parallel.tensor import WeightGrads
 from helpers import TINY, torchrun
 
 
@@ -15,6 +17,32 @@ def test_dispatch_bytes_equal_the_formula_and_outputs_one_process(ep):
     proc = torchrun("expert_bytes.py", ep)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("expert bytes OK") == ep
+
+
+def test_experts_function_equals_autograd_and_adds_into_the_gradients():
+    """fp64, 3 experts (one with no rows): outputs and gradients as autograd's per-expert products give them;
+    weight gradients are added into .grad (made on the first backward) and on_grad hears of each weight once."""
+    gen = torch.Generator().manual_seed(0)
+    counts, f, h = [5, 0, 7], 24, 16
+    rows = torch.randn(12, h, dtype=torch.float64, generator=gen, requires_grad=True)
+    weights = [torch.randn(3, *shape, dtype=torch.float64, generator=gen, requires_grad=True)
+               for shape in ((f, h), (f, h), (h, f))]
+    grad = torch.randn(12, h, dtype=torch.float64, generator=gen)
+    expected = torch.cat([(torch.nn.functional.silu(piece @ gate.t()) * (piece @ up.t())) @ down.t()
+                          for piece, gate, up, down in zip(rows.split(counts), *(w.unbind() for w in weights))])
+    expected.backward(grad)
+    want = [t.grad.clone() for t in (rows, *weights)]
+    for t in (rows, *weights):
+        t.grad = None
+    told, grads = [], WeightGrads()
+    grads.on_grad = told.append
+    for times in (1, 2):
+        out = _Grouped.apply(rows, counts, grads, *weights)
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+        out.backward(grad)
+        assert list(map(id, told)) == list(map(id, weights)) * times
+        for got, w in zip((rows.grad, *(w.grad for w in weights)), want):
+            torch.testing.assert_close(got, times * w, rtol=1e-12, atol=1e-12)
 
 
 def _router_grad(norm_topk: bool) -> float:

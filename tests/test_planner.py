@@ -44,7 +44,7 @@ LAYOUTS = {
 # The step's peak beyond the persistent buffers, planned over measured, at least PEAK_UNDER and at most PEAK_OVER.
 # Here 0.95 to 1.09: ZeRO-2/3 gradients and gathers are counted at their busiest moment of the backward, and the
 # lowest pipeline ranks peak beside temporaries the planner leaves out (in ZB-V's, inside SwiGLU's backward: the
-# gate computed again and the gradient buffer). MoE layers (0.98 to 1.02) are counted for balanced routing.
+# gate computed again and the gradient buffer). MoE layers (0.97 to 1.01) are counted for balanced routing.
 PEAK_UNDER = 0.9
 PEAK_OVER = 1.35
 

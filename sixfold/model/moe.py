@@ -16,8 +16,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..parallel.expert import ExpertParallel
-from ..parallel.tensor import Split, TensorParallel
-from .fused import swiglu
+from ..parallel.tensor import Split, TensorParallel, WeightGrads
 
 
 def routing_warning(cfg: ModelConfig) -> str:
@@ -54,6 +53,7 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, ep: ExpertParallel):
         super().__init__()
         n, local = cfg.moe_experts, cfg.moe_experts // ep.size
+        self.tp = tp
         self.split = Split(0, ep.size, ep.rank, n, partial_grad=tp.sequence, group="ep") if ep.size > 1 else \
             Split(partial_grad=tp.sequence)
         self.w_gate = nn.Parameter(torch.empty(local, cfg.ffn_dim, cfg.dim))
@@ -62,12 +62,67 @@ class Experts(nn.Module):
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows [n, dim] sorted by local expert, counts[j] of them for expert j."""
-        out = []  # unbind once: indexing per expert would give each a whole zeroed gradient in backward
-        for piece, gate, up, down in zip(rows.split(counts), self.w_gate.unbind(), self.w_up.unbind(),
-                                         self.w_down.unbind()):
-            # gate and up side by side: SwiGLU saves them as one tensor and computes silu(gate) again in backward
-            out.append(swiglu(torch.cat([piece @ gate.t(), piece @ up.t()], -1)) @ down.t())
-        return torch.cat(out)
+        return _Grouped.apply(rows, counts, self.tp.weight_grads, self.w_gate, self.w_up, self.w_down)
+
+
+def _spans(counts: list[int]):
+    start = 0
+    for j, n in enumerate(counts):
+        yield j, slice(start, start + n)
+        start += n
+
+
+class _Grouped(torch.autograd.Function):
+    """Each local expert's SwiGLU MLP on its rows. Saves the rows and each row's [gate | up] product; silu(gate) * up
+    is made again in backward. Backward adds each expert's weight gradients into its slice of the weights' .grad
+    and then tells weight_grads.on_grad, as deferred weight gradients do: autograd would keep every expert's
+    gradient until the last one's and then stack them into a new tensor."""
+
+    @staticmethod
+    def forward(ctx, rows, counts: list[int], weight_grads: WeightGrads, w_gate, w_up, w_down):
+        f = w_gate.shape[1]
+        gate_up = rows.new_empty(rows.shape[0], 2 * f)
+        out = rows.new_empty(rows.shape[0], w_down.shape[1])
+        for j, s in _spans(counts):
+            torch.mm(rows[s], w_gate[j].t(), out=gate_up[s, :f])
+            torch.mm(rows[s], w_up[j].t(), out=gate_up[s, f:])
+            torch.mm(F.silu(gate_up[s, :f]).mul_(gate_up[s, f:]), w_down[j].t(), out=out[s])
+        ctx.save_for_backward(rows, gate_up)
+        ctx.counts, ctx.weight_grads, ctx.weights = counts, weight_grads, (w_gate, w_up, w_down)
+        return out
+
+    @staticmethod
+    @torch.no_grad()
+    def backward(ctx, grad):
+        rows, gate_up = ctx.saved_tensors
+        w_gate, w_up, w_down = ctx.weights
+        weights = ctx.needs_input_grad[3]
+        grads = [_grad_buffer(w) for w in ctx.weights] if weights else None
+        f, drows = w_gate.shape[1], torch.empty_like(rows)
+        for j, s in _spans(ctx.counts):
+            gate, up, g = gate_up[s, :f], gate_up[s, f:], grad[s]
+            silu = F.silu(gate)
+            if weights:
+                grads[2][j].addmm_(g.t(), silu * up)
+            dgate = g @ w_down[j]
+            dup = silu.mul_(dgate)
+            dgate.mul_(up)
+            torch.ops.aten.silu_backward.grad_input(dgate, gate, grad_input=dgate)
+            if weights:
+                grads[0][j].addmm_(dgate.t(), rows[s])
+                grads[1][j].addmm_(dup.t(), rows[s])
+            torch.mm(dgate, w_gate[j], out=drows[s]).addmm_(dup, w_up[j])
+        if weights and ctx.weight_grads.on_grad is not None:
+            for w in ctx.weights:
+                ctx.weight_grads.on_grad(w)
+        return drows, None, None, None, None, None
+
+
+def _grad_buffer(weight: torch.Tensor) -> torch.Tensor:
+    """weight.grad, made (zeros) if it has none."""
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    return weight.grad
 
 
 class MoE(nn.Module):

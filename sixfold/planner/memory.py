@@ -73,8 +73,8 @@ def block_activations(rank: Rank, layer: int, recompute: str) -> int:
 
 def mlp_activations(rank: Rank, layer: int) -> int:
     """Bytes a block's MLP saves beyond its input: a dense SwiGLU b * 3 * T * f; an MoE layer, with R = T_h * k
-    routed rows (those reaching this rank's experts when routing is balanced over ep), b * R * (3 * dim + 3 * f)
-    (the rows in, each expert's gate and up (one tensor) and their SwiGLU, the outputs out and weighted) and
+    routed rows (those reaching this rank's experts when routing is balanced over ep), b * R * (3 * dim + 2 * f)
+    (the rows in, each expert's gate and up (one tensor), the outputs out and weighted) and
     its routing (probabilities and log-sum-exp inputs 8 * T_h * E, the top k, their sum, weights and row indices
     (28 + b) * R + 8 * T_h), plus a shared expert as a dense SwiGLU."""
     cfg, b, th = rank.cfg.model, rank.compute_bytes, rank.hidden_tokens
@@ -82,7 +82,7 @@ def mlp_activations(rank: Rank, layer: int) -> int:
     if moe is None:
         return _swiglu(rank, rank.model.layers[str(layer)].mlp)
     rows, experts = rank.routed_rows, cfg.moe_experts
-    out = b * rows * (3 * cfg.dim + 3 * cfg.ffn_dim) + (28 + b) * rows + 8 * th * experts + 8 * th + 4 * experts
+    out = b * rows * (3 * cfg.dim + 2 * cfg.ffn_dim) + (28 + b) * rows + 8 * th * experts + 8 * th + 4 * experts
     return out + (_swiglu(rank, moe.shared) if moe.shared is not None else 0)
 
 
@@ -94,22 +94,14 @@ def _swiglu(rank: Rank, mlp) -> int:
 def mlp_working(rank: Rank, layer: int) -> int:
     """Temporaries of a block's MLP backward: a dense SwiGLU's incoming gradient, stacked gate and up gradient
     and silu(gate) again, b * 3 * T * f (its saved count); an MoE layer's routed rows' gradient, b * R * dim, and
-    one expert's SwiGLU at a time, b * 3 * (R / local experts) * f, or a shared expert's, whichever is larger."""
+    one expert's at a time, silu(gate) and its SwiGLU again or their gradients, b * 2 * (R / local experts) * f,
+    or a shared expert's, whichever is larger."""
     cfg, b, moe = rank.cfg.model, rank.compute_bytes, rank.moe(layer)
     if moe is None:
         return mlp_activations(rank, layer)
     rows, local = rank.routed_rows, moe.experts.w_gate.shape[0]
-    routed = b * rows * cfg.dim + b * 3 * -(-rows // local) * cfg.ffn_dim
+    routed = b * rows * cfg.dim + b * 2 * -(-rows // local) * cfg.ffn_dim
     return max(routed, _swiglu(rank, moe.shared) if moe.shared is not None else 0)
-
-
-def expert_grads(rank: Rank, layer: int) -> int:
-    """An MoE layer's backward once its experts are done, beyond the saved activations, which no longer hold the
-    layer's own (less mlp_activations): each local expert's three weight gradients, kept until the last expert's
-    are made, and the first of them stacked into one tensor (`unbind`'s backward), b * 4 * local * f * dim, and
-    the routed rows' gradient, b * R * dim. Counted with the shared expert's saved tensors freed too."""
-    cfg, b, local = rank.cfg.model, rank.compute_bytes, rank.moe(layer).experts.w_gate.shape[0]
-    return b * 4 * local * cfg.ffn_dim * cfg.dim + b * rank.routed_rows * cfg.dim - mlp_activations(rank, layer)
 
 
 def deferred(rank: Rank, layer: int) -> tuple[int, int]:
@@ -174,8 +166,7 @@ def step(rank: Rank) -> dict[str, int]:
     weights, the pipeline's buffers.
     At the backward of the first block to go back, which begins with its MLP: the saved activations less the ends
     of that micro-batch, now freed; the MLP's temporaries (mlp_working), two hidden-state gradients, under full
-    recomputation that sub-layer rebuilt (not an MoE layer's, which is not run again); for an MoE layer, or its
-    experts' weight gradients once they are all made (expert_grads), whichever is more; all the buffers above
+    recomputation that sub-layer rebuilt (not an MoE layer's, which is not run again); all the buffers above
     and the full gradients of the units being reduced (ZeRO-2/3) and their copies in the reduction's dtype
     (bf16 gradients reduced in fp32): the REDUCING + 1 largest units'.
     Under pipelining, at the weight gradient of a B that sent its input gradient first (Schedule.sends_early):
@@ -201,8 +192,7 @@ def step(rank: Rank) -> dict[str, int]:
             moe = rank.moe(layer) is not None  # its MLP is not run again
             full = rank.cfg.model.recompute == "full" and not moe
             rebuilt = b * th * dim + 4 * th + mlp_activations(rank, layer) if full else 0
-            block = max(block, rebuilt + mlp_working(rank, layer) + 2 * b * th * dim,
-                        expert_grads(rank, layer) + 2 * b * th * dim if moe else 0)
+            block = max(block, rebuilt + mlp_working(rank, layer) + 2 * b * th * dim)
         moments.append({"saved": saved - ends(rank), "working": block, "transient": buffers["reducing"]})
     early = {s for s, _ in rank.schedule.sends_early(rank.ctx.rank_in("pp"))} if rank.schedule else set()
     sent = b * th * dim  # an early sender's input gradient, on its way
