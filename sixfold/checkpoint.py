@@ -88,6 +88,8 @@ def set_aside(run_dir: str | Path, after: int | None = None) -> Path | None:
     over), or the complete ones of steps after `after` (one that resumes from an earlier step, whose own would
     replace them), to checkpoints-before-DATE-TIME beside them (returned); None if there were none."""
     root = Path(run_dir) / "checkpoints"
+    for old in root.glob(".step_*.old-*"):  # a save replacing it stopped in between: it moves too (or is kept)
+        restore_replaced(old)
     last = None if after is None else step_dir(run_dir, after).name
     moved = list(root.glob("step_*")) if last is None else [p for p in complete_steps(run_dir) if p.name > last]
     if not moved:

@@ -269,12 +269,14 @@ def test_a_run_resumed_from_an_earlier_step_moves_the_later_checkpoints_aside(tm
     assert (run / "checkpoints" / "latest").read_text() == "step_0000006" and not list(run.glob("*-before-*"))
     with (run / "metrics.jsonl").open("ab") as f:
         f.write(b"\xff\xfe damaged\n")
+    replaced = run / "checkpoints" / ".step_0000006.old-99"  # a save of step 6 again, stopped between its renames
+    (run / "checkpoints" / "step_0000006").rename(replaced)
     with pytest.warns(UserWarning, match="goes on from step 2 of .* checkpoints of later steps: they and their "
                                          "lines of metrics.jsonl are moved to"):
         again = train(load_config(TINY, [*common, step2]))
     (aside,) = run.glob("checkpoints-before-*")
     assert {p.name: (p / "model-00000.safetensors").read_bytes() for p in aside.glob("step_*")} == later
-    assert (aside / "latest").read_text() == "step_0000006"
+    assert (aside / "latest").read_text() == "step_0000006" and not list(run.glob("checkpoints/.step_*"))
     assert [m["loss"] for m in read_metrics(aside)] == [m["loss"] for m in first[2:]]
     assert (run / "checkpoints" / "latest").read_text() == "step_0000006"
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4, 5, 6]  # steps 3 to 6 once, from the second run
