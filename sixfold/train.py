@@ -147,15 +147,18 @@ class Trainer:
         aux = sum(float(m.aux) for m in self.moe.values())
         if self.model.tp.sequence:
             (aux,) = self.comm.sum_scalars([aux], "tp")
-        shares = {}
-        for part in self.comm.gather_objects({i: (m.counts / m.counts.sum()).tolist() for i, m in self.moe.items()},
-                                             "pp"):
-            shares.update(part)
+        layers = range(0, self.cfg.model.n_layers, self.cfg.model.moe_every)
+        counts = torch.zeros(len(layers), self.cfg.model.moe_experts, dtype=torch.float64, device=self.ctx.device)
+        for row, i in enumerate(layers):
+            if i in self.moe:  # this stage's layers; the other stages fill theirs
+                counts[row] = self.moe[i].counts
+        self.comm.all_reduce(counts, "pp", label="expert counts")
+        shares = counts / counts.sum(-1, keepdim=True)
         for m in self.moe.values():
             m.counts.zero_()
             m.aux.zero_()
         return {"moe_loss": self._total(aux),
-                "expert_share": {i: [min(s), max(s)] for i, s in sorted(shares.items())}}
+                "expert_share": {i: [float(s.min()), float(s.max())] for i, s in zip(layers, shares)}}
 
     @torch.no_grad()
     def evaluate(self, stop: StopSignal | None = None) -> float | None:
