@@ -407,8 +407,10 @@ def _index_path(cfg: DataConfig, root: Path, files) -> Path:
 
 
 def _stamp(path: Path) -> list[int]:
+    """A cached stream's identity, size and times: a rewrite that restores the modification time changes the
+    change time (as do a rename or chmod, after which the stream is checked again)."""
     st = path.stat()
-    return [st.st_size, st.st_mtime_ns]
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def _sums_path(train_path: Path) -> Path:
@@ -430,7 +432,7 @@ def _intact(train_path: Path, val_path: Path) -> bool:
 
 def _from_index(index: Path) -> TokenData | None:
     """The streams and tokenizer an index names, or None if it or any of them is missing, unreadable or changed
-    since (size, modification time); the warnings of the corpus's first read are given again."""
+    since (_stamp); the warnings of the corpus's first read are given again."""
     try:
         entry = json.loads(index.read_text())
         if [_stamp(Path(entry[k])) for k in ("train", "val")] != entry["stamps"]:

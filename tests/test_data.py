@@ -160,7 +160,7 @@ def test_bpe_train_save_load(tmp_path):
         build_tokenizer(cfg(tmp_path, tokenizer=str(tmp_path / "missing.json")), [])
 
 
-def test_load_data_bpe_and_cache_reuse(tmp_path):
+def test_load_data_bpe_and_cache_reuse(tmp_path, monkeypatch):
     c = cfg(tmp_path, source=str(write_corpus(tmp_path / "c")), tokenizer="bpe", bpe_vocab_size=300,
             val_fraction=0.2)
     data = load_data(c)
@@ -169,6 +169,7 @@ def test_load_data_bpe_and_cache_reuse(tmp_path):
     files = sorted((tmp_path / "cache").glob("*.bin")) + sorted((tmp_path / "cache").glob("bpe-*.json"))
     assert len(files) == 3
     stamps = [f.stat().st_mtime_ns for f in files]
+    monkeypatch.setattr(data_module, "_documents", lambda *a: pytest.fail("the corpus was read again"))
     again = load_data(c)
     assert [f.stat().st_mtime_ns for f in files] == stamps
     assert np.array_equal(again.train, data.train) and again.tokenizer.name == data.tokenizer.name
@@ -356,18 +357,21 @@ def test_eval_batches_are_fixed_and_sharded():
         eval_batches(t[:10], 16, 4, 1, 0, 1)
 
 
-@pytest.mark.parametrize("damage", ["cut short", "overwritten"])
+@pytest.mark.parametrize("damage", ["cut short", "overwritten", "overwritten, modification time restored"])
 def test_a_damaged_token_cache_is_tokenized_again(tmp_path, damage):
     c = cfg(tmp_path, source=str(write_corpus(tmp_path / "c")))
     data = load_data(c)
     first = np.array(data.train), np.array(data.val)  # copies: the damage below is to the mapped file
     del data
     (train,) = (tmp_path / "cache").glob("tokens-*.train.bin")
-    size = train.stat().st_size
+    st = train.stat()
+    size = st.st_size
     if damage == "cut short":
         os.truncate(train, size // 2)
     else:
         train.write_bytes(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+    if damage.endswith("restored"):  # as a copy that keeps times would: only the change time tells
+        os.utime(train, ns=(st.st_atime_ns, st.st_mtime_ns))
     with pytest.warns(UserWarning, match="changed since"):
         again = load_data(c)
     assert np.array_equal(again.train, first[0]) and np.array_equal(again.val, first[1])
