@@ -56,10 +56,12 @@ class Trainer:
         mine = [s for s in stages if schedule is None or schedule.placement[s.index] == ctx.rank_in("pp")]
         self.model = Llama(cfg.model, tp, self.cp, mine, ExpertParallel(self.comm)).to(ctx.device)
         init_weights(self.model, t.seed)
+        self.moe = {int(n.split(".")[1]): m for n, m in self.model.named_modules() if isinstance(m, MoE)}
         if t.compile:  # the blocks' forward only: the sharding hooks around them stay eager
+            for m in self.moe.values():  # eager: its shapes and collectives follow the routing
+                m.forward = torch.compiler.disable(m.forward)
             for block in self.model.layers.values():
                 block.forward = torch.compile(block.forward)
-        self.moe = {int(n.split(".")[1]): m for n, m in self.model.named_modules() if isinstance(m, MoE)}
         routing = routing_warning(cfg.model)
         if ctx.is_main and routing:
             warnings.warn(routing)

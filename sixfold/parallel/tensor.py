@@ -10,7 +10,6 @@ Activations between sub-layers are [tokens, hidden]; under sequence-TP each rank
 """
 from __future__ import annotations
 
-import functools
 import sys
 from dataclasses import dataclass
 
@@ -250,11 +249,15 @@ def linear(tp: TensorParallel, x: torch.Tensor, weights: list[torch.Tensor], mod
     return apply(x, tp, mode, sp and tp.size > 1, head, laid_out, *weights)
 
 
-@functools.cache
+_DISABLED: list = []  # not functools.cache, whose wrapper torch.compile warns it ignores
+
+
 def _outside_compile():
     """_Linear.apply as torch.compile calls it: outside its graphs (made once torch.compile is loaded: importing
     it costs a tenth of a GB, which a run that does not compile should not pay)."""
-    return torch.compiler.disable(_Linear.apply)
+    if not _DISABLED:
+        _DISABLED.append(torch.compiler.disable(_Linear.apply))
+    return _DISABLED[0]
 
 
 class Linear(nn.Module):
