@@ -21,7 +21,8 @@ def test_dispatch_bytes_equal_the_formula_and_outputs_one_process(ep):
 
 def test_experts_function_equals_autograd_and_adds_into_the_gradients():
     """fp64, 3 experts (one with no rows): outputs and gradients as autograd's per-expert products give them;
-    weight gradients are added into .grad (made on the first backward) and on_grad hears of each weight once."""
+    weight gradients are added into .grad (made on the first backward) and on_grad hears of each weight once, in
+    backward or, deferred (a zero-bubble pipeline's B), when the queued work runs (its W)."""
     gen = torch.Generator().manual_seed(0)
     counts, f, h = [5, 0, 7], 24, 16
     rows = torch.randn(12, h, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -36,10 +37,15 @@ def test_experts_function_equals_autograd_and_adds_into_the_gradients():
         t.grad = None
     told, grads = [], WeightGrads()
     grads.on_grad = told.append
-    for times in (1, 2):
+    for times in (1, 2, 3):
+        grads.defer = times == 3
         out = _Grouped.apply(rows, counts, grads, *weights)
         torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
         out.backward(grad)
+        if grads.defer:
+            assert len(grads.pending) == 1 and len(told) == 6
+            torch.testing.assert_close(weights[0].grad, 2 * want[1], rtol=1e-12, atol=1e-12)
+            grads.run()
         assert list(map(id, told)) == list(map(id, weights)) * times
         for got, w in zip((rows.grad, *(w.grad for w in weights)), want):
             torch.testing.assert_close(got, times * w, rtol=1e-12, atol=1e-12)

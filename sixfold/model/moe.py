@@ -74,9 +74,10 @@ def _spans(counts: list[int]):
 
 class _Grouped(torch.autograd.Function):
     """Each local expert's SwiGLU MLP on its rows. Saves the rows and each row's [gate | up] product; silu(gate) * up
-    is made again in backward. Backward adds each expert's weight gradients into its slice of the weights' .grad
-    and then tells weight_grads.on_grad, as deferred weight gradients do: autograd would keep every expert's
-    gradient until the last one's and then stack them into a new tensor."""
+    is made again in backward. Each expert's weight gradients are added into its slice of the weights' .grad (in
+    backward, or while weight_grads defers them, in its W), then weight_grads.on_grad is told, as for deferred
+    weight gradients: autograd would keep every expert's gradient until the last one's and then stack them into a
+    new tensor."""
 
     @staticmethod
     def forward(ctx, rows, counts: list[int], weight_grads: WeightGrads, w_gate, w_up, w_down):
@@ -95,34 +96,47 @@ class _Grouped(torch.autograd.Function):
     @torch.no_grad()
     def backward(ctx, grad):
         rows, gate_up = ctx.saved_tensors
-        w_gate, w_up, w_down = ctx.weights
-        weights = ctx.needs_input_grad[3]
-        grads = [_grad_buffer(w) for w in ctx.weights] if weights else None
-        f, drows = w_gate.shape[1], torch.empty_like(rows)
+        w_gate, w_up, w_down = weights = ctx.weights
+        wg, needed = ctx.weight_grads, ctx.needs_input_grad[3]
+        f, drows, later = w_gate.shape[1], torch.empty_like(rows), []
         for j, s in _spans(ctx.counts):
             gate, up, g = gate_up[s, :f], gate_up[s, f:], grad[s]
             silu = F.silu(gate)
-            if weights:
-                grads[2][j].addmm_(g.t(), silu * up)
+            act = silu * up
+            if needed and not wg.defer:  # w_down's now: act is freed before the gate's gradient is made
+                _add_grad(w_down, j, g, act)
+                act = None
             dgate = g @ w_down[j]
             dup = silu.mul_(dgate)
             dgate.mul_(up)
             torch.ops.aten.silu_backward.grad_input(dgate, gate, grad_input=dgate)
-            if weights:
-                grads[0][j].addmm_(dgate.t(), rows[s])
-                grads[1][j].addmm_(dup.t(), rows[s])
             torch.mm(dgate, w_gate[j], out=drows[s]).addmm_(dup, w_up[j])
-        if weights and ctx.weight_grads.on_grad is not None:
-            for w in ctx.weights:
-                ctx.weight_grads.on_grad(w)
+            if needed and wg.defer:
+                later.append((j, rows[s], g, act, dgate, dup))
+            elif needed:
+                _add_grad(w_gate, j, dgate, rows[s])
+                _add_grad(w_up, j, dup, rows[s])
+        if later:
+            wg.pending.append((weights, lambda: _add_later(weights, later)))
+        elif needed:
+            wg.accumulate(weights, None)
         return drows, None, None, None, None, None
 
 
-def _grad_buffer(weight: torch.Tensor) -> torch.Tensor:
-    """weight.grad, made (zeros) if it has none."""
+def _add_grad(weight, j: int, grad_out, x) -> None:
+    """Expert j's gradient of `weight`, grad_out^T x, added into its slice of weight.grad (made, zeros, if none)."""
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
-    return weight.grad
+    weight.grad[j].addmm_(grad_out.t(), x)
+
+
+def _add_later(weights, pieces: list) -> None:
+    """A deferred backward's weight gradients, expert by expert (WeightGrads.run then tells on_grad)."""
+    w_gate, w_up, w_down = weights
+    for j, rows, g, act, dgate, dup in pieces:
+        _add_grad(w_down, j, g, act)
+        _add_grad(w_gate, j, dgate, rows)
+        _add_grad(w_up, j, dup, rows)
 
 
 class MoE(nn.Module):

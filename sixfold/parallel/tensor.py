@@ -73,9 +73,9 @@ class Split:
 class WeightGrads:
     """Weight gradients computed later than input gradients (zero-bubble pipelines' W actions).
 
-    While `defer` is set, linear layers queue their weight-gradient work here (with the output gradient and
-    input it needs, held until then); run() performs it, accumulating into each weight's .grad and then calling
-    on_grad(weight). The head's (the logits' linear) only with `head` set too: its output gradient is
+    While `defer` is set, linear layers and MoE experts queue their weight-gradient work here (with the output
+    gradient and input it needs, held until then); run() performs it, accumulating into each weight's .grad and
+    then calling on_grad(weight). The head's (the logits' linear) only with `head` set too: its output gradient is
     logits-sized. `used`: some backward may defer, so every linear layer runs through the Function that can
     (autograd's own linear cannot).
     """
@@ -97,15 +97,17 @@ class WeightGrads:
         work = self.take() if work is None else work
         while work:
             weights, compute = work.pop(0)
-            self._accumulate(weights, compute())
+            self.accumulate(weights, compute())
 
-    def _accumulate(self, weights, grads) -> None:
-        """Into each weight's .grad; the product is freed on return, before the next one is made."""
-        for weight, grad in zip(weights, grads):
-            if weight.grad is None:
-                weight.grad = grad
-            else:
-                weight.grad.add_(grad)
+    def accumulate(self, weights, grads) -> None:
+        """Into each weight's .grad (grads None: the work added them itself), then on_grad; the product is freed on
+        return, before the next one is made."""
+        for i, weight in enumerate(weights):
+            if grads is not None:
+                if weight.grad is None:
+                    weight.grad = grads[i]
+                else:
+                    weight.grad.add_(grads[i])
             if self.on_grad is not None:
                 self.on_grad(weight)
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from ..model.moe import MoE
 from ..parallel.pipeline.delivery import held_sends
+from ..parallel.pipeline.schedules import W
 from ..parallel.sharding import REDUCING
 from .rank import Rank
 
@@ -91,16 +92,18 @@ def _swiglu(rank: Rank, mlp) -> int:
     return rank.compute_bytes * 3 * rank.micro_tokens * mlp.w_gate.weight.shape[0]
 
 
-def mlp_working(rank: Rank, layer: int) -> int:
+def mlp_working(rank: Rank, layer: int, deferring: bool = False) -> int:
     """Temporaries of a block's MLP backward: a dense SwiGLU's incoming gradient, stacked gate and up gradient
     and silu(gate) again, b * 3 * T * f (its saved count); an MoE layer's routed rows' gradient, b * R * dim, and
-    one expert's at a time, silu(gate) and its SwiGLU again or their gradients, b * 2 * (R / local experts) * f,
-    or a shared expert's, whichever is larger."""
+    one expert's at a time, silu(gate) and its SwiGLU again, then the gate and up gradients, b * 2 * (R / local
+    experts) * f (deferring its weight gradients: every expert's SwiGLU and gradients, b * 3 * R * f), or a shared
+    expert's, whichever is larger."""
     cfg, b, moe = rank.cfg.model, rank.compute_bytes, rank.moe(layer)
     if moe is None:
         return mlp_activations(rank, layer)
     rows, local = rank.routed_rows, moe.experts.w_gate.shape[0]
-    routed = b * rows * cfg.dim + b * 2 * -(-rows // local) * cfg.ffn_dim
+    routed = b * rows * cfg.dim + (b * 3 * rows * cfg.ffn_dim if deferring else
+                                   b * 2 * -(-rows // local) * cfg.ffn_dim)
     return max(routed, _swiglu(rank, moe.shared) if moe.shared is not None else 0)
 
 
@@ -108,7 +111,9 @@ def deferred(rank: Rank, layer: int) -> tuple[int, int]:
     """Bytes a block's deferred weight gradients hold until they are computed, which its backward does not free:
     each linear's output gradient (a row linear's gathered over sequence-TP) and input (a column linear's gathered
     over sequence-TP; saved, or under full recomputation rebuilt); and the largest weight gradient one of them
-    makes (stacked weights in one product). MoE experts do not defer; a shared expert does, as a dense SwiGLU."""
+    makes (stacked weights in one product). MoE experts hold their rows in and their output gradient, b * R * dim
+    each, and per row the SwiGLU and the gate and up gradients, b * R * 3 * f (their products add into the
+    gradient in place); a shared expert defers as a dense SwiGLU."""
     cfg, b, t = rank.cfg.model, rank.compute_bytes, rank.micro_tokens
     block = rank.model.layers[str(layer)]
     attn, dense = block.attn, block.mlp.shared if isinstance(block.mlp, MoE) else block.mlp
@@ -119,6 +124,8 @@ def deferred(rank: Rank, layer: int) -> tuple[int, int]:
         f = dense.w_gate.weight.shape[0]
         held += b * t * (2 * f + cfg.dim + cfg.dim + f)  # gate and up: gradient, input; w_down: gradient, input
         products += [dense.w_gate.weight.numel() + dense.w_up.weight.numel(), dense.w_down.weight.numel()]
+    if rank.moe(layer) is not None:
+        held += b * rank.routed_rows * (2 * cfg.dim + 3 * cfg.ffn_dim)
     return held, b * max(products)
 
 
@@ -169,10 +176,11 @@ def step(rank: Rank) -> dict[str, int]:
     recomputation that sub-layer rebuilt (not an MoE layer's, which is not run again); all the buffers above
     and the full gradients of the units being reduced (ZeRO-2/3) and their copies in the reduction's dtype
     (bf16 gradients reduced in fp32): the REDUCING + 1 largest units'.
-    Under pipelining, at the weight gradient of a B that sent its input gradient first (Schedule.sends_early):
-    the saved activations less that B's micro-batch's on its stage (freed by the B), that stage's deferred tensors
-    and its largest weight gradient (deferred()), the input gradient it sent, and the buffers of the first moment
-    (its units start reducing after it)."""
+    Under pipelining, at the weight gradient of a B that sent its input gradient first (Schedule.sends_early), or
+    at a W: the saved activations less that B's micro-batch's on its stage (freed by the B), that stage's deferred
+    tensors and its largest weight gradient (deferred()), the input gradient an early B sent, and the buffers of
+    the first moment (its units start reducing after it). The MLP of a B that defers holds its experts' deferred
+    tensors (mlp_working)."""
     b, th, dim = rank.compute_bytes, rank.hidden_tokens, rank.cfg.model.dim
     saved = activations(rank)["saved"]
     buffers = _buffers(rank)
@@ -186,20 +194,24 @@ def step(rank: Rank) -> dict[str, int]:
         else:
             loss = max(8 * t * vocab, head - (4 - b) * t * vocab)
         moments.append({"saved": saved, "working": loss, "transient": buffers["early"]})
+    pp = rank.ctx.rank_in("pp")
+    early = {s for s, _ in rank.schedule.sends_early(pp)} if rank.schedule else set()
+    split = {a.stage for a in rank.schedule.ranks[pp] if a.kind == W} if rank.schedule else set()
     if rank.blocks:
         block = 0
-        for layer in rank.blocks:
-            moe = rank.moe(layer) is not None  # its MLP is not run again
-            full = rank.cfg.model.recompute == "full" and not moe
-            rebuilt = b * th * dim + 4 * th + mlp_activations(rank, layer) if full else 0
-            block = max(block, rebuilt + mlp_working(rank, layer) + 2 * b * th * dim)
+        for st in rank.model.stages:
+            for layer in st.layers:
+                moe = rank.moe(layer) is not None  # its MLP is not run again
+                full = rank.cfg.model.recompute == "full" and not moe
+                rebuilt = b * th * dim + 4 * th + mlp_activations(rank, layer) if full else 0
+                working = mlp_working(rank, layer, st.index in early | split)
+                block = max(block, rebuilt + working + 2 * b * th * dim)
         moments.append({"saved": saved - ends(rank), "working": block, "transient": buffers["reducing"]})
-    early = {s for s, _ in rank.schedule.sends_early(rank.ctx.rank_in("pp"))} if rank.schedule else set()
     sent = b * th * dim  # an early sender's input gradient, on its way
-    for st in (st for st in rank.model.stages if st.index in early):
+    for st in (st for st in rank.model.stages if st.index in early | split):
         held = [deferred(rank, layer) for layer in st.layers]
         gone = _stage_activations(rank, st)  # its B is done: the micro-batch's saved tensors freed but for `held`
-        working = sum(h for h, _ in held) + max((p for _, p in held), default=0) + sent
+        working = sum(h for h, _ in held) + max((p for _, p in held), default=0) + (sent if st.index in early else 0)
         moments.append({"saved": saved - gone, "working": working, "transient": buffers["early"]})
     peak = max(moments, key=lambda m: sum(m.values()))
     peak["transient"] += buffers["held"]
