@@ -156,11 +156,11 @@ class Trainer:
                 counts[row] = self.moe[i].counts
         self.comm.all_reduce(counts, "pp", label="expert counts")
         shares = counts / counts.sum(-1, keepdim=True)
+        spread = torch.stack([shares.amin(-1), shares.amax(-1)], -1).tolist()  # one copy from the device
         for m in self.moe.values():
             m.counts.zero_()
             m.aux.zero_()
-        return {"moe_loss": self._total(aux),
-                "expert_share": {i: [float(s.min()), float(s.max())] for i, s in zip(layers, shares)}}
+        return {"moe_loss": self._total(aux), "expert_share": dict(zip(layers, spread))}
 
     @torch.no_grad()
     def evaluate(self, stop: StopSignal | None = None) -> float | None:

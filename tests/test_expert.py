@@ -20,9 +20,10 @@ def test_dispatch_bytes_equal_the_formula_and_outputs_one_process(ep):
 
 
 def test_experts_function_equals_autograd_and_adds_into_the_gradients():
-    """fp64, 3 experts (one with no rows): outputs and gradients as autograd's per-expert products give them;
-    weight gradients are added into .grad (made on the first backward) and on_grad hears of each weight once, in
-    backward or, deferred (a zero-bubble pipeline's B), when the queued work runs (its W)."""
+    """fp64, 3 experts (one with no rows): outputs and gradients as autograd's per-expert products give them.
+    Weight gradients are added into .grad (made on the first backward); the weights' post-accumulate hooks run
+    once per backward, and deferred (a zero-bubble pipeline's B) the work queued runs them later and then tells
+    on_grad (its W). A frozen weight gets no gradient; a second derivative is refused."""
     gen = torch.Generator().manual_seed(0)
     counts, f, h = [5, 0, 7], 24, 16
     rows = torch.randn(12, h, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -35,20 +36,33 @@ def test_experts_function_equals_autograd_and_adds_into_the_gradients():
     want = [t.grad.clone() for t in (rows, *weights)]
     for t in (rows, *weights):
         t.grad = None
-    told, grads = [], WeightGrads()
+    hooked, told, grads = [], [], WeightGrads()
     grads.on_grad = told.append
+    for w in weights:
+        w.register_post_accumulate_grad_hook(hooked.append)
     for times in (1, 2, 3):
         grads.defer = times == 3
         out = _Grouped.apply(rows, counts, grads, *weights)
         torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
         out.backward(grad)
+        assert sorted(map(id, hooked)) == sorted(map(id, weights * times)) and not told
         if grads.defer:
-            assert len(grads.pending) == 1 and len(told) == 6
+            assert len(grads.pending) == 1
             torch.testing.assert_close(weights[0].grad, 2 * want[1], rtol=1e-12, atol=1e-12)
             grads.run()
-        assert list(map(id, told)) == list(map(id, weights)) * times
+            assert sorted(map(id, told)) == sorted(map(id, weights))
         for got, w in zip((rows.grad, *(w.grad for w in weights)), want):
             torch.testing.assert_close(got, times * w, rtol=1e-12, atol=1e-12)
+    grads.defer = False
+    weights[1].requires_grad_(False)
+    before = [w.grad.clone() for w in weights]
+    _Grouped.apply(rows, counts, grads, *weights).backward(grad)
+    torch.testing.assert_close(weights[1].grad, before[1], rtol=0, atol=0)
+    torch.testing.assert_close(weights[2].grad, before[2] + want[3], rtol=1e-12, atol=1e-12)
+    out = _Grouped.apply(rows, counts, grads, *weights)
+    (first,) = torch.autograd.grad(out, rows, grad.clone().requires_grad_(), create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        first.sum().backward()
 
 
 def _router_grad(norm_topk: bool) -> float:

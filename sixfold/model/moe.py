@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ..config import ModelConfig
 from ..parallel.expert import ExpertParallel
@@ -74,10 +75,11 @@ def _spans(counts: list[int]):
 
 class _Grouped(torch.autograd.Function):
     """Each local expert's SwiGLU MLP on its rows. Saves the rows and each row's [gate | up] product; silu(gate) * up
-    is made again in backward. Each expert's weight gradients are added into its slice of the weights' .grad (in
-    backward, or while weight_grads defers them, in its W), then weight_grads.on_grad is told, as for deferred
-    weight gradients: autograd would keep every expert's gradient until the last one's and then stack them into a
-    new tensor."""
+    is made again in backward. Backward adds each expert's weight gradients into its slice of the weights' .grad
+    (while weight_grads defers them, in its W, which then tells weight_grads.on_grad), as the deferred linear
+    layers do, whatever inputs the caller asked gradients for: autograd would keep every expert's gradient until
+    the last one's and then stack them into a new tensor. The weights' post-accumulate hooks still run after it
+    (autograd runs them for a None gradient too)."""
 
     @staticmethod
     def forward(ctx, rows, counts: list[int], weight_grads: WeightGrads, w_gate, w_up, w_down):
@@ -93,38 +95,42 @@ class _Grouped(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.no_grad()
+    @once_differentiable
     def backward(ctx, grad):
         rows, gate_up = ctx.saved_tensors
-        w_gate, w_up, w_down = weights = ctx.weights
-        wg, needed = ctx.weight_grads, ctx.needs_input_grad[3]
+        w_gate, w_up, w_down = ctx.weights
+        # the weights that want a gradient (a frozen one gets none)
+        gate_w, up_w, down_w = (w if need else None for w, need in zip(ctx.weights, ctx.needs_input_grad[3:]))
+        defer = ctx.weight_grads.defer
         f, drows, later = w_gate.shape[1], torch.empty_like(rows), []
         for j, s in _spans(ctx.counts):
             gate, up, g = gate_up[s, :f], gate_up[s, f:], grad[s]
             silu = F.silu(gate)
             act = silu * up
-            if needed and not wg.defer:  # w_down's now: act is freed before the gate's gradient is made
-                _add_grad(w_down, j, g, act)
+            if not defer:  # w_down's now: act is freed before the gate's gradient is made
+                _add_grad(down_w, j, g, act)
                 act = None
             dgate = g @ w_down[j]
             dup = silu.mul_(dgate)
             dgate.mul_(up)
             torch.ops.aten.silu_backward.grad_input(dgate, gate, grad_input=dgate)
             torch.mm(dgate, w_gate[j], out=drows[s]).addmm_(dup, w_up[j])
-            if needed and wg.defer:
+            if defer:
                 later.append((j, rows[s], g, act, dgate, dup))
-            elif needed:
-                _add_grad(w_gate, j, dgate, rows[s])
-                _add_grad(w_up, j, dup, rows[s])
-        if later:
-            wg.pending.append((weights, lambda: _add_later(weights, later)))
-        elif needed:
-            wg.accumulate(weights, None)
+            else:
+                _add_grad(gate_w, j, dgate, rows[s])
+                _add_grad(up_w, j, dup, rows[s])
+        wanted = tuple(w for w in (gate_w, up_w, down_w) if w is not None)
+        if later and wanted:
+            ctx.weight_grads.pending.append((wanted, lambda: _add_later((gate_w, up_w, down_w), later)))
         return drows, None, None, None, None, None
 
 
 def _add_grad(weight, j: int, grad_out, x) -> None:
-    """Expert j's gradient of `weight`, grad_out^T x, added into its slice of weight.grad (made, zeros, if none)."""
+    """Expert j's gradient of `weight` (None: none wanted), grad_out^T x, added into its slice of weight.grad
+    (made, zeros, if none)."""
+    if weight is None:
+        return
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
     weight.grad[j].addmm_(grad_out.t(), x)
@@ -132,11 +138,11 @@ def _add_grad(weight, j: int, grad_out, x) -> None:
 
 def _add_later(weights, pieces: list) -> None:
     """A deferred backward's weight gradients, expert by expert (WeightGrads.run then tells on_grad)."""
-    w_gate, w_up, w_down = weights
+    gate_w, up_w, down_w = weights
     for j, rows, g, act, dgate, dup in pieces:
-        _add_grad(w_down, j, g, act)
-        _add_grad(w_gate, j, dgate, rows)
-        _add_grad(w_up, j, dup, rows)
+        _add_grad(down_w, j, g, act)
+        _add_grad(gate_w, j, dgate, rows)
+        _add_grad(up_w, j, dup, rows)
 
 
 class MoE(nn.Module):
