@@ -100,6 +100,9 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
                      "train.seq_len=8192", "--gpus", "8", "--search"]) == 0
     best = capsys.readouterr().out.splitlines()[1].split()
     assert best[:2] == ["dp_shard8,", "zero1"] and best[2] == "8"
+    assert cli.main(["plan", TINY, "model.moe_experts=4", "--gpus", "4", "--search"]) == 0  # ep is searched too
+    rows = [line.split(",")[0] for line in capsys.readouterr().out.splitlines()[1:-1]]
+    assert "dp_shard4 x ep4" in rows
     assert cli.main(["plan", TINY, "--gpus", "5", "--search"]) == 2  # no layout of 5 divides the tiny model
     assert "no layout of 5 GPUs divides this model and batch" in capsys.readouterr().err
     assert cli.main(["plan", "configs/llama3-8b.yaml", "--gpus", "1", "--search"]) == 2

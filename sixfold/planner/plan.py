@@ -78,7 +78,7 @@ def _divisors(n: int) -> list[int]:
 def layouts(cfg: Config, world: int, per_node: int):
     """Every layout of `world` ranks for cfg's model and global batch: tp within a node, zero 1 or 3 when
     sharded (1 under pipelining), 1F1B with one sequence per micro-batch under pipelining, each recomputation
-    mode."""
+    mode, and for an MoE model each ep that divides the experts and the ranks that read different tokens."""
     m, t = cfg.model, cfg.train
     for tp, cp, pp in itertools.product(_divisors(min(world, per_node)), _divisors(world), _divisors(world)):
         rest = world // (tp * cp * pp) if world % (tp * cp * pp) == 0 else 0
@@ -91,10 +91,11 @@ def layouts(cfg: Config, world: int, per_node: int):
                 continue
             # under pipelining ZeRO-3 gathers once per step: its peak and traffic are ZeRO-1's, a duplicate row
             zeros = (0,) if shard * cp == 1 else (1,) if pp > 1 else (1, 3)
-            for zero, recompute in itertools.product(zeros, ("none", "selective", "full")):
+            eps = [e for e in _divisors(shard * cp) if m.moe_experts % e == 0] if m.moe_experts else [1]
+            for zero, recompute, ep in itertools.product(zeros, ("none", "selective", "full"), eps):
                 c = copy.deepcopy(cfg)
                 c.parallel.dp_replicate, c.parallel.dp_shard, c.parallel.tp, c.parallel.cp = replicate, shard, tp, cp
-                c.parallel.pp, c.parallel.zero, c.parallel.ep = pp, zero, 1
+                c.parallel.pp, c.parallel.zero, c.parallel.ep = pp, zero, ep
                 c.parallel.pp_schedule, c.parallel.pp_virtual_stages = "1f1b", 1
                 c.parallel.reshard_after_forward = None
                 c.model.recompute = recompute
