@@ -12,7 +12,7 @@ from sixfold import cli
 from sixfold.config import load_config
 from sixfold.planner.devices import DEVICES
 from sixfold.planner.memory import activations, persistent, step
-from sixfold.planner.plan import plan
+from sixfold.planner.plan import layouts, plan
 from sixfold.planner.rank import build_rank
 from sixfold.planner.traffic import step_bytes
 from helpers import TINY, torchrun
@@ -103,6 +103,9 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     assert cli.main(["plan", TINY, "model.moe_experts=4", "--gpus", "4", "--search"]) == 0  # ep is searched too
     rows = [line.split(",")[0] for line in capsys.readouterr().out.splitlines()[1:-1]]
     assert "dp_shard4 x ep4" in rows
+    tried = {(c.parallel.pp_schedule, c.parallel.pp_virtual_stages) for c in layouts(load_config(TINY), 4, 4)
+             if c.parallel.pp > 1}
+    assert tried == {("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)}
     assert cli.main(["plan", TINY, "--gpus", "5", "--search"]) == 2  # no layout of 5 divides the tiny model
     assert "no layout of 5 GPUs divides this model and batch" in capsys.readouterr().err
     assert cli.main(["plan", "configs/llama3-8b.yaml", "--gpus", "1", "--search"]) == 2

@@ -71,14 +71,18 @@ def plan(cfg: Config, device: Device, per_node: int, ends_only: bool = False) ->
                 all(s.memory["peak"] <= RESERVE * device.memory for s in stages))
 
 
+PP_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))  # (schedule, virtual stages)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def layouts(cfg: Config, world: int, per_node: int):
     """Every layout of `world` ranks for cfg's model and global batch: tp within a node, zero 1 or 3 when
-    sharded (1 under pipelining), 1F1B with one sequence per micro-batch under pipelining, each recomputation
-    mode, and for an MoE model each ep that divides the experts and the ranks that read different tokens."""
+    sharded (1 under pipelining), under pipelining one sequence per micro-batch and each of PP_SCHEDULES, each
+    recomputation mode, and for an MoE model each ep that divides the experts and the ranks that read different
+    tokens."""
     m, t = cfg.model, cfg.train
     for tp, cp, pp in itertools.product(_divisors(min(world, per_node)), _divisors(world), _divisors(world)):
         rest = world // (tp * cp * pp) if world % (tp * cp * pp) == 0 else 0
@@ -92,11 +96,14 @@ def layouts(cfg: Config, world: int, per_node: int):
             # under pipelining ZeRO-3 gathers once per step: its peak and traffic are ZeRO-1's, a duplicate row
             zeros = (0,) if shard * cp == 1 else (1,) if pp > 1 else (1, 3)
             eps = [e for e in _divisors(shard * cp) if m.moe_experts % e == 0] if m.moe_experts else [1]
-            for zero, recompute, ep in itertools.product(zeros, ("none", "selective", "full"), eps):
+            schedules = PP_SCHEDULES if pp > 1 else PP_SCHEDULES[:1]
+            # recomputation innermost: build_rank builds the rest once for the three
+            for zero, ep, (schedule, v), recompute in itertools.product(zeros, eps, schedules,
+                                                                         ("none", "selective", "full")):
                 c = copy.deepcopy(cfg)
                 c.parallel.dp_replicate, c.parallel.dp_shard, c.parallel.tp, c.parallel.cp = replicate, shard, tp, cp
                 c.parallel.pp, c.parallel.zero, c.parallel.ep = pp, zero, ep
-                c.parallel.pp_schedule, c.parallel.pp_virtual_stages = "1f1b", 1
+                c.parallel.pp_schedule, c.parallel.pp_virtual_stages = schedule, v
                 c.parallel.reshard_after_forward = None
                 c.model.recompute = recompute
                 c.train.micro_batches = t.global_batch // dp if pp > 1 else 1

@@ -2,6 +2,7 @@
 tp and ep pieces, with shapes and no memory) and the FSDP units the trainer would make of it."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -89,6 +90,26 @@ def _simulation(name: str, pp: int, v: int, m: int, costs: Costs):
 
 def build_rank(cfg: Config, rank: int) -> Rank:
     p, t = cfg.parallel, cfg.train
+    stages = split_stages(cfg.model, p.pp * p.pp_virtual_stages, t.seq_len)
+    schedule = _schedule(p.pp_schedule, p.pp, p.pp_virtual_stages, t.micro_batches) if p.pp > 1 else None
+    same = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="none"))
+    key = same.to_yaml(), rank
+    if key not in _BUILT:
+        if len(_BUILT) == 16:
+            _BUILT.pop(next(iter(_BUILT)))
+        _BUILT[key] = _build(same, rank)
+    ctx, model, sharded = _BUILT[key]
+    costs = stage_costs(cfg.model, stages, t.seq_len, schedule.splits) if schedule else None
+    return Rank(cfg, ctx, model, sharded, schedule, costs)
+
+
+_BUILT: dict = {}  # (config as YAML with recompute "none", rank) -> _build's, the last 16
+
+
+def _build(cfg: Config, rank: int):
+    """The rank's context, model and units, which recomputation does not change: a search plans each layout in
+    every mode one after another and builds them once."""
+    p, t = cfg.parallel, cfg.train
     ctx = ParallelContext(ParallelDims.from_config(p), rank, "gloo", torch.device("meta"), {})
     comm = Comm(ctx, Tracer(False, rank))
     stages = split_stages(cfg.model, p.pp * p.pp_virtual_stages, t.seq_len)
@@ -98,6 +119,4 @@ def build_rank(cfg: Config, rank: int) -> Rank:
         model = Llama(cfg.model, TensorParallel(comm, p.sequence_parallel), ContextParallel(comm, p.cp_mode,
                       p.cp_zigzag), mine, ExpertParallel(comm))
     dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
-    sharded = Sharded(model, comm, p.zero, p.reshard, dtype)
-    costs = stage_costs(cfg.model, stages, t.seq_len, schedule.splits) if schedule else None
-    return Rank(cfg, ctx, model, sharded, schedule, costs)
+    return ctx, model, Sharded(model, comm, p.zero, p.reshard, dtype)
