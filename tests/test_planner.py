@@ -12,7 +12,7 @@ from sixfold import cli
 from sixfold.config import load_config
 from sixfold.planner.devices import DEVICES
 from sixfold.planner.memory import activations, persistent, step
-from sixfold.planner.plan import layouts, plan
+from sixfold.planner.plan import PP_SCHEDULES, layouts, plan
 from sixfold.planner.rank import build_rank
 from sixfold.planner.traffic import step_bytes
 from helpers import TINY, torchrun
@@ -132,6 +132,18 @@ def test_uneven_stages_wait_for_the_heaviest(recompute):
     assert max(makespans) == pytest.approx(min(makespans), rel=1e-3)
     # the search plans the ends and, of the middle stages, the one with the most blocks
     assert [s.rank for s in plan(cfg, DEVICES["h100"], 8, ends_only=True).stages] == [0, 8, 24]
+
+
+@pytest.mark.parametrize("schedule", PP_SCHEDULES, ids=[s for s, _ in PP_SCHEDULES])
+def test_the_search_plans_the_fullest_pipeline_rank(schedule):
+    """The search plans a few pipeline ranks (the ends and the middle one with the most blocks; every rank under
+    zb-v, whose first rank holds both ends): the same peak as planning every rank."""
+    name, v = schedule
+    cfg = load_config("configs/llama3-8b.yaml", ["parallel.pp=4", "parallel.dp_shard=2", "parallel.tp=2",
+                                                 "parallel.zero=1", f"parallel.pp_schedule={name}",
+                                                 f"parallel.pp_virtual_stages={v}", "train.micro_batches=4"])
+    few, every = (plan(cfg, DEVICES["h100"], 16, ends_only=ends) for ends in (True, False))
+    assert few.peak == every.peak and few.step_s == pytest.approx(every.step_s, rel=1e-12)
 
 
 def test_mfu_counts_the_model_once():

@@ -41,12 +41,13 @@ class Plan:
 
 def _pp_ranks(cfg: Config, ends_only: bool) -> list[int]:
     """The pipeline ranks to plan: all; or with `ends_only`, the first and last (the embedding's and the head's)
-    and of the others, which hold blocks only, the one with the most."""
+    and of the others, which hold blocks only, the one with the most. A V placement (zb-v) puts both ends on
+    the first rank and its middle ranks' crowds differ: all of them are planned."""
     p = cfg.parallel
-    if not ends_only or p.pp <= 2:
+    where = placement(p.pp, p.pp_virtual_stages, p.pp_schedule)
+    if not ends_only or p.pp <= 2 or where[-1] == 0:
         return list(range(p.pp))
     blocks = [0] * p.pp
-    where = placement(p.pp, p.pp_virtual_stages, p.pp_schedule)
     for stage in split_stages(cfg.model, p.pp * p.pp_virtual_stages, cfg.train.seq_len):
         blocks[where[stage.index]] += len(stage.layers)
     return sorted({0, p.pp - 1, max(range(1, p.pp - 1), key=lambda r: blocks[r])})
