@@ -137,9 +137,11 @@ def _add_grad(weight, j: int, grad_out, x) -> None:
 
 
 def _add_later(weights, pieces: list) -> None:
-    """A deferred backward's weight gradients, expert by expert (WeightGrads.run then tells on_grad)."""
+    """A deferred backward's weight gradients, expert by expert, each expert's tensors dropped once used
+    (WeightGrads.run then tells on_grad)."""
     gate_w, up_w, down_w = weights
-    for j, rows, g, act, dgate, dup in pieces:
+    while pieces:
+        j, rows, g, act, dgate, dup = pieces.pop(0)
         _add_grad(down_w, j, g, act)
         _add_grad(gate_w, j, dgate, rows)
         _add_grad(up_w, j, dup, rows)
