@@ -51,10 +51,15 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def moe_layers(self) -> range:
+        """The blocks whose MLP is a mixture of experts: 0, moe_every, 2 * moe_every, ... (none without experts)."""
+        return range(0, self.n_layers if self.moe_experts else 0, self.moe_every)
+
     def num_params(self) -> int:
         d, f, v, hd = self.dim, self.ffn_dim, self.vocab_size, self.head_dim
         attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + 2 * d
-        moe_layers = len(range(0, self.n_layers, self.moe_every)) if self.moe_experts else 0
+        moe_layers = len(self.moe_layers)
         mlp = 3 * d * f
         ffn = moe_layers * ((self.moe_experts + self.moe_shared_expert) * mlp + d * self.moe_experts) + \
             (self.n_layers - moe_layers) * mlp

@@ -397,8 +397,7 @@ def _index_path(cfg: DataConfig, root: Path, files) -> Path:
     text: keyed by each file's identity, size and times (a rewrite that restores the modification time changes
     the change time), the settings, and this module's source (how documents are read)."""
     def stat(p: Path):
-        st = p.stat()
-        return str(p), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+        return str(p), *_stamp(p)
     tok = Path(cfg.tokenizer).expanduser()
     tok = stat(tok) if cfg.tokenizer.endswith(".json") and tok.is_file() else cfg.tokenizer
     key = _sha(CACHE_FORMAT, _READER, cfg.source == "stdlib", str(root), cfg.format, cfg.jsonl_field, tok,

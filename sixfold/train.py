@@ -149,7 +149,7 @@ class Trainer:
         aux = sum(float(m.aux) for m in self.moe.values())
         if self.model.tp.sequence:
             (aux,) = self.comm.sum_scalars([aux], "tp")
-        layers = range(0, self.cfg.model.n_layers, self.cfg.model.moe_every)
+        layers = self.cfg.model.moe_layers
         counts = torch.zeros(len(layers), self.cfg.model.moe_experts, dtype=torch.float64, device=self.ctx.device)
         for row, i in enumerate(layers):
             if i in self.moe:  # this stage's layers; the other stages fill theirs

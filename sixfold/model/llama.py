@@ -140,7 +140,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, norm_split)
         self.attn = Attention(cfg, layer, tp, cp)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, norm_split)
-        if cfg.moe_experts and layer % cfg.moe_every == 0:
+        if layer in cfg.moe_layers:
             self.mlp = MoE(cfg, tp, ep, MLP(cfg, tp) if cfg.moe_shared_expert else None)
         else:
             self.mlp = MLP(cfg, tp)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from ..model.moe import MoE
 from ..parallel.pipeline.delivery import held_sends
-from ..parallel.pipeline.schedules import W
 from ..parallel.sharding import REDUCING
 from .rank import Rank
 
@@ -196,7 +195,7 @@ def step(rank: Rank) -> dict[str, int]:
         moments.append({"saved": saved, "working": loss, "transient": buffers["early"]})
     pp = rank.ctx.rank_in("pp")
     early = {s for s, _ in rank.schedule.sends_early(pp)} if rank.schedule else set()
-    split = {a.stage for a in rank.schedule.ranks[pp] if a.kind == W} if rank.schedule else set()
+    split = {s for s, _ in rank.schedule.split(pp)} if rank.schedule else set()
     if rank.blocks:
         block = 0
         for st in rank.model.stages:

@@ -97,7 +97,7 @@ def build_rank(cfg: Config, rank: int) -> Rank:
     if key not in _BUILT:
         if len(_BUILT) == 16:
             _BUILT.pop(next(iter(_BUILT)))
-        _BUILT[key] = _build(same, rank)
+        _BUILT[key] = _build(same, rank, stages, schedule)
     ctx, model, sharded = _BUILT[key]
     costs = stage_costs(cfg.model, stages, t.seq_len, schedule.splits) if schedule else None
     return Rank(cfg, ctx, model, sharded, schedule, costs)
@@ -106,14 +106,12 @@ def build_rank(cfg: Config, rank: int) -> Rank:
 _BUILT: dict = {}  # (config as YAML with recompute "none", rank) -> _build's, the last 16
 
 
-def _build(cfg: Config, rank: int):
+def _build(cfg: Config, rank: int, stages, schedule: Schedule | None):
     """The rank's context, model and units, which recomputation does not change: a search plans each layout in
     every mode one after another and builds them once."""
     p, t = cfg.parallel, cfg.train
     ctx = ParallelContext(ParallelDims.from_config(p), rank, "gloo", torch.device("meta"), {})
     comm = Comm(ctx, Tracer(False, rank))
-    stages = split_stages(cfg.model, p.pp * p.pp_virtual_stages, t.seq_len)
-    schedule = _schedule(p.pp_schedule, p.pp, p.pp_virtual_stages, t.micro_batches) if p.pp > 1 else None
     mine = [s for s in stages if schedule is None or schedule.placement[s.index] == ctx.rank_in("pp")]
     with torch.device("meta"):
         model = Llama(cfg.model, TensorParallel(comm, p.sequence_parallel), ContextParallel(comm, p.cp_mode,

@@ -71,8 +71,7 @@ def _scalars(rank: Rank, out: Counter) -> None:
     if rank.cfg.model.moe_experts:
         _add(rank, out, "loss", "all_reduce", SCALAR)  # the MoE losses, as logged
         _add(rank, out, "pp", "all_reduce", SCALAR)  # and summed over the stages
-        layers = len(range(0, rank.cfg.model.n_layers, rank.cfg.model.moe_every))
-        _add(rank, out, "pp", "all_reduce", SCALAR * rank.cfg.model.moe_experts * layers)  # the logged shares
+        _add(rank, out, "pp", "all_reduce", SCALAR * rank.cfg.model.moe_experts * len(rank.cfg.model.moe_layers))
         if rank.model.tp.sequence:
             _add(rank, out, "tp", "all_reduce", SCALAR)
         units = [u for u in rank.sharded.units if u.expert]

@@ -35,7 +35,7 @@ class Pipeline:
         self.stages = {s.index: s for s in model.stages}
         self.last = schedule.stages - 1
         self.actions = schedule.ranks[self.rank]
-        self.split = {(a.stage, a.micro) for a in self.actions if a.kind == W}
+        self.split = schedule.split(self.rank)
         self.early = schedule.sends_early(self.rank)
         model.tp.weight_grads.used = bool(self.split or self.early)
         self.launch_after = self._launch_points()

@@ -67,12 +67,15 @@ class Schedule:
         """Whether the schedule has W actions (its B's compute input gradients only)."""
         return any(a.kind == W for acts in self.ranks for a in acts)
 
+    def split(self, rank: int) -> set[tuple[int, int]]:
+        """(stage, micro) of the rank's B actions with a W of their own (which defer their weight gradients to it)."""
+        return {(a.stage, a.micro) for a in self.ranks[rank] if a.kind == W}
+
     def sends_early(self, rank: int) -> set[tuple[int, int]]:
         """(stage, micro) of the rank's B actions that send their input gradient before their weight gradient:
         those with no W of their own whose previous stage is on another rank. The runtime defers their weight
         gradient as for a W and computes it right after posting the send, so the peer's backward starts sooner."""
-        acts = self.ranks[rank]
-        split = {(a.stage, a.micro) for a in acts if a.kind == W}
+        acts, split = self.ranks[rank], self.split(rank)
         return {(a.stage, a.micro) for a in acts if a.kind == B and a.stage > 0 and
                 self.placement[a.stage - 1] != rank and (a.stage, a.micro) not in split}
 
