@@ -121,7 +121,8 @@ def cmd_plan(args, argv) -> int:
         raise ConfigError(f"--gpus {args.gpus} must be divisible by --nodes {args.nodes}")
     device, per_node = DEVICES[args.gpu], args.gpus // args.nodes
     if args.search:
-        print(ranking(search(cfg, args.gpus, device, per_node)))
+        refused: dict[str, str] = {}
+        print(ranking(search(cfg, args.gpus, device, per_node, refused), refused))
         return 0
     check_world_size(cfg.parallel, args.gpus, "--gpus", "--gpus, or add --search")
     validate(cfg)

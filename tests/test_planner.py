@@ -88,9 +88,12 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     assert "memory per rank (GB)" in out and "estimated step" in out and "fits in memory" in out
     assert cli.main(["plan", *args, "--search"]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].startswith("layout") and "layouts fit; fastest first" in table[-1]
-    steps = [float(line.split()[-3]) for line in table[1:-1]]
-    assert steps == sorted(steps) and len(steps) == 10
+    end = next(i for i, line in enumerate(table) if "layouts fit; fastest first" in line)
+    steps = [float(line.split()[-3]) for line in table[1:end]]
+    assert table[0].startswith("layout") and steps == sorted(steps) and len(steps) == 10
+    # what the trainer would refuse is said, not silently dropped: interleaved needs micro-batches in multiples of pp
+    assert len(table) == end + 2 and table[-1].startswith("not planned: ") and "interleaved" in table[-1]
+    assert "needs train.micro_batches=1 to be a multiple of parallel.pp=2" in table[-1]
     assert cli.main(["plan", *args[:2], "parallel.tp=3", *args[2:]]) == 2  # an impossible layout is refused
     capsys.readouterr()
     assert cli.main(["plan", TINY, "parallel.tp=2", "--gpus", "4"]) == 2

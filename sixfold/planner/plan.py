@@ -79,11 +79,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(cfg: Config, world: int, per_node: int):
+def layouts(cfg: Config, world: int, per_node: int, refused: dict[str, str] | None = None):
     """Every layout of `world` ranks for cfg's model and global batch: tp within a node, zero 1 or 3 when
     sharded (1 under pipelining), under pipelining one sequence per micro-batch and each of PP_SCHEDULES, each
     recomputation mode, and for an MoE model each ep that divides the experts and the ranks that read different
-    tokens."""
+    tokens. Those that validation refuses go into `refused` (the layout's description: the reason)."""
     m, t = cfg.model, cfg.train
     for tp, cp, pp in itertools.product(_divisors(min(world, per_node)), _divisors(world), _divisors(world)):
         rest = world // (tp * cp * pp) if world % (tp * cp * pp) == 0 else 0
@@ -110,7 +110,9 @@ def layouts(cfg: Config, world: int, per_node: int):
                 c.train.micro_batches = t.global_batch // dp if pp > 1 else 1
                 try:
                     validate(c, world_size=world)
-                except ConfigError:
+                except ConfigError as e:
+                    if refused is not None:
+                        refused[c.parallel.describe()] = str(e)
                     continue
                 yield c
 
@@ -133,10 +135,11 @@ def _fewest_micro_batches(c: Config, device: Device, per_node: int) -> Plan:
     return last
 
 
-def search(cfg: Config, world: int, device: Device, per_node: int) -> list[Plan]:
+def search(cfg: Config, world: int, device: Device, per_node: int,
+           refused: dict[str, str] | None = None) -> list[Plan]:
     """Plans of every layout that fits, fastest first; without pipelining, each with the fewest micro-batches
-    that fits."""
-    plans = [_fewest_micro_batches(c, device, per_node) for c in layouts(cfg, world, per_node)]
+    that fits. Layouts that validation refuses go into `refused` (description: reason)."""
+    plans = [_fewest_micro_batches(c, device, per_node) for c in layouts(cfg, world, per_node, refused)]
     if not plans:
         raise ConfigError(f"no layout of {world} GPUs divides this model and batch (tp must divide model.n_heads="
                           f"{cfg.model.n_heads}, pp be at most model.n_layers+2={cfg.model.n_layers + 2}, the "
