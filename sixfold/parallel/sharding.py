@@ -283,8 +283,10 @@ class Sharded:
     def _on_grad(self, unit: Unit) -> None:
         """A parameter's gradient is accumulated; when the whole unit's are, its backward is done."""
         unit.ready += 1
-        if unit.ready < len(unit.params):
-            return
+        if unit.ready >= len(unit.params):
+            self._unit_done(unit)
+
+    def _unit_done(self, unit: Unit) -> None:
         unit.ready = 0
         if unit.zero == 3 and not unit.keep_gathered:
             _free(unit.full)
@@ -293,13 +295,16 @@ class Sharded:
             while self._due and self._due[0].index in self._done:
                 self.launch(self._due.pop(0))
 
-    def reduce_when_done(self, units) -> None:
+    def reduce_when_done(self, units, reports: set[int] | None = None) -> None:
         """The units whose gradients for the step complete in the backward (or weight-gradient action) about to run,
         in the order it completes them: each one's reduction starts once it and those before it are done. Their
-        counts start over: earlier actions are finished."""
+        counts start over: earlier actions are finished. `reports`: the ids of the parameters that action reports
+        (a W: its deferred weights); a unit's others are done already (None: it reports them all)."""
         self._due, self._done = list(units), set()
-        for unit in self._due:
-            unit.ready = 0
+        for unit in list(self._due):
+            unit.ready = 0 if reports is None else sum(id(p) not in reports for p in unit.params)
+            if unit.ready >= len(unit.params):
+                self._unit_done(unit)
 
     def reduce_due(self) -> None:
         """After that backward: start the reductions it did not, in order (a parameter it gave no gradient)."""

@@ -1,7 +1,8 @@
 """Under torchrun with pp ranks, for each schedule: the runtime's gradients equal one process's, its peak of
 micro-batches in flight equals the simulator's, W actions compute the deferred weight gradients, B actions
 without one send their input gradient before their weight gradient, and the bytes it sends equal its SEND
-actions' payload.
+actions' payload. Each unit's reduction starts in the action that completes its gradients (a W, or an early
+sender's weight gradient, as it reports them), none after it.
 
     torchrun --nproc-per-node PP pipeline_runtime.py MICRO_BATCHES
 """
@@ -47,6 +48,15 @@ for name, v in CASES:
     init_weights(model, 3)
     sharded = Sharded(model, comm, 0)
     pipeline = Pipeline(model, schedule, comm, sharded, comm.tracer)
+    late, launches = [False], []  # whether a reduction starts only after its action, at reduce_due
+
+    def reduce_due(reduce_due=sharded.reduce_due):
+        late[0] = True
+        reduce_due()
+        late[0] = False
+
+    sharded.reduce_due = reduce_due
+    sharded.launch = lambda unit, launch=sharded.launch: (launches.append(late[0]), launch(unit))
     pipeline.step(micro, scale)
     sharded.finish()
     for n, p in model.named_parameters():
@@ -55,6 +65,7 @@ for name, v in CASES:
     assert pipeline.peak_in_flight == simulate(schedule).ranks[rank].peak_in_flight, (name, pipeline.peak_in_flight)
     ws = sum(a.kind == schedules.W for a in schedule.ranks[rank])
     assert (pipeline.deferred > 0) == (ws > 0), (name, pipeline.deferred)  # W actions do the weight gradients
+    assert launches and not any(launches), (name, launches)
     assert pipeline.sent_early == len(schedule.sends_early(rank)), (name, pipeline.sent_early)
     assert pipeline.sent_early == (0 if ws else m * v - (m if rank == 0 else 0)), (name, pipeline.sent_early)
     hidden = 2 * 16 * cfg.dim * 4

@@ -137,8 +137,8 @@ class Pipeline:
                 received.wait()
                 self._let_go(recv, sending, known)
             due, early = self.launch_after.get(i), a.kind == B and key in self.early
-            if due and not early:  # an early sender's units start reducing once its weight gradient is done
-                self.sharded.reduce_when_done(due)
+            if due and not early:  # a W reports only its deferred weights; an early sender's units, below
+                self.sharded.reduce_when_done(due, _weights(deferred[key]) if a.kind == W else None)
             with self.tracer.span(f"{a.kind}{m}", "compute", mb=m, stage=s):
                 if a.kind == F:
                     out = model.run(stage, micro[m][0] if stage.embed else inputs[key], t)
@@ -175,13 +175,12 @@ class Pipeline:
             self._send(after, outbox, sending)
             if late is not None:  # an early sender's weight gradient, once its input gradient is on its way
                 self.sent_early += 1
+                if due:  # its units complete as these weights are reported
+                    self.sharded.reduce_when_done(due, _weights(late))
                 if late:  # (a stage of the head alone has none)
                     with self.tracer.span(f"W{m}", "compute", mb=m, stage=s):
-                        wg.run(late)
-                late = None  # its products freed before the reductions below
+                        wg.run(late)  # emptying it: each product freed as the next is made
             if due:
-                if early:
-                    self.sharded.reduce_when_done(due)
                 self.sharded.reduce_due()
         self._receive(tail, t, inputs, grads, arriving)
         for pending, _ in sending:
@@ -215,3 +214,8 @@ class Pipeline:
             torch.empty(*tokens.shape, model.cfg.vocab_size, device=tokens.device)
         self.comm.broadcast(logits, "pp", self.place[self.last])
         return logits
+
+
+def _weights(work: list) -> set[int]:
+    """The ids of the weights that deferred weight-gradient work reports."""
+    return {id(w) for weights, _ in work for w in weights}
