@@ -63,7 +63,8 @@ def find_checkpoint(path: str | Path) -> Path:
         if (found / META).is_file():
             return found
         done = complete_steps(path)
-        hint = f"; the newest complete one is {done[-1]}: resume from it" if done else ""
+        hint = f"; the newest complete one is {done[-1]}: give that path instead (to train on from it: " \
+               f"checkpoint.resume={done[-1]})" if done else ""
         raise CheckpointError(f"{latest} points to {found}, which holds no {META}{hint}")
     done = complete_steps(path)
     if done:
@@ -74,9 +75,20 @@ def find_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"{path} is neither a checkpoint (no {META}) nor a run directory with checkpoints")
 
 
+def step_of(path: Path) -> int | None:
+    """The step of a step_N checkpoint directory (by number: names stop sorting in order past 7 digits)."""
+    digits = path.name[len("step_"):]
+    return int(digits) if path.name.startswith("step_") and digits.isdigit() else None
+
+
+def steps_in(root: Path) -> list[Path]:
+    """The step_N directories under `root`, oldest first."""
+    return sorted((p for p in root.glob("step_*") if step_of(p) is not None), key=step_of)
+
+
 def complete_steps(run_dir: str | Path) -> list[Path]:
     """A run directory's checkpoints that hold their meta.json, oldest first."""
-    return sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if (p / META).is_file())
+    return [p for p in steps_in(Path(run_dir) / "checkpoints") if (p / META).is_file()]
 
 
 def has_checkpoint(run_dir: str | Path) -> bool:
@@ -85,13 +97,12 @@ def has_checkpoint(run_dir: str | Path) -> bool:
 
 def set_aside(run_dir: str | Path, after: int | None = None) -> Path | None:
     """Move an earlier run's checkpoints out of the way of a run in its directory: all of them (one that starts
-    over), or the complete ones of steps after `after` (one that resumes from an earlier step, whose own would
+    over), or those of steps after `after`, complete or not (one that resumes from an earlier step, whose own would
     replace them), to checkpoints-before-DATE-TIME beside them (returned); None if there were none."""
     root = Path(run_dir) / "checkpoints"
     for old in root.glob(".step_*.old-*"):  # a save replacing it stopped in between: it moves too (or is kept)
         restore_replaced(old)
-    last = None if after is None else step_dir(run_dir, after).name
-    moved = list(root.glob("step_*")) if last is None else [p for p in complete_steps(run_dir) if p.name > last]
+    moved = list(root.glob("step_*")) if after is None else [p for p in steps_in(root) if step_of(p) > after]
     if not moved:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -106,7 +117,8 @@ def set_aside(run_dir: str | Path, after: int | None = None) -> Path | None:
     aside.mkdir()
     for path in sorted(moved):
         path.rename(aside / path.name)
-    if (root / "latest").is_file() and (root / "latest").read_text().strip() > last:
+    latest = step_of(Path((root / "latest").read_text().strip())) if (root / "latest").is_file() else None
+    if latest is not None and latest > after:
         (root / "latest").replace(aside / "latest")
     return aside
 
@@ -125,14 +137,23 @@ def read_meta(path: str | Path) -> dict:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise CheckpointError(f"{path / META} has format {found!r}, expected {FORMAT!r}")
     require(meta, {"files": dict, "index": dict}, path / META)
+    require(meta, {"config": dict, "data": dict}, path / META, optional=True)
+    for name, entry in meta["files"].items():
+        require(entry if isinstance(entry, dict) else {}, {"bytes": int, "sha256": str}, path / META,
+                f"files.{name}.")
     return meta
 
 
-def require(meta: dict, fields: dict[str, type], where: Path) -> None:
-    """Refuse a meta.json that lacks a field, or holds one of another type."""
+def require(meta: dict, fields: dict[str, type], where: Path, prefix: str = "", optional: bool = False) -> None:
+    """Refuse a meta.json that lacks a field (unless `optional`), or holds one of another type or a negative
+    count; `prefix`: where the fields lie in it."""
     for key, kind in fields.items():
-        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
-            raise CheckpointError(f"{where} has no valid {key!r} (a {kind.__name__}); the checkpoint is incomplete "
+        value = meta.get(key)
+        if optional and key not in meta:
+            continue
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+            what = "a count, 0 or more" if kind is int else f"a {kind.__name__}"
+            raise CheckpointError(f"{where} has no valid {prefix + key!r} ({what}); the checkpoint is incomplete "
                                   f"or was not written by sixfold")
 
 
@@ -288,6 +309,6 @@ def mark_latest(run_dir: str | Path, path: Path, keep: int) -> None:
     """Point `latest` at `path` (atomically) and keep only the newest `keep` checkpoints up to it: those of later
     steps (left by an earlier, longer run in this directory) are not this run's to remove."""
     point_latest(run_dir, path)
-    steps = [p for p in complete_steps(run_dir) if p.name <= path.name]
+    steps = [p for p in complete_steps(run_dir) if step_of(p) <= step_of(path)]
     for old in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)

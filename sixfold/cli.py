@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .config import ConfigError, check_available, check_world_size, load_config, make_run_dir, validate, writable_dir
 from .launch import run_torchrun, under_torchrun
+from .run_lock import check_free
 
 
 def _at_least(low: int):
@@ -72,7 +73,9 @@ def _config(args):
 
 def cmd_train(args, argv) -> int:
     cfg = _config(args)
-    make_run_dir(cfg)
+    run_dir = make_run_dir(cfg)
+    if not under_torchrun():  # (under torchrun, rank 0 takes the lock)
+        check_free(run_dir)
     code = _relaunch(args, _without_nproc(argv), cfg)
     if code is not None:
         return code
@@ -86,6 +89,9 @@ def cmd_check(args, argv) -> int:
     if cfg.train.precision != "fp32":
         raise ConfigError("sixfold check compares fp32 runs to round-off; set train.precision=fp32 "
                           "(bf16 training is checked against fp32 by its learning test)")
+    if cfg.checkpoint.resume:
+        raise ConfigError(f"sixfold check starts the layout and the single process from the same initial weights: "
+                          f"checkpoint.resume={cfg.checkpoint.resume} would not be used; leave it out")
     from .parity import check
     if args.workdir:
         writable_dir(args.workdir, "--workdir")
@@ -140,6 +146,12 @@ def cmd_matrix(args, argv) -> int:
     from . import matrix
     path, overrides = _split(args.config)
     load_config(path, overrides)  # refused here, before any process starts
+    if args.workdir:
+        writable_dir(args.workdir, "--workdir")
+    if args.table:
+        writable_dir(Path(args.table).parent, "--table's directory")
+        if Path(args.table).is_dir():
+            raise ConfigError(f"--table {args.table} is a directory: give the path of the file to write")
     report = matrix.run(path, overrides, args.workdir, args.only)
     for row in report.rows:
         print(row.line())
@@ -156,6 +168,10 @@ def cmd_generate(args, argv) -> int:
     from .model.hf import load_model
     model, cfg = load_model(args.checkpoint)
     tok = checkpoint_tokenizer(args.checkpoint, cfg)
+    room = cfg.model.max_seq_len - len(tok.encode(args.prompt))
+    if args.max_new_tokens > room >= 0:
+        warnings.warn(f"--max-new-tokens {args.max_new_tokens}: the model's max_seq_len={cfg.model.max_seq_len} "
+                      f"leaves room for {room} after the prompt; at most {room} are generated")
     print(sample_text(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
     return 0
 

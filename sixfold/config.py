@@ -234,9 +234,9 @@ def _set(obj, path: list[str], value, where: str = "") -> None:
     current = getattr(obj, key)
     if dataclasses.is_dataclass(current):
         if len(path) == 1:
-            if not isinstance(value, dict):
+            if not isinstance(value, dict) and value is not None:  # an empty section (`model:`) changes nothing
                 raise ConfigError(f"'{where}{key}' is a section; give it a mapping")
-            for k, v in value.items():
+            for k, v in (value or {}).items():
                 _set(current, [str(k)], v, f"{where}{key}.")
             return
         _set(current, path[1:], value, f"{where}{key}.")
@@ -312,9 +312,30 @@ def check_world_size(p: ParallelConfig, world_size: int, name: str = "world size
             + (remedy or f"launch {p.world_size} processes (--nproc {p.world_size})"))
 
 
+RUN_CONFIG_HEAD = "# the resolved config of the sixfold run in this directory\n"
+
+
 def make_run_dir(cfg: Config) -> Path:
-    """The run directory, created; refused early (before any process starts) if it cannot be written."""
-    return writable_dir(cfg.log.run_dir, "log.run_dir")
+    """The run directory, created; refused early (before any process starts) if it cannot be written, or if its
+    config.yaml, which the run replaces, is not a sixfold run's (the config file being trained from, say)."""
+    if not cfg.log.run_dir.strip():
+        raise ConfigError("log.run_dir is empty: set it to the directory for this run's checkpoints, metrics and "
+                          "trace")
+    directory = writable_dir(cfg.log.run_dir, "log.run_dir")
+    own = directory / "config.yaml"
+    if own.is_file() and not _run_config(directory):
+        raise ConfigError(f"{own} was not written by a sixfold run, and this run would replace it with its resolved "
+                          f"config: set log.run_dir to another directory, or move that file away")
+    return directory
+
+
+def _run_config(directory: Path) -> bool:
+    """Whether the directory's config.yaml is a run's: it opens with RUN_CONFIG_HEAD, or (a run from before that
+    line) metrics.jsonl or checkpoints lie beside it."""
+    with open(directory / "config.yaml", "rb") as f:
+        head = f.read(len(RUN_CONFIG_HEAD))
+    return head == RUN_CONFIG_HEAD.encode() or (directory / "metrics.jsonl").is_file() or \
+        (directory / "checkpoints").is_dir()
 
 
 def writable_dir(path: str | Path, setting: str) -> Path:
@@ -375,6 +396,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"holds logits for 1/tp of the vocabulary already; set model.loss_chunk=0")
     if m.moe_experts < 0 or m.moe_every < 1:
         raise ConfigError("model.moe_experts must be 0 or more and model.moe_every at least 1")
+    for key in ("moe_aux_weight", "moe_z_weight"):
+        if not 0 <= getattr(m, key) < math.inf:
+            raise ConfigError(f"model.{key}={getattr(m, key)} must be 0 (off) or a positive number")
     for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
         if getattr(m, key) < 1:
             raise ConfigError(f"model.{key}={getattr(m, key)} must be at least 1")
@@ -408,14 +432,17 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if p.tp > 1 and p.sequence_parallel and t.seq_len % p.tp:
         raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} under sequence-TP; "
                           f"change it or set parallel.sequence_parallel=false")
-    if p.pp > 1 or p.pp_virtual_stages > 1:
-        from .parallel.pipeline.schedules import check
+    from .parallel.pipeline.schedules import SCHEDULES, check
+    if p.pp > 1 or p.pp_virtual_stages != 1:
         from .parallel.pipeline.stages import check_stages
-        check(p.pp_schedule, p.pp, p.pp_virtual_stages, t.micro_batches)
+        check(p.pp_schedule, p.pp, p.pp_virtual_stages, t.micro_batches,
+              t.global_batch // p.dp if t.global_batch % p.dp == 0 else None)
         check_stages(m, p.pp * p.pp_virtual_stages)
         if p.zero == 3 and p.reshard_after_forward:
             raise ConfigError("parallel.reshard_after_forward=true: under pipelining ZeRO-3 gathers each stage's "
                               "weights once per step; leave it unset or set it to false")
+    elif p.pp_schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
     if p.reshard_after_forward is not None and p.zero != 3:
         raise ConfigError(f"parallel.reshard_after_forward={str(p.reshard_after_forward).lower()} applies to "
                           f"parallel.zero=3 (sharded weights) and this layout has zero={p.zero}: leave it unset or "
@@ -426,6 +453,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"train.skip_nonfinite={t.skip_nonfinite} must be 0 (stop at the first) or more")
     if t.micro_batches < 1:
         raise ConfigError(f"train.micro_batches={t.micro_batches} must be at least 1")
+    if not 0 <= t.seed < 2 ** 63:
+        raise ConfigError(f"train.seed={t.seed} must be from 0 to 2**63 - 1")
     if t.global_batch % (p.dp * t.micro_batches):
         raise ConfigError(
             f"train.global_batch={t.global_batch} must be divisible by data-parallel size "

@@ -85,6 +85,9 @@ def max_seq(path: str, overrides: list[str], budget_gb: float | None, lo: int | 
         raise ConfigError("sixfold bench --max-seq on CPU needs --budget-gb X: how many GB each rank's resident "
                           "memory may grow by (there is no device memory to run out of)")
     lo, hi = lo or cfg.train.seq_len, hi or MAX
+    if lo > hi:
+        default = " (by default, train.seq_len)" if lo == cfg.train.seq_len else ""
+        raise ConfigError(f"--min {lo}{default} is above --max {hi}: give a --min of at most --max")
     first = next((s for s in range(lo, hi + 1) if at_length(cfg, s)), None)
     if first is None:
         raise ConfigError(f"no train.seq_len from --min {lo} to --max {hi} suits {cfg.parallel.describe()}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,7 @@ class ParityResult:
     worst_param: str
     loss_tol: float = LOSS_RTOL
     weight_tol: float = WEIGHT_RTOL  # inf: not checked
+    kept: str = ""  # where the two runs were left to look into, if not where asked
 
     @property
     def ok(self) -> bool:
@@ -55,7 +57,8 @@ class ParityResult:
         weight_tol = "not checked" if math.isinf(self.weight_tol) else f"tol {self.weight_tol:.0e}"
         return (f"parity {'OK' if self.ok else 'FAILED'}: {self.layout}, {self.steps} steps, "
                 f"max loss rel diff {self.loss_rel:.2e} (tol {self.loss_tol:.0e}), max weight rms-rel diff "
-                f"{self.weight_rel:.2e} ({weight_tol}, worst {self.worst_param})")
+                f"{self.weight_rel:.2e} ({weight_tol}, worst {self.worst_param})"
+                + (f"; both runs are in {self.kept}" if self.kept else ""))
 
 
 def _with(cfg: Config, run_dir: Path, steps: int, **sections) -> Config:
@@ -133,7 +136,8 @@ def compare_learning(layout_dir: Path, reference_dir: Path, layout: str) -> Pari
 
 
 def check(cfg: Config, steps: int, workdir: str | None = None) -> ParityResult:
-    """Run the layout under torchrun and the reference in this process; compare the two."""
+    """Run the layout under torchrun and the reference in this process; compare the two. Without `workdir` the
+    runs go to a temporary directory, removed when parity holds and kept (and named) when it does not."""
     root = Path(workdir or tempfile.mkdtemp(prefix="sixfold-check-"))
     layout_cfg = layout_config(cfg, root / "layout", steps)
     root.mkdir(parents=True, exist_ok=True)
@@ -141,9 +145,14 @@ def check(cfg: Config, steps: int, workdir: str | None = None) -> ParityResult:
     if cfg.parallel.world_size > 1:
         proc = run_torchrun(cfg.parallel.world_size, ["train", str(root / "layout.yaml")], capture=True)
         if proc.returncode != 0:
-            raise ParityError(f"the layout run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
-                               f"\n{proc.stderr[-4000:]}")
+            raise ParityError(f"the layout run failed (exit {proc.returncode}; its files are in {root}):\n"
+                              f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     else:
         train(layout_cfg)
     train(reference_config(cfg, root / "reference", steps))
-    return compare(root / "layout", root / "reference", cfg.parallel.describe())
+    result = compare(root / "layout", root / "reference", cfg.parallel.describe())
+    if workdir is None and result.ok:
+        shutil.rmtree(root, ignore_errors=True)
+    elif workdir is None:
+        result.kept = str(root)
+    return result

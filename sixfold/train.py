@@ -1,18 +1,21 @@
 """The trainer loop: one global batch per step, micro-batches, data-parallel reduction, AdamW."""
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
 import os
 import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from . import checkpoint as ckpt
 from . import ledger, train_state
 from .comm import Comm
-from .config import DTYPES, Config, ConfigError, check_available, make_run_dir
+from .config import DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, check_available, make_run_dir
 from .data import BatchLoader, DataError, TokenData, eval_batches, load_data
 from .logs import RunLog, start_metrics
 from .mesh import ParallelContext
@@ -27,6 +30,7 @@ from .parallel.pipeline.stages import split_stages
 from .parallel.sharding import Sharded
 from .parallel.tensor import IGNORE_INDEX, TensorParallel
 from .pictures import draw_pictures
+from .run_lock import RunLock
 from .stop import SIGNAL_NAMES, StopSignal, Stopped
 from .trace import Tracer, overlap_table, write_chrome_trace
 
@@ -126,15 +130,14 @@ class Trainer:
             self.sharded.zero_grad()
         self.step += 1
         self.skipped = self.skipped + 1 if skip else 0
+        self.loader.load_state_dict({**self.loader.state_dict(), "next_step": self.step})
         if self.skipped > t.skip_nonfinite:
             raise TrainingError(f"loss {loss_value}, gradient norm {grad_norm} at step {self.step}: not finite for "
                                 f"{self.skipped} step(s) in a row (train.skip_nonfinite={t.skip_nonfinite}); the "
-                                f"weights of the last good step were kept. Lower train.lr or check the data, then "
-                                f"resume from the last checkpoint")
+                                f"weights of the last good step were kept{self._keep_good()}")
         if skip and self.ctx.is_main:
             warnings.warn(f"step {self.step}: loss {loss_value}, gradient norm {grad_norm}; step skipped, weights "
                           f"unchanged ({self.skipped} of at most train.skip_nonfinite={t.skip_nonfinite} in a row)")
-        self.loader.load_state_dict({**self.loader.state_dict(), "next_step": self.step})
         elapsed = time.perf_counter() - start
         expert_load = self._expert_load()
         return {"step": self.step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": skip,
@@ -220,17 +223,31 @@ class Trainer:
     def _load(self, where: str) -> None:
         checkpoint = ckpt.Checkpoint(where)
         meta = checkpoint.meta
+        where = checkpoint.path / ckpt.META
+        if "optimizer_steps" in meta and not checkpoint.index("optim"):
+            raise ckpt.CheckpointError(f"{where} is a training checkpoint's and its index holds no optimizer state; "
+                                       f"the checkpoint is incomplete or was not written by sixfold")
         if checkpoint.index("optim"):  # a training checkpoint: resumed, on the same tokens
-            ckpt.require(meta, {"step": int, "optimizer_steps": int, "loader": dict}, checkpoint.path / ckpt.META)
+            ckpt.require(meta, {"step": int, "optimizer_steps": int, "loader": dict}, where)
+            ckpt.require(meta["loader"], {"next_step": int}, where, "loader.")
             if "data" in meta:
                 self._check_same_data(meta["data"])
         if train_state.load(checkpoint, self.sharded, self.optim, self.cfg):
             self.optim.set_step_count(meta["optimizer_steps"])
             self.loader.load_state_dict(meta["loader"])
             self.step = meta["step"]
+            changed = train_state.differences(meta, self.cfg, "train")
+            if changed and self.ctx.is_main:  # allowed (a lower lr after a divergence, more steps), but said
+                named = ", ".join(f"train.{k}={b!r} (the checkpoint's run: {a!r})" for k, (a, b) in changed.items())
+                warnings.warn(f"resuming {checkpoint.path} with {named}: the new values apply from step "
+                              f"{self.step} on (the learning-rate schedule and AdamW's included)")
 
     def _data_identity(self) -> dict:
-        return {"tokenizer": self.data.tokenizer.name, "train_tokens": len(self.data.train)}
+        """The tokenizer, and the training split's length and a digest of 4,096 tokens spread evenly over it."""
+        train = self.data.train
+        spread = train[:: max(len(train) // 4096, 1)][:4096]
+        return {"tokenizer": self.data.tokenizer.name, "train_tokens": len(train),
+                "train_sample": hashlib.sha256(np.ascontiguousarray(spread, dtype=np.int64).tobytes()).hexdigest()}
 
     def _check_same_data(self, saved: dict) -> None:
         """Resume on the tokens the checkpoint was trained on: another tokenizer is refused (its ids mean other
@@ -240,10 +257,13 @@ class Trainer:
             raise DataError(f"the checkpoint was trained with the tokenizer {saved.get('tokenizer')!r} and this "
                             f"run's data.* settings give {now['tokenizer']!r}; set data.tokenizer (and data.source, "
                             f"data.bpe_vocab_size) as the checkpoint's config.yaml has them")
-        if saved.get("train_tokens") != now["train_tokens"] and self.ctx.is_main:
-            warnings.warn(f"the training data differ from the checkpoint's ({saved.get('train_tokens')} tokens, now "
-                          f"{now['train_tokens']}): from here the samples are not those the first run would have "
-                          f"drawn")
+        length = saved.get("train_tokens") != now["train_tokens"]
+        other = saved.get("train_sample", now["train_sample"]) != now["train_sample"]  # (older checkpoints: none)
+        if (length or other) and self.ctx.is_main:
+            how = f"{saved.get('train_tokens')} tokens, now {now['train_tokens']}" if length else \
+                "as many tokens, but other ones"
+            warnings.warn(f"the training data differ from the checkpoint's ({how}): from here the samples are not "
+                          f"those the first run would have drawn")
 
     # the loop ---------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
@@ -314,6 +334,20 @@ class Trainer:
         return Stopped(f"{done}; checkpoint {path}: run the same command with checkpoint.resume=auto (or "
                        f"checkpoint.resume={path}) to go on", signal_name)
 
+    def _keep_good(self) -> str:
+        """Where a run stopped by non-finite steps keeps the last good step's weights: a checkpoint written now
+        (past the skipped steps' batches), unless checkpoints are off; and what to do next."""
+        c = self.cfg.checkpoint
+        if not (c.every or c.save_final):
+            return (" in memory only, and no checkpoint is written (checkpoint.every=0, checkpoint.save_final=false), "
+                    "so they end with this run. Lower train.lr or check the data, then resume from an earlier "
+                    "checkpoint, if any, or start again")
+        self.sharded.settle()
+        path = self.save()
+        self.saver.wait()
+        return (f" and are saved in {path}. Lower train.lr or check the data, then resume from it "
+                f"(checkpoint.resume={path})")
+
     def sample(self) -> str:
         from .generate import sample_text
         log = self.cfg.log
@@ -380,15 +414,21 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
     if ctx.is_main:
         run_dir, here = Path(cfg.log.run_dir), resumes_here(cfg)
         if not here:
-            aside = ckpt.set_aside(run_dir)
-            if aside or (run_dir / "metrics.jsonl").is_file():
-                kept = f"its checkpoints and metrics.jsonl are moved to {aside}" if aside else \
-                    "it has no checkpoints; its metrics.jsonl is replaced"
+            aside, metrics = ckpt.set_aside(run_dir), run_dir / "metrics.jsonl"
+            if aside or metrics.is_file():
                 resume = cfg.checkpoint.resume
                 how = "starts over" if resume in ("", "auto") else f"goes on from {resume}"
+                if aside:
+                    newest = [p for p in ckpt.steps_in(aside) if (p / ckpt.META).is_file()]
+                    kept = f"its checkpoints and metrics.jsonl are moved to {aside}" + (
+                        f"; to go on with it instead, stop this run and set checkpoint.resume={newest[-1]}"
+                        if newest else "")
+                else:
+                    moved = metrics.with_name(f"metrics-before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+                    metrics.rename(moved)
+                    kept = f"it has no checkpoints; its metrics.jsonl is moved to {moved}"
                 warnings.warn(f"{run_dir} holds an earlier run: this one {how}, replacing its config.yaml and trace "
-                              f"({kept}); to continue it instead, set "
-                              f"checkpoint.resume=auto, or to keep both, another log.run_dir")
+                              f"({kept}); to keep both runs apart, set another log.run_dir")
             start_metrics(run_dir, 0, aside)
         elif step < cfg.train.steps:
             if aside := ckpt.set_aside(run_dir, after=step):
@@ -397,21 +437,22 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
             if ckpt.step_dir(run_dir, step).is_dir():  # a crash before this run's first save resumes here again
                 ckpt.point_latest(run_dir, ckpt.step_dir(run_dir, step))
             start_metrics(run_dir, step, aside)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        (run_dir / "config.yaml").write_text(RUN_CONFIG_HEAD + cfg.to_yaml())
     ctx.barrier()
 
 
 def run(cfg: Config, ctx: ParallelContext, data: TokenData | None = None) -> list[dict]:
     """Train in the ranks of `ctx` (and with `data`, if loaded already)."""
-    if ctx.is_main:
-        make_run_dir(cfg)
-    if ctx.is_main and cfg.log.progress:
-        print(f"sixfold: {cfg.parallel.describe()} on {ctx.world_size} process(es), {ctx.backend}, "
-              f"{cfg.model.num_params():,} parameters\n--- config ---\n{cfg.to_yaml()}--------------", flush=True)
-    trainer = Trainer(cfg, ctx, data)
-    start_run_dir(cfg, ctx, trainer.step)
-    history = trainer.fit()
-    ctx.barrier()  # the ranks leave together: none tears down its groups while a peer still uses them
+    with contextlib.ExitStack() as held:
+        if ctx.is_main:
+            held.enter_context(RunLock(make_run_dir(cfg)))
+        if ctx.is_main and cfg.log.progress:
+            print(f"sixfold: {cfg.parallel.describe()} on {ctx.world_size} process(es), {ctx.backend}, "
+                  f"{cfg.model.num_params():,} parameters\n--- config ---\n{cfg.to_yaml()}--------------", flush=True)
+        trainer = Trainer(cfg, ctx, data)
+        start_run_dir(cfg, ctx, trainer.step)
+        history = trainer.fit()
+        ctx.barrier()  # the ranks leave together: none tears down its groups while a peer still uses them
     return history
 
 

@@ -186,11 +186,12 @@ class Saver:
 FREE = ("max_seq_len", "init_std", "recompute", "loss_chunk")
 
 
-def model_differences(meta: dict, cfg: Config) -> dict[str, tuple]:
-    """model.* settings that differ between a checkpoint's config and `cfg`: key -> (saved, here)."""
-    now = cfg.to_dict()["model"]
+def differences(meta: dict, cfg: Config, section: str = "model") -> dict[str, tuple]:
+    """The settings of a config section that differ between a checkpoint's config and `cfg`: key -> (saved,
+    here)."""
+    now = cfg.to_dict()[section]
     # a key that an older version did not save: its default
-    saved = {**Config().to_dict()["model"], **meta.get("config", {}).get("model", {})}
+    saved = {**Config().to_dict()[section], **meta.get("config", {}).get(section, {})}
     return {k: (v, now.get(k)) for k, v in saved.items() if now.get(k) != v}
 
 
@@ -199,7 +200,7 @@ def load(checkpoint: Checkpoint, sharded: Sharded, optim: AdamW, cfg: Config) ->
     """Read this rank's slices of the weights (and of the optimizer state, if the checkpoint has it: returns
     whether it had) from a checkpoint written in any layout. A training checkpoint (with optimizer state)
     resumes only the same model: settings other than FREE must match."""
-    diffs = model_differences(checkpoint.meta, cfg)
+    diffs = differences(checkpoint.meta, cfg)
     named = ", ".join(f"model.{k}={a!r} (here {b!r})" for k, (a, b) in diffs.items())
     hint = f"the checkpoint was written with {named}; set those to match" if diffs else \
         "check model.* settings against the checkpoint's config"

@@ -69,6 +69,8 @@ def test_max_seq_on_cpu_needs_a_budget(capsys):
     (["bench", "--budget-gb", "1"], "--budget-gb: only with --max-seq"),
     (["bench", "--steps", "0"], "--steps 0: the first 2 steps are not timed"),
     (["bench", "--max-seq", TINY, "--budget-gb", "-1"], "--budget-gb -1.0: give a positive number of GB"),
+    (["bench", "--max-seq", TINY, "--budget-gb", "1", "--max", "16"], "--min 32 (by default, train.seq_len) is "
+                                                                       "above --max 16"),
     (["bench", TINY, "model.vocab_size=200"], "model.vocab_size=200 is smaller than the tokenizer's"),
 ])
 def test_bad_input_is_refused_before_any_job(capsys, argv, message):

@@ -11,12 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sixfold import cli
-from sixfold.checkpoint import Checkpoint, CheckpointError, publish, start_staging, write_tensors
-from sixfold.config import load_config
+from sixfold.checkpoint import Checkpoint, CheckpointError, complete_steps, publish, start_staging, write_tensors
+from sixfold.config import RUN_CONFIG_HEAD, ConfigError, load_config
 from sixfold.data import DataError
 from sixfold.logs import read_metrics
 from sixfold.mesh import ParallelContext
 from sixfold.parallel.tensor import Split
+from sixfold.run_lock import RunLock
 from sixfold.slices import Cut, Reader
 from sixfold.train import Trainer, train
 from sixfold.train_state import build_index, slice_key
@@ -150,6 +151,17 @@ BAD = {
     "meta.json of another shape": (lambda p: _meta(p, lambda m: m.update(files=[])), [],
                                    "meta.json has no valid 'files'"),
     "another format": (lambda p: _meta(p, lambda m: m.update(format="v0")), [], "has format 'v0'"),
+    "meta.json without the loader's step": (lambda p: _meta(p, lambda m: m["loader"].pop("next_step")), [],
+                                            "meta.json has no valid 'loader.next_step'"),
+    "meta.json with a negative step": (lambda p: _meta(p, lambda m: m.update(step=-5)), [],
+                                       r"meta.json has no valid 'step' \(a count, 0 or more\)"),
+    "meta.json with a config of another shape": (lambda p: _meta(p, lambda m: m.update(config="x")), [],
+                                                 "meta.json has no valid 'config'"),
+    "meta.json with a file's size missing": (
+        lambda p: _meta(p, lambda m: m["files"]["model-00000.safetensors"].pop("bytes")), [],
+        "meta.json has no valid 'files.model-00000.safetensors.bytes'"),
+    "meta.json without the optimizer's index": (lambda p: _meta(p, lambda m: m["index"].update(optim={})), [],
+                                                "index holds no optimizer state"),
 }
 
 
@@ -202,7 +214,8 @@ def test_a_run_that_starts_over_moves_the_earlier_runs_checkpoints_aside(tmp_pat
     train(load_config(TINY, [*common, "train.steps=3"]))
     earlier = {p.name: (p / "model-00000.safetensors").read_bytes() for p in (run / "checkpoints").glob("step_*")}
     with pytest.warns(UserWarning, match="holds an earlier run: this one starts over.*checkpoints and metrics.jsonl "
-                                         "are moved to"):
+                                         "are moved to .*; to go on with it instead, stop this run and set "
+                                         "checkpoint.resume=.*checkpoints-before-.*/step_0000003"):
         train(load_config(TINY, [*common, "train.steps=2", "train.seed=7"]))
     (aside,) = run.glob("checkpoints-before-*")
     assert {p.name: (p / "model-00000.safetensors").read_bytes() for p in aside.glob("step_*")} == earlier
@@ -211,9 +224,45 @@ def test_a_run_that_starts_over_moves_the_earlier_runs_checkpoints_aside(tmp_pat
     (run / "checkpoints" / "step_0000005").mkdir()  # no meta.json: not a checkpoint, nor counted by keep
     with pytest.warns(UserWarning, match="latest is missing: resuming from the newest complete checkpoint"):
         train(load_config(TINY, [*common, "train.steps=3", "train.seed=7", "checkpoint.resume=auto"]))
-    assert read_metrics(run)[-1]["step"] == 3 and not list(run.glob("checkpoints-before-*-2"))
-    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000002", "step_0000003",
-                                                                           "step_0000005"]
+    (later,) = set(run.glob("checkpoints-before-*")) - {aside}  # the unfinished later step, out of this run's way
+    assert read_metrics(run)[-1]["step"] == 3 and [p.name for p in later.iterdir()] == ["step_0000005"]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000002", "step_0000003"]
+
+
+def test_checkpoints_are_ordered_by_step_number(tmp_path):
+    for name in ("step_10000000", "step_9999999", "step_0000002", "step_notes"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+        (tmp_path / "checkpoints" / name / "meta.json").write_text("{}")
+    assert [p.name for p in complete_steps(tmp_path)] == ["step_0000002", "step_9999999", "step_10000000"]
+
+
+def test_a_run_directory_is_one_runs_at_a_time_and_keeps_what_it_did_not_write(tmp_path, capsys):
+    """A second run in a directory another run holds is refused (before its processes start, and by its rank 0);
+    a config.yaml no sixfold run wrote (the config being trained from) is not replaced; an earlier run's
+    metrics.jsonl without checkpoints is moved aside, not replaced."""
+    run = tmp_path / "run"
+    run.mkdir()
+    with RunLock(run):
+        assert cli.main(["train", TINY, f"log.run_dir={run}", "train.steps=1"]) == 2
+        assert f"log.run_dir={run} is in use by another run" in capsys.readouterr().err
+        with pytest.raises(ConfigError, match="is in use by another run .* set another log.run_dir"):
+            train(load_config(TINY, [f"log.run_dir={run}", "train.steps=1"]))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text(Path(TINY).read_text())
+    assert cli.main(["train", str(mine / "config.yaml"), f"log.run_dir={mine}", "train.steps=1"]) == 2
+    assert "config.yaml was not written by a sixfold run" in capsys.readouterr().err
+    assert (mine / "config.yaml").read_text() == Path(TINY).read_text() and not (mine / "metrics.jsonl").exists()
+    assert cli.main(["train", TINY, "log.run_dir= ", "train.steps=1"]) == 2
+    assert "log.run_dir is empty" in capsys.readouterr().err
+    common = [f"log.run_dir={run}", "train.steps=2", "checkpoint.save_final=false"]
+    train(load_config(TINY, common))
+    assert (run / "config.yaml").read_text().startswith(RUN_CONFIG_HEAD)
+    before = (run / "metrics.jsonl").read_text()
+    with pytest.warns(UserWarning, match="it has no checkpoints; its metrics.jsonl is moved to .*metrics-before-"):
+        train(load_config(TINY, common))
+    (moved,) = run.glob("metrics-before-*.jsonl")
+    assert moved.read_text() == before and len(read_metrics(run)) == 2
 
 
 def test_the_last_periodic_checkpoint_is_written_without_a_final_one(tmp_path):
@@ -249,6 +298,23 @@ def test_a_bad_file_that_one_rank_reads_stops_every_rank_with_its_message(saved,
                              "(rank 1)") == 2, proc.stderr[-3000:]
 
 
+def test_resuming_on_other_text_of_the_same_length_or_with_other_settings_warns(tmp_path):
+    """The checkpoint keeps a digest of tokens spread over the training split, not only their count; train.*
+    settings that differ from the checkpoint's run are named."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("def f(x):\n    return x + 1\n" * 400)
+    b.write_text("def g(y):\n    return y * 2\n" * 400)
+    run = tmp_path / "run"
+    train(load_config(TINY, [f"log.run_dir={run}", f"data.source={a}", "train.steps=1"]))
+    with pytest.warns(UserWarning) as caught:
+        train(load_config(TINY, [f"log.run_dir={run}", f"data.source={b}", "train.steps=2", "train.lr=0.001",
+                                 "checkpoint.resume=auto"]))
+    said = [str(w.message) for w in caught]
+    assert any("the training data differ from the checkpoint's (as many tokens, but other ones)" in m for m in said)
+    assert any("with train.steps=2 (the checkpoint's run: 1), train.lr=0.001 (the checkpoint's run: 0.003): the new "
+               "values apply from step 1 on" in m for m in said), said
+
+
 def test_resuming_with_another_tokenizer_is_refused(saved, tmp_path):
     """Its ids would mean other text to the model; the checkpoint names the tokenizer it was trained with."""
     cfg = load_config(TINY, [f"checkpoint.resume={saved}", f"log.run_dir={tmp_path / 'run'}", "data.tokenizer=bpe",
@@ -271,11 +337,13 @@ def test_a_run_resumed_from_an_earlier_step_moves_the_later_checkpoints_aside(tm
         f.write(b"\xff\xfe damaged\n")
     replaced = run / "checkpoints" / ".step_0000006.old-99"  # a save of step 6 again, stopped between its renames
     (run / "checkpoints" / "step_0000006").rename(replaced)
+    (run / "checkpoints" / "step_0000007").mkdir()  # incomplete, of a later step: moved aside too, not in the way
     with pytest.warns(UserWarning, match="goes on from step 2 of .* checkpoints of later steps: they and their "
                                          "lines of metrics.jsonl are moved to"):
         again = train(load_config(TINY, [*common, step2]))
     (aside,) = run.glob("checkpoints-before-*")
-    assert {p.name: (p / "model-00000.safetensors").read_bytes() for p in aside.glob("step_*")} == later
+    assert {p.name: (p / "model-00000.safetensors").read_bytes() for p in aside.glob("step_*")
+            if p.name != "step_0000007"} == later and (aside / "step_0000007").is_dir()
     assert (aside / "latest").read_text() == "step_0000006" and not list(run.glob("checkpoints/.step_*"))
     assert [m["loss"] for m in read_metrics(aside)] == [m["loss"] for m in first[2:]]
     assert (run / "checkpoints" / "latest").read_text() == "step_0000006"

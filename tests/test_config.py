@@ -37,6 +37,15 @@ def test_unknown_key_in_yaml(tmp_path):
         load_config(path)
 
 
+def test_an_empty_section_changes_nothing(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\ntrain: {steps: 3}\n")
+    cfg = load_config(path)
+    assert cfg.model == load_config(None).model and cfg.train.steps == 3
+    with pytest.raises(ConfigError, match="'model' is a section; give it a mapping"):
+        load_config(None, ["model=3"])
+
+
 def test_bad_values(tmp_path):
     with pytest.raises(ConfigError, match="train.steps must be an integer"):
         load_config(None, ["train.steps=abc"])
@@ -50,6 +59,8 @@ def test_bad_values(tmp_path):
         load_config(None, ["model.tie_embeddings=maybe"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent.yaml")
+    with pytest.raises(ConfigError, match=r"train.seed=100000000000000000000000 must be from 0 to 2\*\*63 - 1"):
+        load_config(None, ["train.seed=100000000000000000000000"])
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -106,6 +117,8 @@ def test_shipped_configs_load():
     (["model.moe_experts=8", "parallel.dp_shard=2", "parallel.ep=4"], "must divide parallel.dp_shard"),
     (["model.moe_experts=4", "model.moe_top_k=5"], "moe_top_k=5"),
     (["parallel.dp_shard=2", "parallel.ep=2"], "this model has none \\(model.moe_experts=0\\)"),
+    (["model.moe_experts=4", "model.moe_aux_weight=nan"], "model.moe_aux_weight=nan must be 0 \\(off\\) or a positive"),
+    (["model.moe_experts=4", "model.moe_z_weight=-1"], "model.moe_z_weight=-1.0 must be 0"),
 ])
 def test_bad_expert_layouts_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

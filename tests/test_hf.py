@@ -109,6 +109,26 @@ def test_import_missing_files(tmp_path):
         import_hf(tmp_path / "hf", tmp_path / "ckpt")
 
 
+def test_a_malformed_hf_directory_is_refused_naming_the_file(tmp_path):
+    hf = tmp_path / "hf"
+    hf_model(False).save_pretrained(hf)
+    config = json.loads((hf / "config.json").read_text())
+    for text, message in (("[1, 2]", "config.json holds a JSON list, not an object"),
+                          ("{not json", "config.json is not readable JSON"),
+                          (b"{\"a\": \"\xe9\"}", "config.json is not readable JSON: 'utf-8' codec"),
+                          (json.dumps({**config, "num_hidden_layers": "2"}),
+                           "HF config's num_hidden_layers='2' must be an integer")):
+        (hf / "config.json").write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises((CheckpointError, ValueError), match=message):
+            import_hf(hf, tmp_path / "ckpt")
+    (hf / "config.json").write_text(json.dumps(config))
+    (hf / "model.safetensors").rename(hf / "model-00001-of-00001.safetensors")
+    (hf / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json has no 'weight_map' object"):
+        import_hf(hf, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_shape_mismatch_is_refused(tmp_path):
     hf_model(False).save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -159,3 +179,8 @@ def test_import_and_export_write_only_new_directories(tmp_path):
     with pytest.raises(CheckpointError, match="exists and is not empty"):
         export_hf(tmp_path / "ckpt", tmp_path / "hf")
     assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match="file is a file"):
+        export_hf(tmp_path / "ckpt", tmp_path / "file")
+    with pytest.raises(CheckpointError, match="cannot write under .*file/sub.*choose a writable directory"):
+        export_hf(tmp_path / "ckpt", tmp_path / "file" / "sub")

@@ -5,6 +5,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -12,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sixfold import ledger
-from sixfold.checkpoint import Checkpoint
+from sixfold import cli, ledger
+from sixfold.checkpoint import Checkpoint, read_meta
 from sixfold.logs import read_metrics
 from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
 from sixfold.slices import Reader
@@ -46,6 +47,8 @@ def test_run_outputs(tmp_path):
     assert sorted(ledger.read(run)["ranks"]) == ["0", "1"]
     gen = sixfold("generate", str(run), "--prompt", "import ", "--max-new-tokens", "10")
     assert gen.returncode == 0 and gen.stdout.startswith("import "), gen.stderr[-2000:]
+    gen = sixfold("generate", str(run), "--prompt", "import ", "--max-new-tokens", "300")  # max_seq_len 256
+    assert gen.returncode == 0 and "leaves room for 249 after the prompt; at most 249 are generated" in gen.stderr
 
 
 @pytest.mark.parametrize("layout", [["parallel.dp_replicate=2"], ["parallel.dp_shard=2", "parallel.zero=3"],
@@ -133,9 +136,12 @@ def test_bad_checkpoints(tmp_path):
 
 def test_nan_loss_stops_at_once_when_asked(tmp_path):
     proc = _train(tmp_path / "run", "train.lr=1e30", "train.grad_clip=0", "train.warmup_steps=0",
-                  "train.steps=6", "train.skip_nonfinite=0", "checkpoint.save_final=false")
+                  "train.steps=6", "train.skip_nonfinite=0")
     assert proc.returncode == 2
-    assert "weights of the last good step were kept" in proc.stderr and "train.lr" in proc.stderr
+    # the last good weights are saved past the bad step's batch, and the message says where
+    saved = tmp_path / "run" / "checkpoints" / "step_0000002"
+    assert f"weights of the last good step were kept and are saved in {saved}" in proc.stderr, proc.stderr[-2000:]
+    assert "train.lr" in proc.stderr and read_meta(saved)["loader"]["next_step"] == 2
 
 
 def test_layout_errors_before_any_process_starts(tmp_path):
@@ -147,6 +153,8 @@ def test_layout_errors_before_any_process_starts(tmp_path):
     assert proc.returncode == 2 and "set train.precision=fp32" in proc.stderr
     proc = sixfold("check", TINY, "parallel.dp_replicate=2", "--workdir", "/proc/sixfold")
     assert proc.returncode == 2 and "--workdir=/proc/sixfold cannot be written" in proc.stderr, proc.stderr
+    proc = sixfold("matrix", TINY, "--table", "/proc/sixfold/parity.md")  # before any layout runs
+    assert proc.returncode == 2 and "--table's directory=/proc/sixfold cannot be written" in proc.stderr
     proc = _train(tmp_path / "run", "parallel.dp_shrd=2")
     assert proc.returncode == 2 and "did you mean 'dp_shard'" in proc.stderr
     empty = tmp_path / "empty"
@@ -161,6 +169,15 @@ def test_check_command_prints_one_verdict(tmp_path):
     assert proc.stdout.strip().splitlines()[-1].startswith("parity OK: dp_replicate2, 2 steps")
 
 
+def test_check_removes_its_temporary_runs_when_parity_holds(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert cli.main(["check", TINY, "--steps", "1"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("parity OK: single process, 1 steps")
+    assert not list(tmp_path.iterdir())
+    assert cli.main(["check", TINY, "checkpoint.resume=auto"]) == 2
+    assert "checkpoint.resume=auto would not be used; leave it out" in capsys.readouterr().err
+
+
 def test_a_hung_peer_ends_the_collective_with_an_error_naming_its_group():
     proc = torchrun("hang.py", 2)
     assert "rank 0 stopped: all_reduce dp_replicate grads over ranks [0, 1] failed" in proc.stdout, proc.stderr[-2000:]
@@ -172,6 +189,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
                   "train.skip_nonfinite=2", "checkpoint.save_final=false")
     assert proc.returncode == 2
     assert "not finite for 3 step(s) in a row (train.skip_nonfinite=2)" in proc.stderr and "train.lr" in proc.stderr
+    assert "in memory only, and no checkpoint is written" in proc.stderr
     skipped = [m["skipped"] for m in read_metrics(tmp_path / "run")]
     assert skipped[-2:] == [True, True] and not skipped[0]
 

@@ -77,6 +77,21 @@ def _stack_experts(out: dict[str, torch.Tensor], n_layers: int, n_experts: int) 
                 out[f"layers.{i}.{ours}"] = torch.stack([out.pop(n) for n in names])
 
 
+INTEGERS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "intermediate_size", "max_position_embeddings", "num_local_experts", "num_experts_per_tok", "head_dim")
+
+
+def _read_json(file: Path) -> dict:
+    """A JSON object from `file`, refused by name when unreadable."""
+    try:
+        data = json.loads(file.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as e:  # a decoding error is a ValueError too
+        raise CheckpointError(f"{file} is not readable JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
 def model_config_from_hf(hf: dict) -> ModelConfig:
     """A ModelConfig from a LlamaForCausalLM or MixtralForCausalLM config.json; refuses what sixfold cannot
     represent."""
@@ -94,6 +109,9 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             raise ConfigError(f"{flag}=true: sixfold's linear layers have no bias")
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act={hf['hidden_act']!r}: sixfold's MLP uses silu (SwiGLU)")
+    for key in INTEGERS:
+        if key in hf and hf[key] is not None and (not isinstance(hf[key], int) or isinstance(hf[key], bool)):
+            raise ConfigError(f"HF config's {key}={hf[key]!r} must be an integer")
     try:
         dim, heads = hf["hidden_size"], hf["num_attention_heads"]
         cfg = ModelConfig(
@@ -166,7 +184,10 @@ def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{hf_dir} has no model.safetensors or model.safetensors.index.json "
                               f"(.bin weights are not read; save with safe_serialization)")
     tensors = {}
-    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index} has no 'weight_map' object (tensor name: shard file)")
+    for shard in sorted(set(map(str, weight_map.values()))):
         if not (hf_dir / shard).is_file():
             raise CheckpointError(f"{index} names shard {shard}, which is missing")
         tensors.update(_read_safetensors(hf_dir / shard))
@@ -177,8 +198,9 @@ def _new_output(out_dir: str | Path) -> Path:
     """out_dir, refused if something is there already: nothing of the user's is overwritten."""
     out_dir = Path(out_dir)
     if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir())):
-        raise CheckpointError(f"{out_dir} exists and is not empty, and writing there would replace what it holds; "
-                              f"give a new output path, or move it away")
+        what = "is a file" if out_dir.is_file() else "exists and is not empty"
+        raise CheckpointError(f"{out_dir} {what}, and writing there would replace what it holds; give a new output "
+                              f"path, or move it away")
     return out_dir
 
 
@@ -187,7 +209,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     hf_dir, out_dir = Path(hf_dir), _new_output(out_dir)
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{hf_dir} has no config.json; give a directory written by save_pretrained")
-    model_cfg = model_config_from_hf(json.loads((hf_dir / "config.json").read_text()))
+    model_cfg = model_config_from_hf(_read_json(hf_dir / "config.json"))
     cfg = Config(model=model_cfg)
     cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
     config_from_dict(cfg.to_dict())  # validates the imported shape
@@ -200,7 +222,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
             tensors[sixfold_name(k)] = v.float()
     if model_cfg.tie_embeddings:
         tensors.pop("head.weight", None)
-    check_shapes(full_shapes(model_cfg), {k: v.shape for k, v in tensors.items()}, str(hf_dir))
+    check_shapes(full_shapes(model_cfg), {k: v.shape for k, v in tensors.items()}, str(hf_dir),
+                 "its weights do not match its config.json")
     meta = {"step": 0, "config": cfg.to_dict(), "source": f"import-hf {hf_dir}"}
     return write_checkpoint(out_dir, {"model": tensors}, meta)
 
@@ -230,7 +253,11 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
         tok = checkpoint_tokenizer(path, cfg)
     except DataError:
         tok = None
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot write under {out_dir} ({e.strerror or e}); choose a writable directory") \
+            from None
     hf = {**hf_config_from_model(cfg.model), "bos_token_id": None, "eos_token_id": tok.eot if tok else None}
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
     if isinstance(tok, BPETokenizer):

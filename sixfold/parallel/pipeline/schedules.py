@@ -264,8 +264,9 @@ SCHEDULES: dict[str, Callable[[int, int, int], list[list[Action]]]] = {
 }
 
 
-def check(name: str, pp: int, v: int, m: int) -> None:
-    """Raise ConfigError, naming the setting to change, where a schedule cannot run (pp, v, m)."""
+def check(name: str, pp: int, v: int, m: int, sequences: int | None = None) -> None:
+    """Raise ConfigError, naming the setting to change, where a schedule cannot run (pp, v, m); `sequences`: a
+    data-parallel rank's per step, if known, which the micro-batch count must divide."""
     if name not in SCHEDULES:
         raise ConfigError(f"parallel.pp_schedule={name!r} is not one of {', '.join(SCHEDULES)}")
     for key, value in (("parallel.pp", pp), ("parallel.pp_virtual_stages", v), ("train.micro_batches", m)):
@@ -281,10 +282,13 @@ def check(name: str, pp: int, v: int, m: int) -> None:
                 f"parallel.pp_schedule='interleaved' needs parallel.pp_virtual_stages >= 2 (got {v}); "
                 "with one stage per rank use '1f1b'")
         if m % pp:
-            raise ConfigError(
-                f"parallel.pp_schedule='interleaved' needs train.micro_batches={m} to be a multiple of "
-                f"parallel.pp={pp}: set train.micro_batches to {(m // pp + 1) * pp} (or another multiple), "
-                "or choose another schedule")
+            fits = [k for k in range(pp, sequences + 1, pp) if sequences % k == 0] if sequences else []
+            fix = f"set train.micro_batches to {(m // pp + 1) * pp} (or another multiple)" if sequences is None else \
+                f"set train.micro_batches to {' or '.join(map(str, fits[:3]))}" if fits else \
+                f"no multiple of {pp} divides the {sequences} sequence(s) per data-parallel rank (train.global_batch " \
+                f"/ dp): change train.global_batch or parallel.pp"
+            raise ConfigError(f"parallel.pp_schedule='interleaved' needs train.micro_batches={m} to be a multiple of "
+                              f"parallel.pp={pp}: {fix}, or choose another schedule")
     if name == "zb-v" and v != 2:
         raise ConfigError(
             f"parallel.pp_schedule='zb-v' places 2 stages per rank in a V: set parallel.pp_virtual_stages=2 "

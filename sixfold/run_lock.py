@@ -1,0 +1,65 @@
+"""One run at a time in a run directory: its rank 0 holds an exclusive lock on RUN_DIR/.lock while it runs (the
+system lets go of it when the process ends, however it ends)."""
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import warnings
+from pathlib import Path
+
+from .config import ConfigError
+
+LOCK = ".lock"
+
+
+def _in_use(run_dir: Path, fd: int) -> ConfigError:
+    holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+    return ConfigError(f"log.run_dir={run_dir} is in use by another run (host and process {holder}, which holds "
+                       f"{run_dir / LOCK}): wait for it to end, stop it, or set another log.run_dir")
+
+
+class RunLock:
+    """Held from __enter__ to __exit__; __enter__ refuses a directory another run holds."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir, self.fd = Path(run_dir), None
+
+    def __enter__(self) -> RunLock:
+        fd = os.open(self.run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            error = _in_use(self.run_dir, fd)
+            os.close(fd)
+            raise error from None
+        except OSError as e:  # a file system without locks: runs there are not told apart
+            os.close(fd)
+            warnings.warn(f"{self.run_dir / LOCK} cannot be locked ({e.strerror or e}): nothing stops a second run "
+                          f"from using {self.run_dir} at the same time")
+            return self
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{socket.gethostname()} {os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def check_free(run_dir: str | Path) -> None:
+    """Refuse a run directory another run holds, before any process starts (a shared lock, let go at once)."""
+    path = Path(run_dir) / LOCK
+    if not path.is_file():
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _in_use(Path(run_dir), fd) from None
+    except OSError:
+        pass  # no locks here: RunLock says so
+    finally:
+        os.close(fd)
