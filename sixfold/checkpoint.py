@@ -95,6 +95,16 @@ def has_checkpoint(run_dir: str | Path) -> bool:
     return (Path(run_dir) / "checkpoints" / "latest").is_file() or bool(complete_steps(run_dir))
 
 
+def unused_path(parent: Path, stem: str, suffix: str = "") -> Path:
+    """parent/STEM-DATE-TIME[-n]SUFFIX: a name nothing has yet."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, n = parent / f"{stem}-{stamp}{suffix}", 1
+    while path.exists():
+        n += 1
+        path = parent / f"{stem}-{stamp}-{n}{suffix}"
+    return path
+
+
 def set_aside(run_dir: str | Path, after: int | None = None) -> Path | None:
     """Move an earlier run's checkpoints out of the way of a run in its directory: all of them (one that starts
     over), or those of steps after `after`, complete or not (one that resumes from an earlier step, whose own would
@@ -105,12 +115,7 @@ def set_aside(run_dir: str | Path, after: int | None = None) -> Path | None:
     moved = list(root.glob("step_*")) if after is None else [p for p in steps_in(root) if step_of(p) > after]
     if not moved:
         return None
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    aside = root.with_name(f"checkpoints-before-{stamp}")
-    n = 1
-    while aside.exists():
-        n += 1
-        aside = root.with_name(f"checkpoints-before-{stamp}-{n}")
+    aside = unused_path(root.parent, "checkpoints-before")
     if after is None:
         root.rename(aside)
         return aside

@@ -120,7 +120,7 @@ def cmd_trace(args, argv) -> int:
 def cmd_plan(args, argv) -> int:
     from .planner.devices import DEVICES
     from .planner.plan import plan, search
-    from .planner.report import describe, ranking
+    from .planner.report import describe, ranking, refusals
     path, overrides = _split(args.config)
     cfg = load_config(path, overrides)
     if args.gpus % args.nodes:
@@ -128,7 +128,11 @@ def cmd_plan(args, argv) -> int:
     device, per_node = DEVICES[args.gpu], args.gpus // args.nodes
     if args.search:
         refused: dict[str, str] = {}
-        print(ranking(search(cfg, args.gpus, device, per_node, refused), refused))
+        try:
+            plans = search(cfg, args.gpus, device, per_node, refused)
+        except ConfigError as e:  # with what the trainer refused, which may be why
+            raise ConfigError("\n".join([str(e), *refusals(refused)])) from None
+        print(ranking(plans, refused))
         return 0
     check_world_size(cfg.parallel, args.gpus, "--gpus", "--gpus, or add --search")
     validate(cfg)

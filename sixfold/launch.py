@@ -28,12 +28,21 @@ def run_torchrun(nproc: int, argv: list[str], capture: bool = False, module: str
     return _forwarding_signals(cmd, _env(threads))
 
 
-def _end_with_parent() -> None:
-    """In the child, before torchrun starts: Linux sends it SIGTERM when this launcher dies (kill -9 too), which
-    it passes on to the ranks, instead of leaving the job running unseen."""
-    if sys.platform == "linux":
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def _end_with_parent():
+    """What the child runs before torchrun starts (None off Linux): Linux is to send it SIGTERM when this launcher
+    dies (kill -9 too), which it passes on to the ranks, instead of leaving the job running unseen. prctl is
+    looked up here, in the parent: the forked child only calls it (and ends if the launcher is gone already)."""
+    if sys.platform != "linux":
+        return None
+    import ctypes
+    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
+
+    def child() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(128 + signal.SIGTERM)
+
+    return child
 
 
 def _forwarding_signals(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -41,7 +50,7 @@ def _forwarding_signals(cmd: list[str], env: dict[str, str]) -> subprocess.Compl
     to its ranks: they finish the step, write a checkpoint and end (stop.py). Without this a scheduler's SIGTERM
     to this launcher alone would leave torchrun and the ranks running; if the launcher is killed outright, torchrun
     gets SIGTERM all the same (_end_with_parent)."""
-    job = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_end_with_parent)
+    job = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_end_with_parent())
 
     def forward(signum, frame) -> None:
         job.send_signal(signum)

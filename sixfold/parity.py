@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,15 +143,19 @@ def check(cfg: Config, steps: int, workdir: str | None = None) -> ParityResult:
     layout_cfg = layout_config(cfg, root / "layout", steps)
     root.mkdir(parents=True, exist_ok=True)
     (root / "layout.yaml").write_text(layout_cfg.to_yaml())
-    if cfg.parallel.world_size > 1:
-        proc = run_torchrun(cfg.parallel.world_size, ["train", str(root / "layout.yaml")], capture=True)
-        if proc.returncode != 0:
-            raise ParityError(f"the layout run failed (exit {proc.returncode}; its files are in {root}):\n"
-                              f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    else:
-        train(layout_cfg)
-    train(reference_config(cfg, root / "reference", steps))
-    result = compare(root / "layout", root / "reference", cfg.parallel.describe())
+    try:
+        if cfg.parallel.world_size > 1:
+            proc = run_torchrun(cfg.parallel.world_size, ["train", str(root / "layout.yaml")], capture=True)
+            if proc.returncode != 0:
+                raise ParityError(f"the layout run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
+                                  f"\n{proc.stderr[-4000:]}")
+        else:
+            train(layout_cfg)
+        train(reference_config(cfg, root / "reference", steps))
+        result = compare(root / "layout", root / "reference", cfg.parallel.describe())
+    except Exception:
+        print(f"sixfold check: the runs are in {root}", file=sys.stderr)
+        raise
     if workdir is None and result.ok:
         shutil.rmtree(root, ignore_errors=True)
     elif workdir is None:

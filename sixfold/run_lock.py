@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import time
 import warnings
 from pathlib import Path
 
@@ -19,6 +20,18 @@ def _in_use(run_dir: Path, fd: int) -> ConfigError:
                        f"{run_dir / LOCK}): wait for it to end, stop it, or set another log.run_dir")
 
 
+def _lock(fd: int, kind: int, tries: int = 10) -> None:
+    """flock without blocking, tried again for a second: another launch's momentary check may hold it."""
+    for attempt in range(tries):
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.1)
+
+
 class RunLock:
     """Held from __enter__ to __exit__; __enter__ refuses a directory another run holds."""
 
@@ -28,7 +41,7 @@ class RunLock:
     def __enter__(self) -> RunLock:
         fd = os.open(self.run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock(fd, fcntl.LOCK_EX)
         except BlockingIOError:
             error = _in_use(self.run_dir, fd)
             os.close(fd)
@@ -52,11 +65,12 @@ class RunLock:
 def check_free(run_dir: str | Path) -> None:
     """Refuse a run directory another run holds, before any process starts (a shared lock, let go at once)."""
     path = Path(run_dir) / LOCK
-    if not path.is_file():
-        return
-    fd = os.open(path, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # none yet, or unreadable: RunLock decides
+        return
+    try:
+        _lock(fd, fcntl.LOCK_SH)
     except BlockingIOError:
         raise _in_use(Path(run_dir), fd) from None
     except OSError:

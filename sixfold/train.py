@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from . import ledger, train_state
@@ -35,6 +36,10 @@ from .stop import SIGNAL_NAMES, StopSignal, Stopped
 from .trace import Tracer, overlap_table, write_chrome_trace
 
 TRACE_STEPS = 3
+
+
+# train.* settings of the learning-rate schedule and AdamW: a resume that changes them is told so
+SCHEDULE = ("steps", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip")
 
 
 class TrainingError(RuntimeError):
@@ -133,8 +138,8 @@ class Trainer:
         self.loader.load_state_dict({**self.loader.state_dict(), "next_step": self.step})
         if self.skipped > t.skip_nonfinite:
             raise TrainingError(f"loss {loss_value}, gradient norm {grad_norm} at step {self.step}: not finite for "
-                                f"{self.skipped} step(s) in a row (train.skip_nonfinite={t.skip_nonfinite}); the "
-                                f"weights of the last good step were kept{self._keep_good()}")
+                                f"{self.skipped} step(s) in a row (train.skip_nonfinite={t.skip_nonfinite}); the run "
+                                f"stops here. Lower train.lr or check the data, then {self._go_back()}")
         if skip and self.ctx.is_main:
             warnings.warn(f"step {self.step}: loss {loss_value}, gradient norm {grad_norm}; step skipped, weights "
                           f"unchanged ({self.skipped} of at most train.skip_nonfinite={t.skip_nonfinite} in a row)")
@@ -236,11 +241,11 @@ class Trainer:
             self.optim.set_step_count(meta["optimizer_steps"])
             self.loader.load_state_dict(meta["loader"])
             self.step = meta["step"]
-            changed = train_state.differences(meta, self.cfg, "train")
+            changed = {k: v for k, v in train_state.differences(meta, self.cfg, "train").items() if k in SCHEDULE}
             if changed and self.ctx.is_main:  # allowed (a lower lr after a divergence, more steps), but said
                 named = ", ".join(f"train.{k}={b!r} (the checkpoint's run: {a!r})" for k, (a, b) in changed.items())
-                warnings.warn(f"resuming {checkpoint.path} with {named}: the new values apply from step "
-                              f"{self.step} on (the learning-rate schedule and AdamW's included)")
+                warnings.warn(f"resuming {checkpoint.path} with {named}: the learning-rate schedule and AdamW go "
+                              f"on with the new values from step {self.step}")
 
     def _data_identity(self) -> dict:
         """The tokenizer, and the training split's length and a digest of 4,096 tokens spread evenly over it."""
@@ -334,19 +339,14 @@ class Trainer:
         return Stopped(f"{done}; checkpoint {path}: run the same command with checkpoint.resume=auto (or "
                        f"checkpoint.resume={path}) to go on", signal_name)
 
-    def _keep_good(self) -> str:
-        """Where a run stopped by non-finite steps keeps the last good step's weights: a checkpoint written now
-        (past the skipped steps' batches), unless checkpoints are off; and what to do next."""
-        c = self.cfg.checkpoint
-        if not (c.every or c.save_final):
-            return (" in memory only, and no checkpoint is written (checkpoint.every=0, checkpoint.save_final=false), "
-                    "so they end with this run. Lower train.lr or check the data, then resume from an earlier "
-                    "checkpoint, if any, or start again")
-        self.sharded.settle()
-        path = self.save()
-        self.saver.wait()
-        return (f" and are saved in {path}. Lower train.lr or check the data, then resume from it "
-                f"(checkpoint.resume={path})")
+    def _go_back(self) -> str:
+        """Where to start again after non-finite steps: the run's newest checkpoint (written before them; the
+        weights in memory may be diverged already, so none is written now), or from the start."""
+        done = ckpt.complete_steps(self.run_dir)
+        if done:
+            return f"resume from this run's newest checkpoint: checkpoint.resume={done[-1]}"
+        return ("start again: this run has no checkpoint to resume from (set checkpoint.every to keep some along "
+                "the way)")
 
     def sample(self) -> str:
         from .generate import sample_text
@@ -415,7 +415,7 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
         run_dir, here = Path(cfg.log.run_dir), resumes_here(cfg)
         if not here:
             aside, metrics = ckpt.set_aside(run_dir), run_dir / "metrics.jsonl"
-            if aside or metrics.is_file():
+            if aside or (metrics.is_file() and metrics.stat().st_size):
                 resume = cfg.checkpoint.resume
                 how = "starts over" if resume in ("", "auto") else f"goes on from {resume}"
                 if aside:
@@ -424,7 +424,7 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
                         f"; to go on with it instead, stop this run and set checkpoint.resume={newest[-1]}"
                         if newest else "")
                 else:
-                    moved = metrics.with_name(f"metrics-before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+                    moved = ckpt.unused_path(run_dir, "metrics-before", ".jsonl")
                     metrics.rename(moved)
                     kept = f"it has no checkpoints; its metrics.jsonl is moved to {moved}"
                 warnings.warn(f"{run_dir} holds an earlier run: this one {how}, replacing its config.yaml and trace "
@@ -441,11 +441,27 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
     ctx.barrier()
 
 
+def _claim_run_dir(cfg: Config, ctx: ParallelContext, held: contextlib.ExitStack) -> None:
+    """Rank 0 makes the run directory and takes its lock (held until `held` closes); its refusal stops every rank
+    with the same message, none waiting in a collective for it."""
+    problem = ""
+    if ctx.is_main:
+        try:
+            held.enter_context(RunLock(make_run_dir(cfg)))
+        except ConfigError as e:
+            problem = str(e)
+    if ctx.world_size > 1:
+        said = [None] * ctx.world_size
+        dist.all_gather_object(said, problem, group=ctx.groups["world"])
+        problem = said[0]
+    if problem:
+        raise ConfigError(problem)
+
+
 def run(cfg: Config, ctx: ParallelContext, data: TokenData | None = None) -> list[dict]:
     """Train in the ranks of `ctx` (and with `data`, if loaded already)."""
     with contextlib.ExitStack() as held:
-        if ctx.is_main:
-            held.enter_context(RunLock(make_run_dir(cfg)))
+        _claim_run_dir(cfg, ctx, held)
         if ctx.is_main and cfg.log.progress:
             print(f"sixfold: {cfg.parallel.describe()} on {ctx.world_size} process(es), {ctx.backend}, "
                   f"{cfg.model.num_params():,} parameters\n--- config ---\n{cfg.to_yaml()}--------------", flush=True)

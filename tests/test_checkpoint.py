@@ -311,8 +311,8 @@ def test_resuming_on_other_text_of_the_same_length_or_with_other_settings_warns(
                                  "checkpoint.resume=auto"]))
     said = [str(w.message) for w in caught]
     assert any("the training data differ from the checkpoint's (as many tokens, but other ones)" in m for m in said)
-    assert any("with train.steps=2 (the checkpoint's run: 1), train.lr=0.001 (the checkpoint's run: 0.003): the new "
-               "values apply from step 1 on" in m for m in said), said
+    assert any("with train.steps=2 (the checkpoint's run: 1), train.lr=0.001 (the checkpoint's run: 0.003): the "
+               "learning-rate schedule and AdamW go on with the new values from step 1" in m for m in said), said
 
 
 def test_resuming_with_another_tokenizer_is_refused(saved, tmp_path):

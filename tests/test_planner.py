@@ -92,8 +92,10 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     steps = [float(line.split()[-3]) for line in table[1:end]]
     assert table[0].startswith("layout") and steps == sorted(steps) and len(steps) == 10
     # what the trainer would refuse is said, not silently dropped: interleaved needs micro-batches in multiples of pp
-    assert len(table) == end + 2 and table[-1].startswith("not planned: ") and "interleaved" in table[-1]
-    assert "needs train.micro_batches=1 to be a multiple of parallel.pp=2" in table[-1]
+    assert len(table) == end + 2 and table[-1].startswith("not planned: 10 parallel layout(s) that the trainer refuses")
+    assert "interleaved" in table[-1]
+    assert "needs train.micro_batches=1 to be a multiple of parallel.pp=2: no multiple of 2 divides the 1 " \
+           "sequence(s) per data-parallel rank (train.global_batch / dp): change train.global_batch" in table[-1]
     assert cli.main(["plan", *args[:2], "parallel.tp=3", *args[2:]]) == 2  # an impossible layout is refused
     capsys.readouterr()
     assert cli.main(["plan", TINY, "parallel.tp=2", "--gpus", "4"]) == 2
@@ -110,7 +112,9 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
              if c.parallel.pp > 1}
     assert tried == {("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)}
     assert cli.main(["plan", TINY, "--gpus", "5", "--search"]) == 2  # no layout of 5 divides the tiny model
-    assert "no layout of 5 GPUs divides this model and batch" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no layout of 5 GPUs divides this model and batch" in err
+    assert "not planned: 3 parallel layout(s) that the trainer refuses, e.g. pp5, 1f1b: " in err  # and why
     assert cli.main(["plan", "configs/llama3-8b.yaml", "--gpus", "1", "--search"]) == 2
     assert "no layout fits: even single process holds 128.5 GB of weights" in capsys.readouterr().err
     assert cli.main(["plan", "configs/llama3-8b.yaml", "train.seq_len=131072", "--gpus", "2", "--search"]) == 2

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from sixfold import cli, ledger
-from sixfold.checkpoint import Checkpoint, read_meta
+from sixfold.checkpoint import Checkpoint
 from sixfold.logs import read_metrics
 from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
 from sixfold.slices import Reader
@@ -136,12 +136,13 @@ def test_bad_checkpoints(tmp_path):
 
 def test_nan_loss_stops_at_once_when_asked(tmp_path):
     proc = _train(tmp_path / "run", "train.lr=1e30", "train.grad_clip=0", "train.warmup_steps=0",
-                  "train.steps=6", "train.skip_nonfinite=0")
+                  "train.steps=6", "train.skip_nonfinite=0", "checkpoint.every=1")
     assert proc.returncode == 2
-    # the last good weights are saved past the bad step's batch, and the message says where
-    saved = tmp_path / "run" / "checkpoints" / "step_0000002"
-    assert f"weights of the last good step were kept and are saved in {saved}" in proc.stderr, proc.stderr[-2000:]
-    assert "train.lr" in proc.stderr and read_meta(saved)["loader"]["next_step"] == 2
+    # the weights in memory may have diverged already: nothing is written, the newest checkpoint is named
+    saved = tmp_path / "run" / "checkpoints" / "step_0000001"
+    assert "not finite for 1 step(s) in a row (train.skip_nonfinite=0); the run stops here. Lower train.lr or " \
+           f"check the data, then resume from this run's newest checkpoint: checkpoint.resume={saved}" in proc.stderr
+    assert [p.name for p in saved.parent.glob("step_*")] == ["step_0000001"]
 
 
 def test_layout_errors_before_any_process_starts(tmp_path):
@@ -189,7 +190,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
                   "train.skip_nonfinite=2", "checkpoint.save_final=false")
     assert proc.returncode == 2
     assert "not finite for 3 step(s) in a row (train.skip_nonfinite=2)" in proc.stderr and "train.lr" in proc.stderr
-    assert "in memory only, and no checkpoint is written" in proc.stderr
+    assert "start again: this run has no checkpoint to resume from" in proc.stderr
     skipped = [m["skipped"] for m in read_metrics(tmp_path / "run")]
     assert skipped[-2:] == [True, True] and not skipped[0]
 
@@ -311,6 +312,23 @@ def test_ctrl_c_to_the_launcher_stops_its_ranks_after_a_step_with_a_checkpoint(t
     last = read_metrics(run)[-1]["step"]
     assert job.returncode == 128 + signal.SIGINT and last < 30 and "Traceback" not in err, err[-3000:]
     assert err.count(f"stopped by SIGINT after step {last} of 30; checkpoint ") == 2, err[-3000:]
+    assert (run / "checkpoints" / "latest").read_text() == f"step_{last:07d}"
+
+
+def test_killing_the_launcher_outright_stops_its_ranks_after_a_step_with_a_checkpoint(tmp_path):
+    """SIGKILL to `sixfold train --nproc 2` cannot be passed on; Linux sends torchrun SIGTERM when it dies, so the
+    ranks end as under a preemption instead of training on unseen (the pipe they write to closes when they end)."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}", *LONG, "--nproc", "2"]
+    job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    while job.poll() is None and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    job.kill()
+    out, err = job.communicate(timeout=300)
+    last = read_metrics(run)[-1]["step"]
+    assert last < 30 and err.count(f"stopped by SIGTERM after step {last} of 30; checkpoint ") == 2, err[-3000:]
     assert (run / "checkpoints" / "latest").read_text() == f"step_{last:07d}"
 
 

@@ -34,17 +34,20 @@ def describe(p: Plan, device: str, gpus: int, nodes: int) -> str:
 
 
 def ranking(plans: list[Plan], refused: dict[str, str] | None = None, top: int = 10) -> str:
-    """The fastest `top` plans; then the layouts left out because the trainer would refuse them: per kind of
-    reason, how many and one of them with its reason."""
+    """The fastest `top` plans; then the layouts left out because the trainer would refuse them (refusals)."""
     lines = [f"{'layout':<48} {'micro':>5} {'recompute':>9} {'peak GB':>8} {'step ms':>8} {'tokens/s':>11} {'MFU':>6}"]
     for p in plans[:top]:
         lines.append(f"{p.cfg.parallel.describe():<48} {p.cfg.train.micro_batches:>5} {p.cfg.model.recompute:>9} "
                      f"{p.peak / GB:>8.1f} {p.step_s * 1e3:>8.1f} {p.tokens_per_s:>11,.0f} {p.mfu:>6.1%}")
     lines.append(f"({len(plans)} layouts fit; fastest first)")
+    return "\n".join(lines + refusals(refused or {}))
+
+
+def refusals(refused: dict[str, str]) -> list[str]:
+    """A line per kind of reason the trainer gave for refusing layouts (description: reason): how many parallel
+    layouts, and one of them with its reason."""
     kinds: dict[str, list] = {}
-    for layout, reason in (refused or {}).items():
+    for layout, reason in refused.items():
         kinds.setdefault(re.sub(r"\d+", "N", reason), [0, layout, reason])[0] += 1
-    for count, layout, reason in kinds.values():
-        lines.append(f"not planned: {count} layout(s) the trainer refuses at this train.global_batch, e.g. {layout}: "
-                     f"{reason}")
-    return "\n".join(lines)
+    return [f"not planned: {count} parallel layout(s) that the trainer refuses, e.g. {layout}: {reason}"
+            for count, layout, reason in kinds.values()]

@@ -11,8 +11,8 @@ the peer waits for would deadlock. Shapes are known ahead: every micro-batch has
 state (this rank's cp and sequence-TP part), so no metadata travels. A B that sends its input gradient and has
 no W of its own (Schedule.sends_early) defers its weight gradient as for a W and computes it right after posting
 that send, so the rank before starts its B sooner. A unit's gradient reduction starts as its stage's last
-backward or weight-gradient action of the step completes it (after such an early sender's weight gradient, which
-frees what it held first); with ZeRO-3 the weights are gathered once per step.
+backward or weight-gradient action of the step (or an early sender's weight gradient) completes it, in reverse
+unit order; with ZeRO-3 the weights are gathered once per step.
 """
 from __future__ import annotations
 
