@@ -297,16 +297,22 @@ def test_a_signal_ends_an_evaluation_between_its_batches(tmp_path):
     assert trainer.evaluate(stop) is None and len(forwards) == 3
 
 
-def test_ctrl_c_to_the_launcher_stops_its_ranks_after_a_step_with_a_checkpoint(tmp_path):
-    """`sixfold train --nproc 2` passes SIGINT (or SIGTERM) on to torchrun, which sends it to the ranks: they end
-    as under a scheduler's preemption instead of running on or dying mid-step."""
-    run = tmp_path / "run"
+def _launch(run: Path) -> subprocess.Popen:
+    """`sixfold train --nproc 2` of LONG, once it has logged 3 steps."""
     cmd = [sys.executable, "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}", *LONG, "--nproc", "2"]
     job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     metrics = run / "metrics.jsonl"
     while job.poll() is None and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
         time.sleep(0.05)
+    return job
+
+
+def test_ctrl_c_to_the_launcher_stops_its_ranks_after_a_step_with_a_checkpoint(tmp_path):
+    """`sixfold train --nproc 2` passes SIGINT (or SIGTERM) on to torchrun, which sends it to the ranks: they end
+    as under a scheduler's preemption instead of running on or dying mid-step."""
+    run = tmp_path / "run"
+    job = _launch(run)
     job.send_signal(signal.SIGINT)
     out, err = job.communicate(timeout=300)
     last = read_metrics(run)[-1]["step"]
@@ -319,12 +325,7 @@ def test_killing_the_launcher_outright_stops_its_ranks_after_a_step_with_a_check
     """SIGKILL to `sixfold train --nproc 2` cannot be passed on; Linux sends torchrun SIGTERM when it dies, so the
     ranks end as under a preemption instead of training on unseen (the pipe they write to closes when they end)."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}", *LONG, "--nproc", "2"]
-    job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-    metrics = run / "metrics.jsonl"
-    while job.poll() is None and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
-        time.sleep(0.05)
+    job = _launch(run)
     job.kill()
     out, err = job.communicate(timeout=300)
     last = read_metrics(run)[-1]["step"]
