@@ -179,10 +179,15 @@ class Checkpoint:
         if entry is None:
             raise CheckpointError(f"{self.path} has no {fname} (its files: {', '.join(self.meta['files'])})")
         if not file.is_file():
-            raise CheckpointError(f"{file} is missing")
+            raise CheckpointError(f"{file} is missing{self._elsewhere()}")
         if file.stat().st_size != entry["bytes"] or file_sha256(file) != entry["sha256"]:
-            raise CheckpointError(f"{file} is corrupt: its size or checksum does not match {META}")
+            raise CheckpointError(f"{file} is corrupt: its size or checksum does not match {META}{self._elsewhere()}")
         return file
+
+    def _elsewhere(self) -> str:
+        """The newest other complete checkpoint of the same run, to name beside a damaged file."""
+        others = [p for p in steps_in(self.path.parent) if p != self.path and (p / META).is_file()]
+        return f"; the newest other complete checkpoint of this run is {others[-1]}" if others else ""
 
     def tensor(self, fname: str, key: str) -> torch.Tensor:
         if fname not in self._open:

@@ -298,8 +298,11 @@ def config_from_dict(data: dict) -> Config:
 
 
 def load_saved_config(path: str | Path) -> Config:
-    """A run directory's config.yaml."""
-    return _validate_saved(load_config(path, check=False))
+    """A run directory's config.yaml; a setting it refuses is named with the file."""
+    try:
+        return _validate_saved(load_config(path, check=False))
+    except ConfigError as e:
+        raise ConfigError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
 
 
 def check_world_size(p: ParallelConfig, world_size: int, name: str = "world size", remedy: str = "") -> None:

@@ -229,6 +229,15 @@ def test_a_run_that_starts_over_moves_the_earlier_runs_checkpoints_aside(tmp_pat
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000002", "step_0000003"]
 
 
+def test_a_damaged_checkpoint_names_the_runs_newest_other_one(tmp_path):
+    run = tmp_path / "run"
+    train(load_config(TINY, [f"log.run_dir={run}", "train.steps=2", "checkpoint.every=1"]))
+    _truncate(run / "checkpoints" / "step_0000002")
+    with pytest.raises(CheckpointError, match="step_0000002/model-00000.safetensors is corrupt: .*; the newest other "
+                                              "complete checkpoint of this run is .*step_0000001"):
+        Trainer(load_config(TINY, [f"log.run_dir={run}", "checkpoint.resume=auto"]), ParallelContext.single())
+
+
 def test_checkpoints_are_ordered_by_step_number(tmp_path):
     for name in ("step_10000000", "step_9999999", "step_0000002", "step_notes"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)

@@ -68,6 +68,9 @@ def test_pictures_are_drawn_and_redrawn(run, capsys):
 def test_trace_command_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
     assert main(["trace", str(tmp_path)]) == 2
     assert "not a run directory" in capsys.readouterr().err
+    (tmp_path / "config.yaml").write_text("model: {dim: 65}\n")  # a run's config.yaml, edited wrongly
+    assert main(["trace", str(tmp_path)]) == 2
+    assert f"{tmp_path / 'config.yaml'}: model.dim=65 is not divisible by model.n_heads" in capsys.readouterr().err
 
 
 def test_ledger_steps_match_the_formulas(run):
