@@ -86,9 +86,14 @@ def steps_in(root: Path) -> list[Path]:
     return sorted((p for p in root.glob("step_*") if step_of(p) is not None), key=step_of)
 
 
+def complete_in(root: Path) -> list[Path]:
+    """The step_N directories under `root` that hold their meta.json, oldest first."""
+    return [p for p in steps_in(root) if (p / META).is_file()]
+
+
 def complete_steps(run_dir: str | Path) -> list[Path]:
     """A run directory's checkpoints that hold their meta.json, oldest first."""
-    return [p for p in steps_in(Path(run_dir) / "checkpoints") if (p / META).is_file()]
+    return complete_in(Path(run_dir) / "checkpoints")
 
 
 def has_checkpoint(run_dir: str | Path) -> bool:
@@ -186,7 +191,7 @@ class Checkpoint:
 
     def _elsewhere(self) -> str:
         """The newest other complete checkpoint of the same run, to name beside a damaged file."""
-        others = [p for p in steps_in(self.path.parent) if p != self.path and (p / META).is_file()]
+        others = [p for p in complete_in(self.path.parent) if p != self.path]
         return f"; the newest other complete checkpoint of this run is {others[-1]}" if others else ""
 
     def tensor(self, fname: str, key: str) -> torch.Tensor:

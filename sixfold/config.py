@@ -315,6 +315,9 @@ def check_world_size(p: ParallelConfig, world_size: int, name: str = "world size
             + (remedy or f"launch {p.world_size} processes (--nproc {p.world_size})"))
 
 
+SEEDS = 2 ** 63  # a seed is below this (torch.Generator takes 64-bit seeds; sixfold's are non-negative)
+
+
 RUN_CONFIG_HEAD = "# the resolved config of the sixfold run in this directory\n"
 
 
@@ -435,7 +438,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if p.tp > 1 and p.sequence_parallel and t.seq_len % p.tp:
         raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} under sequence-TP; "
                           f"change it or set parallel.sequence_parallel=false")
-    from .parallel.pipeline.schedules import SCHEDULES, check
+    from .parallel.pipeline.schedules import check, check_name
     if p.pp > 1 or p.pp_virtual_stages != 1:
         from .parallel.pipeline.stages import check_stages
         check(p.pp_schedule, p.pp, p.pp_virtual_stages, t.micro_batches,
@@ -444,8 +447,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if p.zero == 3 and p.reshard_after_forward:
             raise ConfigError("parallel.reshard_after_forward=true: under pipelining ZeRO-3 gathers each stage's "
                               "weights once per step; leave it unset or set it to false")
-    elif p.pp_schedule not in SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
+    else:
+        check_name(p.pp_schedule)
     if p.reshard_after_forward is not None and p.zero != 3:
         raise ConfigError(f"parallel.reshard_after_forward={str(p.reshard_after_forward).lower()} applies to "
                           f"parallel.zero=3 (sharded weights) and this layout has zero={p.zero}: leave it unset or "
@@ -456,7 +459,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"train.skip_nonfinite={t.skip_nonfinite} must be 0 (stop at the first) or more")
     if t.micro_batches < 1:
         raise ConfigError(f"train.micro_batches={t.micro_batches} must be at least 1")
-    if not 0 <= t.seed < 2 ** 63:
+    if not 0 <= t.seed < SEEDS:
         raise ConfigError(f"train.seed={t.seed} must be from 0 to 2**63 - 1")
     if t.global_batch % (p.dp * t.micro_batches):
         raise ConfigError(

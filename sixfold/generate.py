@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .config import SEEDS
 from .model.llama import KVCache, Llama
 from .parallel.pipeline.runtime import Pipeline
 
@@ -29,7 +30,7 @@ def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int
                          f"max_seq_len)")
     if not temperature >= 0 or temperature == float("inf"):
         raise ValueError(f"temperature={temperature} must be 0 (greedy) or a positive number")
-    if not 0 <= seed < 2 ** 63:
+    if not 0 <= seed < SEEDS:
         raise ValueError(f"seed={seed} must be from 0 to 2**63 - 1")
     device = model.device
     gen = torch.Generator().manual_seed(seed)

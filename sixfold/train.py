@@ -419,7 +419,7 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
                 resume = cfg.checkpoint.resume
                 how = "starts over" if resume in ("", "auto") else f"goes on from {resume}"
                 if aside:
-                    newest = [p for p in ckpt.steps_in(aside) if (p / ckpt.META).is_file()]
+                    newest = ckpt.complete_in(aside)
                     kept = f"its checkpoints and metrics.jsonl are moved to {aside}" + (
                         f"; to go on with it instead, stop this run and set checkpoint.resume={newest[-1]}"
                         if newest else "")

@@ -264,11 +264,15 @@ SCHEDULES: dict[str, Callable[[int, int, int], list[list[Action]]]] = {
 }
 
 
+def check_name(name: str) -> None:
+    if name not in SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule={name!r} is not one of {', '.join(SCHEDULES)}")
+
+
 def check(name: str, pp: int, v: int, m: int, sequences: int | None = None) -> None:
     """Raise ConfigError, naming the setting to change, where a schedule cannot run (pp, v, m); `sequences`: a
     data-parallel rank's per step, if known, which the micro-batch count must divide."""
-    if name not in SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule={name!r} is not one of {', '.join(SCHEDULES)}")
+    check_name(name)
     for key, value in (("parallel.pp", pp), ("parallel.pp_virtual_stages", v), ("train.micro_batches", m)):
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
