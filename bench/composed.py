@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
-from sixfold.model.llama import init_weights, rope_tables
+from sixfold.model.llama import init_weights, rope_frequencies, rope_tables
 from sixfold.parallel.pipeline.stages import Stage, whole
 
 
@@ -91,7 +91,7 @@ class TorchLlama(nn.Module):
         if self.embed is not None:
             seq = x.shape[1]
             x = self.embed(x)
-        tables = rope_tables(torch.arange(seq), self.cfg.head_dim, self.cfg.rope_theta)
+        tables = rope_tables(torch.arange(seq), rope_frequencies(self.cfg))
         cos, sin = (t[:, 0].repeat(1, 2) for t in tables)  # [seq, head_dim]: both halves' angles
         for block in self.layers.values():
             x = block(x, cos, sin)

@@ -72,10 +72,13 @@ def hf_side(args) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from sixfold.model.hf import hf_config_from_model
+
     m = model_config(args.config, args.seq)
     config = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=m.ffn_dim,
                          num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads,
-                         rope_theta=m.rope_theta, rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
+                         rope_theta=m.rope_theta, rope_scaling=hf_config_from_model(m)["rope_scaling"],
+                         rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
                          max_position_embeddings=max(args.seq, 2048), attn_implementation="sdpa")
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(device())

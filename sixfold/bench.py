@@ -5,6 +5,7 @@ Each run is its own job (benchjob.py). A run's time is rank 0's mean wall time p
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import statistics
@@ -154,8 +155,8 @@ def bench(args, path: str | None, overrides: list[str], argv: list[str]) -> None
         if _given(args, "--table", "--write", "--steps"):
             raise ConfigError(f"{', '.join(_given(args, '--table', '--write', '--steps'))}: not with --max-seq, "
                               f"whose probes run 2 steps each")
-        if args.budget_gb is not None and not args.budget_gb > 0:
-            raise ConfigError(f"--budget-gb {args.budget_gb}: give a positive number of GB")
+        if args.budget_gb is not None and not 0 < args.budget_gb < math.inf:
+            raise ConfigError(f"--budget-gb {args.budget_gb}: give a positive, finite number of GB")
         from .maxseq import max_seq
         max_seq(path or str(BENCH), overrides, args.budget_gb, args.min, args.max)
         return

@@ -8,7 +8,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from .config import ConfigError, check_available, check_world_size, load_config, make_run_dir, validate, writable_dir
+from .config import ConfigError, check_available, check_text, check_world_size, load_config, make_run_dir, validate, writable_dir
 from .launch import run_torchrun, under_torchrun
 from .run_lock import check_free
 
@@ -56,8 +56,8 @@ def _relaunch(args, argv: list[str], cfg) -> int | None:
     if nproc == 1:
         return None
     from .data import load_data
-    from .train import check_inputs
-    check_inputs(cfg, load_data(cfg.data))
+    from .train import check_inputs, data_settings
+    check_inputs(cfg, load_data(data_settings(cfg)))
     return run_torchrun(nproc, argv).returncode
 
 
@@ -170,6 +170,7 @@ def cmd_matrix(args, argv) -> int:
 def cmd_generate(args, argv) -> int:
     from .generate import checkpoint_tokenizer, sample_text
     from .model.hf import load_model
+    check_text(args.prompt, "--prompt")
     model, cfg = load_model(args.checkpoint)
     tok = checkpoint_tokenizer(args.checkpoint, cfg)
     room = cfg.model.max_seq_len - len(tok.encode(args.prompt))
@@ -192,8 +193,17 @@ def cmd_export_hf(args, argv) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("sixfold")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        return "(not installed)"
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sixfold", description="Train LLaMA-style models over a 6-D device mesh.")
+    p.add_argument("--version", action="version", version=f"sixfold {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a model: sixfold train CONFIG [key=value ...] [--nproc N]")
     t.add_argument("config", nargs="*", help="a YAML file, then section.key=value overrides")
@@ -217,13 +227,13 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--nodes", type=_at_least(1), default=1)
     pl.add_argument("--search", action="store_true", help="rank every layout of --gpus GPUs that fits")
     pl.set_defaults(fn=cmd_plan)
-    b = sub.add_parser("bench", help="step time and peak memory of a layout on the common workload (--table: the "
-                                      "issue's 8 layouts beside picotron, torchtitan, DeepSpeed), or --max-seq: the "
-                                      "longest train.seq_len that fits")
+    b = sub.add_parser("bench", help="step time and peak memory of a layout on the common workload (--table: 8 "
+                                      "layouts beside picotron's, torchtitan's and DeepSpeed's times on it), or "
+                                      "--max-seq: the longest train.seq_len that fits")
     b.add_argument("config", nargs="*", help="a YAML file (default configs/bench.yaml), then section.key=value "
                                              "overrides")
     b.add_argument("--steps", type=int, default=None, help="steps per run (default 10); the first 2 are not timed")
-    b.add_argument("--table", action="store_true", help="time the 8 layouts of the table, beside the peers")
+    b.add_argument("--table", action="store_true", help="time the table's 8 layouts, beside the other frameworks")
     b.add_argument("--write", action="store_true", help="with --table: write it into docs/benchmarks.md")
     b.add_argument("--runs", type=int, default=1, help="with --table: rounds over the layouts, the median reported")
     b.add_argument("--max-seq", action="store_true", help="search the longest train.seq_len that fits, by probes "
@@ -243,17 +253,21 @@ def parser() -> argparse.ArgumentParser:
     m.set_defaults(fn=cmd_matrix)
     g = sub.add_parser("generate", help="sample text from a checkpoint or run directory")
     g.add_argument("checkpoint")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=_at_least(0), default=200)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=_at_least(0), default=40)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--prompt", required=True, help="the text to continue")
+    g.add_argument("--max-new-tokens", type=_at_least(0), default=200, help="tokens to generate (default 200)")
+    g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8); 0: greedy, "
+                                                                   "the most likely token each time")
+    g.add_argument("--top-k", type=_at_least(0), default=40, help="sample among the k most likely tokens (default "
+                                                                  "40); 0: among all")
+    g.add_argument("--seed", type=int, default=0, help="the sampling's random seed (default 0)")
     g.set_defaults(fn=cmd_generate)
-    i = sub.add_parser("import-hf", help="convert a transformers LlamaForCausalLM directory to a checkpoint")
+    i = sub.add_parser("import-hf", help="convert a transformers LlamaForCausalLM or MixtralForCausalLM directory "
+                                         "to a checkpoint")
     i.add_argument("hf_dir")
     i.add_argument("out")
     i.set_defaults(fn=cmd_import_hf)
-    e = sub.add_parser("export-hf", help="write a run or checkpoint as a transformers LlamaForCausalLM directory")
+    e = sub.add_parser("export-hf", help="write a run or checkpoint as a transformers LlamaForCausalLM (or, with "
+                                         "experts, MixtralForCausalLM) directory")
     e.add_argument("checkpoint")
     e.add_argument("out")
     e.set_defaults(fn=cmd_export_hf)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 import socket
@@ -33,6 +34,14 @@ class ModelConfig:
     n_kv_heads: int = 2
     ffn_dim: int = 176
     rope_theta: float = 10000.0
+    # RoPE frequencies stretched for a longer context: none | linear (all of them) | llama3 (Llama 3.1 on: the low
+    # ones, by rope_factor, below rope_original_len / rope_low_freq; the high ones, above rope_original_len /
+    # rope_high_freq, kept; those between blended)
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq: float = 1.0
+    rope_high_freq: float = 4.0
+    rope_original_len: int = 8192
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     max_seq_len: int = 2048
@@ -305,6 +314,14 @@ def load_saved_config(path: str | Path) -> Config:
         raise ConfigError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
 
 
+def check_text(text: str, name: str) -> None:
+    """Refuse text holding bytes that are not UTF-8 (a command line's, which Python keeps as surrogates)."""
+    bad = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+    if bad is not None:
+        raise ConfigError(f"{name} is not UTF-8 text (byte 0x{ord(text[bad]) & 0xff:02x} at character {bad}); "
+                          f"give it in UTF-8")
+
+
 def check_world_size(p: ParallelConfig, world_size: int, name: str = "world size", remedy: str = "") -> None:
     """Refuse a world size (named `name`) other than the layout's rank count; `remedy`: what else to change
     (by default, launching as many processes)."""
@@ -364,6 +381,9 @@ def check_available(cfg: Config) -> None:
         import torch
         if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
             raise ConfigError("train.precision=bf16: this GPU has no bf16 support; set train.precision=fp32")
+    if cfg.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("log.tensorboard=true needs the tensorboard package: install it (pip install tensorboard), "
+                          "or set log.tensorboard=false")
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
@@ -392,6 +412,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if (p.dp_shard * p.cp) % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide parallel.dp_shard*parallel.cp={p.dp_shard * p.cp} "
                           f"(expert parallel borrows those ranks); change parallel.ep or parallel.dp_shard")
+    if m.rope_scaling not in ("none", "linear", "llama3"):
+        raise ConfigError(f"model.rope_scaling={m.rope_scaling!r}: choose none, linear or llama3")
+    if not 0 < m.rope_factor < math.inf or not 0 < m.rope_low_freq < m.rope_high_freq < math.inf \
+            or m.rope_original_len < 1:
+        raise ConfigError(f"model.rope_factor={m.rope_factor} must be positive, 0 < model.rope_low_freq="
+                          f"{m.rope_low_freq} < model.rope_high_freq={m.rope_high_freq}, and model.rope_original_len="
+                          f"{m.rope_original_len} at least 1")
     if m.recompute not in ("none", "selective", "full"):
         raise ConfigError(f"model.recompute={m.recompute!r}: choose none, selective (the attention core) or full "
                           "(every sub-layer from its input)")
@@ -491,6 +518,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if cfg.log.sample_tokens < 0 or (cfg.log.sample_tokens and not cfg.log.sample_prompt):
         raise ConfigError(f"log.sample_tokens={cfg.log.sample_tokens} must be 0 (no sample) or more, with a "
                           f"non-empty log.sample_prompt to start from")
+    check_text(cfg.log.sample_prompt, "log.sample_prompt")
     if not cfg.data.source.strip() or cfg.data.max_bytes < 0:
         raise ConfigError("data.source must name a file or directory (or stdlib), and data.max_bytes be 0 (all) "
                           "or more")

@@ -17,7 +17,7 @@ import shutil
 import sysconfig
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -230,9 +230,13 @@ def _jsonl(path: Path, doc_id: str, text: str, field: str) -> list[tuple[str, st
 
 def _text(path: Path, limit: int) -> tuple[str, bool]:
     """A UTF-8 file's text (a leading byte-order mark dropped) and whether the limit cut it: with a limit, at most
-    that many bytes, a character it cuts left out. Raises UnicodeDecodeError for other bytes."""
+    that many bytes, a character it cuts left out. Raises UnicodeDecodeError for other bytes, and for a NUL byte,
+    which text does not hold and binary files do (all-zero files are valid UTF-8)."""
     with open(path, "rb") as f:
         raw = f.read(limit + 1) if limit else f.read()
+    if b"\0" in raw:
+        at = raw.index(b"\0")
+        raise UnicodeDecodeError("utf-8", raw, at, at + 1, "a NUL byte: binary data")
     cut = bool(limit) and len(raw) > limit
     return codecs.getincrementaldecoder("utf-8-sig")().decode(raw[:limit] if cut else raw, final=not cut), cut
 
@@ -261,7 +265,8 @@ def _documents(cfg: DataConfig, root: Path, files) -> list[tuple[str, str]]:
         if cut or (cfg.max_bytes and taken >= cfg.max_bytes):
             break
     if skipped:
-        warnings.warn(f"skipped {len(skipped)} file(s) that are not UTF-8 text: {', '.join(skipped[:5])}"
+        warnings.warn(f"skipped {len(skipped)} file(s) that are not UTF-8 text (or hold NUL bytes, as binary files "
+                      f"do): {', '.join(skipped[:5])}"
                       f"{' ...' if len(skipped) > 5 else ''}", stacklevel=2)
     if not docs:
         jsonl = any(_format(cfg, path) == "jsonl" for _, path in files)
@@ -308,6 +313,16 @@ def build_tokenizer(cfg: DataConfig, train_docs):
         if not path.exists():
             BPETokenizer.train((t for _, t in train_docs), cfg.bpe_vocab_size).save(path)
     return BPETokenizer.from_file(path)  # every process uses the file on disk
+
+
+def with_tokenizer(cfg: DataConfig, text: bytes) -> DataConfig:
+    """cfg reading the tokenizer.json `text` (a checkpoint's), kept in data.cache_dir by its sha256."""
+    path = Path(cfg.cache_dir).expanduser() / f"tokenizer-{hashlib.sha256(text).hexdigest()[:16]}.json"
+    with _lock(path):
+        if not path.is_file():
+            with _written(path) as tmp:
+                tmp.write_bytes(text)
+    return replace(cfg, tokenizer=str(path))
 
 
 # ---- token streams ----
@@ -508,7 +523,7 @@ class BatchLoader:
                  batch_index: int = 0, batch_count: int = 1):
         self.samples = (len(tokens) - 1) // seq_len if seq_len > 0 else 0
         if self.samples <= 0:
-            raise DataError(f"corpus has fewer than seq_len+1 = {seq_len + 1} tokens ({len(tokens)}); "
+            raise DataError(f"the train split has fewer than seq_len+1 = {seq_len + 1} tokens ({len(tokens)}); "
                             "lower train.seq_len or add data")
         self.rows = _rank_rows(global_batch, batch_index, batch_count)
         self.batch_index, self.batch_count = batch_index, batch_count
@@ -558,7 +573,8 @@ def eval_batches(tokens: np.ndarray, seq_len: int, batch: int, count: int,
     """`count` fixed batches of the first windows of `tokens` in order (wrapping), this rank's rows of each."""
     n = (len(tokens) - 1) // seq_len if seq_len > 0 else 0
     if n <= 0:
-        raise DataError(f"the val split has fewer than seq_len+1 = {seq_len + 1} tokens ({len(tokens)}); "
-                        "raise data.val_fraction or lower train.seq_len")
+        raise DataError(f"the val split has fewer than seq_len+1 = {seq_len + 1} tokens ({len(tokens)}); lower "
+                        f"train.seq_len, add documents or raise data.val_fraction (the split takes whole documents, "
+                        f"by a hash of their names), or set train.eval_every=0 to train without validation")
     rows = _rank_rows(batch, batch_index, batch_count)
     return [_windows(tokens, [((i * batch + j) % n) * seq_len for j in rows], seq_len) for i in range(count)]

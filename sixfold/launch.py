@@ -7,6 +7,8 @@ import subprocess
 import sys
 import threading
 
+from .stop import Stopped
+
 
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
@@ -23,14 +25,12 @@ def run_torchrun(nproc: int, argv: list[str], capture: bool = False, module: str
     rendezvous on a free port)."""
     cmd = [sys.executable, "-m", "sixfold.launch", "--standalone", f"--nproc-per-node={nproc}",
            "-m", module, *argv]
-    if capture:
-        return subprocess.run(cmd, env=_env(threads), text=True, capture_output=True)
-    return _forwarding_signals(cmd, _env(threads))
+    return _run(cmd, _env(threads), capture)
 
 
 def _end_with_parent():
-    """What the child runs before torchrun starts (None off Linux): Linux is to send it SIGTERM when this launcher
-    dies (kill -9 too), which it passes on to the ranks, instead of leaving the job running unseen. prctl is
+    """What the child runs before it starts (None off Linux): Linux is to send it SIGTERM when this launcher dies
+    (kill -9 too), which torchrun passes on to the ranks, instead of leaving the job running unseen. prctl is
     looked up here, in the parent: the forked child only calls it (and ends if the launcher is gone already)."""
     if sys.platform != "linux":
         return None
@@ -45,23 +45,31 @@ def _end_with_parent():
     return child
 
 
-def _forwarding_signals(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    """Run torchrun in its own session and pass SIGTERM or SIGINT (Ctrl-C) on to it, which sends the same signal
-    to its ranks: they finish the step, write a checkpoint and end (stop.py). Without this a scheduler's SIGTERM
-    to this launcher alone would leave torchrun and the ranks running; if the launcher is killed outright, torchrun
-    gets SIGTERM all the same (_end_with_parent)."""
-    job = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_end_with_parent())
+def _run(cmd: list[str], env: dict[str, str], capture: bool) -> subprocess.CompletedProcess:
+    """Run a job in its own session and pass SIGTERM or SIGINT (Ctrl-C) on to it; torchrun sends the same signal
+    to its ranks: training ones finish the step, write a checkpoint and end (stop.py). Without this a scheduler's
+    SIGTERM to this launcher alone would leave the job running; if the launcher is killed outright, the job gets
+    SIGTERM all the same (_end_with_parent). A job whose output is captured (a bench or check run) ends this
+    process too once it has stopped: Stopped, its temporary files removed on the way out."""
+    pipe = subprocess.PIPE if capture else None
+    job = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_end_with_parent(), text=True,
+                           stdout=pipe, stderr=pipe)
+    heard = []
 
     def forward(signum, frame) -> None:
+        heard.append(signal.Signals(signum).name)
         job.send_signal(signum)
 
     main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
     try:
-        return subprocess.CompletedProcess(cmd, job.wait())
+        out, err = job.communicate()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if heard and capture:
+        raise Stopped(f"stopped by {heard[0]}, and the job it ran with it", heard[0])
+    return subprocess.CompletedProcess(cmd, job.returncode, out, err)
 
 
 def run_ranks(nproc: int, module: str, argv: list[str], threads: str | None = None) -> subprocess.CompletedProcess:
@@ -69,7 +77,7 @@ def run_ranks(nproc: int, module: str, argv: list[str], threads: str | None = No
     wait for), more under torchrun."""
     if nproc > 1:
         return run_torchrun(nproc, argv, capture=True, module=module, threads=threads)
-    return subprocess.run([sys.executable, "-m", module, *argv], env=_env(threads), text=True, capture_output=True)
+    return _run([sys.executable, "-m", module, *argv], _env(threads), capture=True)
 
 
 def torchrun(argv: list[str]) -> int:

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from . import ledger, train_state
 from .comm import Comm
-from .config import DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, check_available, make_run_dir
-from .data import BatchLoader, DataError, TokenData, eval_batches, load_data
+from .config import DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, check_available, make_run_dir
+from .data import BatchLoader, DataError, TokenData, eval_batches, load_data, with_tokenizer
 from .logs import RunLog, start_metrics
 from .mesh import ParallelContext
 from .model.llama import Llama, init_weights, no_decay
@@ -84,9 +84,7 @@ class Trainer:
                                   ctx.batch_index, ctx.size("batch"))
         self.step = self.skipped = 0
         self.saver = train_state.Saver(ctx, self.comm, cfg)
-        resume = cfg.checkpoint.resume
-        if resume == "auto":  # the run directory's latest checkpoint, if it has one
-            resume = str(self.run_dir) if ckpt.has_checkpoint(self.run_dir) else ""
+        resume = resume_path(cfg)
         if resume:
             self.load(resume)
 
@@ -94,10 +92,10 @@ class Trainer:
         """The corpus: read (and tokenized into the cache) by this machine's first rank, then by the others."""
         def load():
             if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-                return load_data(self.cfg.data)
+                return load_data(data_settings(self.cfg))
             with warnings.catch_warnings():  # the first rank of this machine has shown them
                 warnings.simplefilter("ignore")
-                return load_data(self.cfg.data)
+                return load_data(data_settings(self.cfg))
         return self.ctx.local_first(load)
 
     def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,6 +244,13 @@ class Trainer:
                 named = ", ".join(f"train.{k}={b!r} (the checkpoint's run: {a!r})" for k, (a, b) in changed.items())
                 warnings.warn(f"resuming {checkpoint.path} with {named}: the learning-rate schedule and AdamW go "
                               f"on with the new values from step {self.step}")
+        elif self.ctx.is_main:  # weights only (an imported model): other settings are allowed, but said
+            changed = {k: v for k, v in train_state.differences(meta, self.cfg).items()
+                       if k not in train_state.FREE + train_state.OBJECTIVE}
+            if changed:
+                named = ", ".join(f"model.{k}={b!r} (the checkpoint's: {a!r})" for k, (a, b) in changed.items())
+                warnings.warn(f"this run has {named}: the weights of {checkpoint.path} compute another function "
+                              f"with them; set those as the checkpoint has them to train on from the same model")
 
     def _data_identity(self) -> dict:
         """The tokenizer, and the training split's length and a digest of 4,096 tokens spread evenly over it."""
@@ -370,6 +375,30 @@ class Trainer:
             pictures = draw_pictures(self.run_dir, self.cfg)
             log.print(f"{overlap_table(events)}\ntrace: {self.run_dir / 'trace.json'}; pictures: "
                       f"{', '.join(map(str, pictures))}")
+
+
+def resume_path(cfg: Config) -> str:
+    """The checkpoint or run directory the run resumes from ("" if none): checkpoint.resume=auto is the run
+    directory, when it has a checkpoint."""
+    resume = cfg.checkpoint.resume
+    if resume == "auto":
+        return cfg.log.run_dir if ckpt.has_checkpoint(cfg.log.run_dir) else ""
+    return resume
+
+
+def data_settings(cfg: Config) -> DataConfig:
+    """cfg.data; but with data.tokenizer=bpe, a run resuming a checkpoint that holds its trained tokenizer reads
+    that one: trained again on a changed corpus, BPE would give the model's token ids other meanings."""
+    resume = resume_path(cfg)
+    if cfg.data.tokenizer != "bpe" or not resume:
+        return cfg.data
+    try:
+        with warnings.catch_warnings():  # said again where the checkpoint is loaded
+            warnings.simplefilter("ignore")
+            text = ckpt.Checkpoint(resume).blob("tokenizer.json")
+    except ckpt.CheckpointError:  # none in it (a byte-level run), or a checkpoint refused where it is loaded
+        return cfg.data
+    return with_tokenizer(cfg.data, text)
 
 
 def check_inputs(cfg: Config, data: TokenData) -> None:

@@ -184,6 +184,8 @@ class Saver:
 
 # model settings a run may change when it resumes
 FREE = ("max_seq_len", "init_std", "recompute", "loss_chunk")
+# and those of the training objective only, which a run from weights alone (fine-tuning) may change unsaid
+OBJECTIVE = ("moe_aux_weight", "moe_z_weight")
 
 
 def differences(meta: dict, cfg: Config, section: str = "model") -> dict[str, tuple]:

@@ -1,5 +1,11 @@
 """sixfold bench: a layout's step time and memory, the longest sequence that fits, and its refusals."""
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,7 +14,7 @@ from sixfold import maxseq
 from sixfold.cli import main
 from sixfold.config import load_config
 from sixfold.maxseq import at_length, longest
-from helpers import TINY
+from helpers import ROOT, TINY
 
 
 @pytest.mark.parametrize("layout", [[], ["parallel.dp_replicate=2"]])
@@ -68,7 +74,8 @@ def test_max_seq_on_cpu_needs_a_budget(capsys):
     (["bench", "--table", "--runs", "0"], "give at least 1"),
     (["bench", "--budget-gb", "1"], "--budget-gb: only with --max-seq"),
     (["bench", "--steps", "0"], "--steps 0: the first 2 steps are not timed"),
-    (["bench", "--max-seq", TINY, "--budget-gb", "-1"], "--budget-gb -1.0: give a positive number of GB"),
+    (["bench", "--max-seq", TINY, "--budget-gb", "-1"], "--budget-gb -1.0: give a positive, finite number of GB"),
+    (["bench", "--max-seq", TINY, "--budget-gb", "inf"], "--budget-gb inf: give a positive, finite number of GB"),
     (["bench", "--max-seq", TINY, "--budget-gb", "1", "--max", "16"], "--min 32 (by default, train.seq_len) is "
                                                                        "above --max 16"),
     (["bench", TINY, "model.vocab_size=200"], "model.vocab_size=200 is smaller than the tokenizer's"),
@@ -76,3 +83,27 @@ def test_max_seq_on_cpu_needs_a_budget(capsys):
 def test_bad_input_is_refused_before_any_job(capsys, argv, message):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_stopping_bench_stops_its_job_and_removes_its_files(tmp_path):
+    """SIGTERM to `sixfold bench` is passed on to the job it runs (torchrun and its ranks), and bench ends once
+    the job has, with its temporary directory removed, instead of leaving the ranks training unseen."""
+    cmd = [sys.executable, "-m", "sixfold.cli", "bench", TINY, "parallel.dp_replicate=2", "--steps", "100000"]
+    bench = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while bench.poll() is None and not list(tmp_path.glob("sixfold-bench-*/run/config.yaml")):
+        time.sleep(0.1)  # the ranks have built the model and started training
+    job = next(tmp_path.glob("sixfold-bench-*"))
+    bench.send_signal(signal.SIGTERM)
+    out, err = bench.communicate(timeout=120)
+    assert bench.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in err, err[-3000:]
+    assert not job.exists()
+    running = [p for p in Path("/proc").glob("[0-9]*") if str(job) in _cmdline(p)]
+    assert not running
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""

@@ -332,6 +332,22 @@ def test_resuming_with_another_tokenizer_is_refused(saved, tmp_path):
         Trainer(cfg, ParallelContext.single())
 
 
+def test_a_bpe_run_resumes_with_its_own_tokenizer_after_the_corpus_changed(tmp_path):
+    """data.tokenizer=bpe trained again on the changed corpus would be another tokenizer: the checkpoint's is read."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, word in (("a", "alpha"), ("b", "beta"), ("c", "gamma")):
+        (corpus / f"{name}.txt").write_text(f"def {word}(x):\n    return x + {len(word)}\n" * 300)
+    common = [f"log.run_dir={tmp_path / 'run'}", f"data.source={corpus}", "data.tokenizer=bpe",
+              "data.bpe_vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}", "checkpoint.resume=auto"]
+    train(load_config(TINY, [*common, "train.steps=1"]))
+    saved = json.loads((tmp_path / "run" / "checkpoints" / "step_0000001" / "meta.json").read_text())
+    (corpus / "b.txt").unlink()
+    with pytest.warns(UserWarning, match="the training data differ from the checkpoint's"):
+        trainer = Trainer(load_config(TINY, [*common, "train.steps=2"]), ParallelContext.single())
+    assert trainer.step == 1 and trainer.data.tokenizer.name == saved["data"]["tokenizer"]
+
+
 def test_a_run_resumed_from_an_earlier_step_moves_the_later_checkpoints_aside(tmp_path):
     run = tmp_path / "run"
     common = [f"log.run_dir={run}", "train.steps=6", "checkpoint.every=2", "checkpoint.keep=5"]

@@ -58,9 +58,10 @@ def test_text_directory_skips_undecodable_and_hidden(tmp_path):
     (root / "sub").mkdir()
     (root / "sub" / "b.txt").write_text("nested")
     (root / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (root / "zeros.dat").write_bytes(bytes(3000))  # valid UTF-8, but binary
     (root / ".hidden").write_text("secret")
     (root / "empty.txt").write_text("")
-    with pytest.warns(UserWarning, match="latin1.txt"):
+    with pytest.warns(UserWarning, match="skipped 2 file.*NUL bytes.*latin1.txt, .*zeros.dat"):
         docs = iter_documents(cfg(tmp_path, source=str(root)))
     assert [d for d, _ in docs] == ["doc00.txt", "doc01.txt", "doc02.txt", "sub/b.txt"]
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from sixfold.model.fused import attention_heads, rms_norm, swiglu
-from sixfold.config import load_config
-from sixfold.model.llama import Llama, init_weights, rope_tables
+from sixfold.config import ModelConfig, load_config
+from sixfold.model.llama import Llama, init_weights, rope_frequencies, rope_tables
 from sixfold.parallel.tensor import note_laid_out
 
 D = torch.float64
@@ -17,6 +17,11 @@ D = torch.float64
 
 def _norm(x, weight, eps):
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def frequencies(head_dim: int) -> torch.Tensor:
+    """Plain RoPE's, theta 10000, for one head of head_dim."""
+    return rope_frequencies(ModelConfig(dim=head_dim, n_heads=1, rope_theta=10000.0))
 
 
 def _rotate_half(x, cos, sin):
@@ -37,7 +42,7 @@ def test_attention_heads(n_q, n_kv):
     torch.manual_seed(0)
     b, s, hd = 2, 5, 8
     x = torch.randn(b, s, n_q + 2 * n_kv, hd, dtype=D, requires_grad=True)
-    cos, sin = (t.to(D) for t in rope_tables(torch.arange(3, 3 + s), hd, 10000.0))
+    cos, sin = (t.to(D) for t in rope_tables(torch.arange(3, 3 + s), frequencies(hd)))
     q, k, v = attention_heads(x, n_q, n_kv, cos, sin)
     rq, rk, rv = x.split([n_q, n_kv, n_kv], 2)
     for ours, ref in ((q, _rotate_half(rq, cos, sin)), (k, _rotate_half(rk, cos, sin)), (v, rv)):
@@ -64,7 +69,7 @@ def test_bf16_forward_and_backward_are_fp64_to_bf16_round_off(device, compiled):
     b, s, n_q, n_kv, hd = 2, 64, 4, 2, 16
     dim = (n_q + 2 * n_kv) * hd
     x, w = torch.randn(b, s, dim).bfloat16(), (1 + 0.1 * torch.randn(dim)).bfloat16()
-    cos, sin = rope_tables(torch.arange(s), hd, 10000.0)
+    cos, sin = rope_tables(torch.arange(s), frequencies(hd))
     grads = [torch.randn(b, n, s, hd).bfloat16() for n in (n_q, n_kv, n_kv)]
     grads.append(torch.randn(b, s, dim // 2).bfloat16())
 

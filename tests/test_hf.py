@@ -1,16 +1,19 @@
 """Hugging Face interop: imported and exported models give the same logits as transformers."""
 import json
+import warnings
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sixfold.checkpoint import CheckpointError, write_checkpoint
-from sixfold.config import Config, ModelConfig
+from sixfold.config import Config, ModelConfig, load_config
 from sixfold.data import DataError
 from sixfold.generate import checkpoint_tokenizer
 from sixfold.model.hf import export_hf, hf_config_from_model, import_hf, load_model, model_config_from_hf
 from sixfold.model.llama import Llama, init_weights
+from sixfold.train import train
+from helpers import TINY
 
 TOL = 1e-5
 
@@ -73,14 +76,40 @@ def test_export_loads_in_transformers(tmp_path, tied):
         assert max_diff(model(tokens()), hf.eval()(tokens()).logits) <= TOL
 
 
-def test_config_round_trip():
+@pytest.mark.parametrize("rope", [{}, {"rope_scaling": "linear", "rope_factor": 4.0},
+                                  {"rope_scaling": "llama3", "rope_factor": 32.0, "rope_low_freq": 1.0,
+                                   "rope_high_freq": 4.0, "rope_original_len": 8192}])
+def test_config_round_trip(rope):
     cfg = ModelConfig(vocab_size=300, dim=96, n_layers=3, n_heads=6, n_kv_heads=3, ffn_dim=256, rope_theta=5e5,
-                      norm_eps=1e-6, tie_embeddings=True, max_seq_len=512, init_std=0.01)
+                      norm_eps=1e-6, tie_embeddings=True, max_seq_len=512, init_std=0.01, **rope)
     assert model_config_from_hf(hf_config_from_model(cfg)) == cfg
 
 
+@pytest.mark.parametrize("kind", ["linear", "llama3"])
+def test_rope_scaling_imports_and_exports_as_in_transformers(tmp_path, kind):
+    """Llama 3.1 on stretch RoPE's low frequencies (llama3), older models all of them (linear); original length 16
+    makes llama3's three bands show within the 24 tokens compared."""
+    scaling = {"rope_type": kind, "factor": 8.0, **({"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                     "original_max_position_embeddings": 16} if kind == "llama3" else {})}
+    hf = hf_model(False, rope_scaling=scaling)
+    hf.save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    model, cfg = load_model(tmp_path / "ckpt")
+    assert (cfg.model.rope_scaling, cfg.model.rope_factor, cfg.model.rope_theta) == (kind, 8.0, 500000.0)
+    plain = Llama(ModelConfig(**{**cfg.model.__dict__, "rope_scaling": "none"}))
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        expected = hf(tokens()).logits
+        assert max_diff(model(tokens()), expected) <= TOL < max_diff(plain(tokens()), expected)
+    export_hf(tmp_path / "ckpt", tmp_path / "out")
+    back = LlamaForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert max_diff(back(tokens()).logits, expected) <= TOL
+
+
 @pytest.mark.parametrize("field,value", [
-    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}),
     ("rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
     ("attention_bias", True),
     ("mlp_bias", True),
@@ -167,6 +196,57 @@ def test_mixtral_import_and_export_match_transformers(tmp_path):
     back = MixtralForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").float().eval()
     with torch.no_grad():
         assert max_diff(back(tokens()).logits, expected) <= TOL
+
+
+@pytest.mark.parametrize("left_out", ["rope_parameters", "rms_norm_eps"])
+def test_mixtral_settings_left_out_of_config_json_are_mixtrals_defaults(tmp_path, left_out):
+    """transformers reads a config.json without them with MixtralConfig's defaults (rope_theta 1e6, rms_norm_eps
+    1e-5), not LlamaConfig's."""
+    hf = hf_mixtral()
+    hf.save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config.pop(left_out)
+    config.pop("rope_theta", None)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    model, _ = load_model(tmp_path / "ckpt")
+    with torch.no_grad():
+        assert max_diff(model(tokens()), hf(tokens()).logits) <= TOL
+
+
+def test_fine_tuning_an_imported_model_with_other_settings_warns(tmp_path):
+    """A weights-only checkpoint may be trained on with other model settings, but one that changes what the
+    weights compute (tiny.yaml's rope_theta here) is named."""
+    hf_model(False).save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    common = [f"checkpoint.resume={tmp_path / 'ckpt'}", "train.steps=1", "checkpoint.every=0",
+              "checkpoint.save_final=false"]
+    with pytest.warns(UserWarning, match=r"this run has model.rope_theta=10000.0 \(the checkpoint's: 500000.0\): "
+                                         r"the weights of .*ckpt compute another function with them"):
+        train(load_config(TINY, [*common, f"log.run_dir={tmp_path / 'a'}"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(load_config(TINY, [*common, f"log.run_dir={tmp_path / 'b'}", "model.rope_theta=500000"]))
+
+
+def test_a_bpe_model_exports_a_tokenizer_that_transformers_reads_with_its_eos(tmp_path):
+    from transformers import AutoTokenizer
+    run = tmp_path / "run"
+    train(load_config(TINY, [f"log.run_dir={run}", "train.steps=1", "data.tokenizer=bpe", "data.bpe_vocab_size=300",
+                             "data.max_bytes=200000", f"data.cache_dir={tmp_path / 'cache'}"]))
+    export_hf(run, tmp_path / "hf")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    eos = json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"]
+    assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == eos
+    assert tok.decode(tok("def f(x):")["input_ids"]) == "def f(x):"
+
+
+def test_a_refused_export_writes_nothing(tmp_path):
+    cfg = Config(model=ModelConfig(moe_experts=4, moe_every=2))
+    write_checkpoint(tmp_path / "ckpt", {"model": Llama(cfg.model).state_dict()}, {"step": 1, "config": cfg.to_dict()})
+    with pytest.raises(ValueError, match="model.moe_every=2"):
+        export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
 
 
 def test_import_and_export_write_only_new_directories(tmp_path):

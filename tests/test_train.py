@@ -346,7 +346,7 @@ def test_what_the_data_refuses_is_refused_before_the_ranks_start(tmp_path):
     small = [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}"]
     cases = [(["model.vocab_size=200"], "model.vocab_size=200 is smaller than the tokenizer's 257 tokens"),
              ([*small, "train.eval_every=5"], "the val split has fewer than seq_len+1"),
-             ([*small, "model.max_seq_len=4096", "train.seq_len=4000"], "corpus has fewer than"),
+             ([*small, "model.max_seq_len=4096", "train.seq_len=4000"], "the train split has fewer than"),
              ([f"checkpoint.resume={tmp_path / 'nowhere'}"], f"checkpoint path {tmp_path / 'nowhere'} does not exist"),
              (["log.sample_tokens=5", "log.sample_prompt=" + "x" * 300], "log.sample_prompt is 300 tokens, more than "
               "model.max_seq_len=256")]

@@ -77,6 +77,37 @@ def _stack_experts(out: dict[str, torch.Tensor], n_layers: int, n_experts: int) 
                 out[f"layers.{i}.{ours}"] = torch.stack([out.pop(n) for n in names])
 
 
+# transformers' defaults for what a config.json may leave out (LlamaConfig's, MixtralConfig's)
+DEFAULTS = {
+    "llama": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+              "num_key_value_heads": None},
+    "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32,
+                "num_key_value_heads": 8, "router_aux_loss_coef": 0.001},
+}
+# HF's RoPE scaling fields -> sixfold's model settings, by rope_type
+ROPE = {"default": {}, "linear": {"factor": "rope_factor"},
+        "llama3": {"factor": "rope_factor", "low_freq_factor": "rope_low_freq", "high_freq_factor": "rope_high_freq",
+                   "original_max_position_embeddings": "rope_original_len"}}
+
+
+def _rope(hf: dict) -> dict:
+    """The model settings of config.json's RoPE (transformers 5's rope_parameters, or the older rope_theta and
+    rope_scaling): rope_theta if given, and rope_scaling with its fields; refuses the kinds sixfold lacks."""
+    given = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    kind = given.get("rope_type", given.get("type", "default"))
+    if kind not in ROPE:
+        raise ConfigError(f"rope_type={kind!r} (config.json's rope_scaling or rope_parameters: {given}): sixfold's "
+                          f"RoPE is {', '.join(ROPE)}")
+    missing = [k for k in ROPE[kind] if k not in given]
+    if missing:
+        raise ConfigError(f"rope_type={kind!r} without {', '.join(missing)} (config.json's rope_scaling or "
+                          f"rope_parameters: {given})")
+    out = {ours: type(getattr(ModelConfig, ours))(given[theirs]) for theirs, ours in ROPE[kind].items()}
+    if "rope_theta" in given:
+        out["rope_theta"] = float(given["rope_theta"])
+    return {**out, "rope_scaling": "none" if kind == "default" else kind}
+
+
 INTEGERS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "intermediate_size", "max_position_embeddings", "num_local_experts", "num_experts_per_tok", "head_dim")
 
@@ -99,11 +130,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         raise ConfigError(f"model_type={hf.get('model_type')!r}: only 'llama' and 'mixtral' models can be imported")
     if hf.get("sliding_window"):
         raise ConfigError(f"sliding_window={hf['sliding_window']}: sixfold attends to the whole causal context")
-    if hf.get("rope_scaling"):
-        raise ConfigError(f"rope_scaling={hf['rope_scaling']!r}: sixfold supports only plain RoPE")
-    rope = hf.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ConfigError(f"rope_parameters.rope_type={rope['rope_type']!r}: sixfold supports only plain RoPE")
+    defaults = DEFAULTS[hf["model_type"]]
+    rope = _rope(hf)
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ConfigError(f"{flag}=true: sixfold's linear layers have no bias")
@@ -114,15 +142,16 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             raise ConfigError(f"HF config's {key}={hf[key]!r} must be an integer")
     try:
         dim, heads = hf["hidden_size"], hf["num_attention_heads"]
+        given = {**defaults, **{k: hf[k] for k in defaults if hf.get(k) is not None}}
         cfg = ModelConfig(
             vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
-            n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_seq_len=hf.get("max_position_embeddings", 2048), init_std=float(hf.get("initializer_range", 0.02)))
+            n_kv_heads=given.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
+            norm_eps=float(given["rms_norm_eps"]), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_seq_len=given["max_position_embeddings"], init_std=float(hf.get("initializer_range", 0.02)),
+            **{"rope_theta": float(given["rope_theta"]), **rope})
         if hf["model_type"] == "mixtral":
             cfg.moe_experts, cfg.moe_top_k = hf["num_local_experts"], hf["num_experts_per_tok"]
-            cfg.moe_aux_weight = float(hf.get("router_aux_loss_coef", cfg.moe_aux_weight))
+            cfg.moe_aux_weight = float(given["router_aux_loss_coef"])
     except KeyError as e:
         raise ConfigError(f"HF config has no {e.args[0]}") from None
     if hf.get("head_dim") not in (None, cfg.head_dim):
@@ -154,7 +183,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         "head_dim": cfg.head_dim,
         "vocab_size": cfg.vocab_size,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": None if cfg.rope_scaling == "none" else
+        {"rope_type": cfg.rope_scaling, **{theirs: getattr(cfg, ours) for theirs, ours in ROPE[cfg.rope_scaling].items()}},
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
         "max_position_embeddings": cfg.max_seq_len,
@@ -245,7 +275,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Ll
 def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     """Write a sixfold checkpoint as a LlamaForCausalLM or MixtralForCausalLM directory (config.json,
     model.safetensors, and tokenizer.json when it was trained with a BPE tokenizer) at out_dir (a new directory)."""
-    from ..data import BPETokenizer, DataError
+    from ..data import EOT, BPETokenizer, DataError
     from ..generate import checkpoint_tokenizer
     out_dir = _new_output(out_dir)
     model, cfg = load_model(path)
@@ -253,15 +283,18 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
         tok = checkpoint_tokenizer(path, cfg)
     except DataError:
         tok = None
+    hf = {**hf_config_from_model(cfg.model), "bos_token_id": None, "eos_token_id": tok.eot if tok else None}
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"cannot write under {out_dir} ({e.strerror or e}); choose a writable directory") \
             from None
-    hf = {**hf_config_from_model(cfg.model), "bos_token_id": None, "eos_token_id": tok.eot if tok else None}
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
-    if isinstance(tok, BPETokenizer):
+    if isinstance(tok, BPETokenizer):  # AutoTokenizer reads the pair, with the end-of-text token as its eos
         (out_dir / "tokenizer.json").write_text(tok.to_json())
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT, "model_max_length": cfg.model.max_seq_len},
+            indent=2))
     tensors = {}
     for k, v in model.state_dict().items():
         layer, _, rest = k.removeprefix("layers.").partition(".")

@@ -35,10 +35,26 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_frequencies(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The angle per position of each pair of a head's elements [head_dim / 2]: rope_theta ** (-2i / head_dim),
+    stretched as model.rope_scaling says (config.py)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+    if cfg.rope_scaling == "linear":
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        # 1 where the wavelength is at most rope_original_len / rope_high_freq, 0 from rope_original_len /
+        # rope_low_freq on, linear in rope_original_len / wavelength between
+        kept = (cfg.rope_original_len * inv_freq / (2 * math.pi) - cfg.rope_low_freq) / \
+            (cfg.rope_high_freq - cfg.rope_low_freq)
+        kept = kept.clamp(0, 1)
+        return (1 - kept) * inv_freq / cfg.rope_factor + kept * inv_freq
+    return inv_freq
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape [len(positions), 1, head_dim / 2] for global token positions (each angle turns a
     head's pair of elements i and i + head_dim / 2)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
     angles = positions.float()[:, None, None] * inv_freq
     return angles.cos(), angles.sin()
 
@@ -206,7 +222,7 @@ class Llama(nn.Module):
         else:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + s, device=device)
-        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = rope_tables(positions, rope_frequencies(self.cfg, device))
         return Tokens((b, s), cos, sin, self.tp.uses_sequence(b * s), context, cache)
 
     def run(self, stage: Stage, x: torch.Tensor, t: Tokens) -> torch.Tensor:

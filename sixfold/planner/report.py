@@ -8,6 +8,11 @@ from .plan import Plan
 GB = 1e9
 
 
+def num(x: float) -> str:
+    """One decimal, or two significant digits below 0.1 (a tiny model's milliseconds and GB are not 0.0)."""
+    return f"{x:.1f}" if x >= 0.1 or x == 0 else f"{x:.2g}"
+
+
 def describe(p: Plan, device: str, gpus: int, nodes: int) -> str:
     cfg = p.cfg
     unit, scale = ("GB", GB) if p.peak >= GB / 10 else ("MB", 1e6)
@@ -22,10 +27,10 @@ def describe(p: Plan, device: str, gpus: int, nodes: int) -> str:
             f"{m[k] / scale:>{w}.2f}" for k, w in (("parameters", 6), ("gradients", 5), ("optimizer", 5),
                                                     ("saved", 5), ("working", 7), ("transient", 9), ("peak", 6))))
     worst = max(p.stages, key=lambda s: s.estimate.step_s).estimate
-    comm = ", ".join(f"{g} {t * 1e3:.1f}" for g, t in sorted(worst.comm_s.items(), key=lambda kv: -kv[1]))
-    lines += ["", f"step (slowest stage): compute {worst.compute_s * 1e3:.1f} ms, pipeline bubble "
+    comm = ", ".join(f"{g} {num(t * 1e3)}" for g, t in sorted(worst.comm_s.items(), key=lambda kv: -kv[1]))
+    lines += ["", f"step (slowest stage): compute {num(worst.compute_s * 1e3)} ms, pipeline bubble "
                   f"{worst.bubble:.1%}, traffic ms on the wire: {comm or 'none'}",
-              f"estimated step {p.step_s * 1e3:.1f} ms, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}; "
+              f"estimated step {num(p.step_s * 1e3)} ms, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}; "
               f"{'fits' if p.fits else 'does NOT fit'} in memory"]
     if cfg.parallel.tp > gpus // nodes:
         lines.append(f"note: tp={cfg.parallel.tp} spans nodes ({gpus // nodes} GPU(s) each), so its collectives, on "
@@ -38,7 +43,7 @@ def ranking(plans: list[Plan], refused: dict[str, str] | None = None, top: int =
     lines = [f"{'layout':<48} {'micro':>5} {'recompute':>9} {'peak GB':>8} {'step ms':>8} {'tokens/s':>11} {'MFU':>6}"]
     for p in plans[:top]:
         lines.append(f"{p.cfg.parallel.describe():<48} {p.cfg.train.micro_batches:>5} {p.cfg.model.recompute:>9} "
-                     f"{p.peak / GB:>8.1f} {p.step_s * 1e3:>8.1f} {p.tokens_per_s:>11,.0f} {p.mfu:>6.1%}")
+                     f"{num(p.peak / GB):>8} {num(p.step_s * 1e3):>8} {p.tokens_per_s:>11,.0f} {p.mfu:>6.1%}")
     lines.append(f"({len(plans)} layouts fit; fastest first)")
     return "\n".join(lines + refusals(refused or {}))
 
