@@ -8,7 +8,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from .config import ConfigError, check_available, check_text, check_world_size, load_config, make_run_dir, validate, writable_dir
+from .config import (ConfigError, check_available, check_text, check_world_size, load_config, make_run_dir, validate,
+                     writable_dir)
 from .launch import run_torchrun, under_torchrun
 from .run_lock import check_free
 
@@ -86,13 +87,20 @@ def cmd_train(args, argv) -> int:
 
 def cmd_check(args, argv) -> int:
     cfg = _config(args)
-    if cfg.train.precision != "fp32":
-        raise ConfigError("sixfold check compares fp32 runs to round-off; set train.precision=fp32 "
-                          "(bf16 training is checked against fp32 by its learning test)")
+    for key in ("precision", "grad_reduce"):
+        if getattr(cfg.train, key) != "fp32":
+            raise ConfigError(f"sixfold check compares fp32 runs to round-off; set train.{key}=fp32 (bf16 training "
+                              f"is checked against fp32 by its learning test)")
     if cfg.checkpoint.resume:
         raise ConfigError(f"sixfold check starts the layout and the single process from the same initial weights: "
                           f"checkpoint.resume={cfg.checkpoint.resume} would not be used; leave it out")
+    if any(o.startswith("train.steps=") for o in _split(args.config)[1]):
+        raise ConfigError(f"sixfold check runs --steps steps (now {args.steps}), not train.steps: give --steps "
+                          f"instead")
+    from .data import load_data
     from .parity import check
+    from .train import check_inputs
+    check_inputs(cfg, load_data(cfg.data))  # refused here, in one line, not by each rank
     if args.workdir:
         writable_dir(args.workdir, "--workdir")
     result = check(cfg, args.steps, args.workdir)

@@ -314,6 +314,11 @@ def load_saved_config(path: str | Path) -> Config:
         raise ConfigError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
 
 
+def shown(value) -> str:
+    """A setting's value as a message gives it: as written in YAML or an override (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
 def check_text(text: str, name: str) -> None:
     """Refuse text holding bytes that are not UTF-8 (a command line's, which Python keeps as surrogates)."""
     bad = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
@@ -395,6 +400,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name}={getattr(p, name)} must be at least 1")
+    for key in ("steps", "seq_len", "global_batch", "micro_batches"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"train.{key}={getattr(t, key)} must be at least 1")
     if p.zero and p.dp_shard * p.cp == 1:
         raise ConfigError(f"parallel.zero={p.zero} shards over the dp_shard x cp ranks and this layout has one "
                           f"(dp_shard={p.dp_shard}, cp={p.cp}): set parallel.dp_shard above 1, or parallel.zero=0 "
@@ -484,17 +492,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if t.skip_nonfinite < 0:
         raise ConfigError(f"train.skip_nonfinite={t.skip_nonfinite} must be 0 (stop at the first) or more")
-    if t.micro_batches < 1:
-        raise ConfigError(f"train.micro_batches={t.micro_batches} must be at least 1")
     if not 0 <= t.seed < SEEDS:
         raise ConfigError(f"train.seed={t.seed} must be from 0 to 2**63 - 1")
     if t.global_batch % (p.dp * t.micro_batches):
         raise ConfigError(
             f"train.global_batch={t.global_batch} must be divisible by data-parallel size "
             f"({p.dp} = dp_replicate*dp_shard) times train.micro_batches={t.micro_batches}")
-    for key in ("steps", "seq_len", "global_batch"):
-        if getattr(t, key) < 1:
-            raise ConfigError(f"train.{key}={getattr(t, key)} must be at least 1")
     if not (math.isfinite(t.lr) and math.isfinite(t.min_lr)) or t.warmup_steps < 0 or t.lr <= 0 or t.min_lr < 0:
         raise ConfigError("train.lr must be positive; train.min_lr and train.warmup_steps non-negative")
     if t.eval_every < 0 or (t.eval_every and t.eval_batches < 1):

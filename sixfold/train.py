@@ -16,7 +16,8 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from . import ledger, train_state
 from .comm import Comm
-from .config import DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, check_available, make_run_dir
+from .config import (DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, check_available, make_run_dir,
+                     shown)
 from .data import BatchLoader, DataError, TokenData, eval_batches, load_data, with_tokenizer
 from .logs import RunLog, start_metrics
 from .mesh import ParallelContext
@@ -241,14 +242,16 @@ class Trainer:
             self.step = meta["step"]
             changed = {k: v for k, v in train_state.differences(meta, self.cfg, "train").items() if k in SCHEDULE}
             if changed and self.ctx.is_main:  # allowed (a lower lr after a divergence, more steps), but said
-                named = ", ".join(f"train.{k}={b!r} (the checkpoint's run: {a!r})" for k, (a, b) in changed.items())
+                named = ", ".join(f"train.{k}={shown(b)} (the checkpoint's run: {shown(a)})"
+                                  for k, (a, b) in changed.items())
                 warnings.warn(f"resuming {checkpoint.path} with {named}: the learning-rate schedule and AdamW go "
                               f"on with the new values from step {self.step}")
         elif self.ctx.is_main:  # weights only (an imported model): other settings are allowed, but said
             changed = {k: v for k, v in train_state.differences(meta, self.cfg).items()
                        if k not in train_state.FREE + train_state.OBJECTIVE}
             if changed:
-                named = ", ".join(f"model.{k}={b!r} (the checkpoint's: {a!r})" for k, (a, b) in changed.items())
+                named = ", ".join(f"model.{k}={shown(b)} (the checkpoint's: {shown(a)})"
+                                  for k, (a, b) in changed.items())
                 warnings.warn(f"this run has {named}: the weights of {checkpoint.path} compute another function "
                               f"with them; set those as the checkpoint has them to train on from the same model")
 

@@ -22,7 +22,7 @@ import torch
 from . import checkpoint as ckpt
 from .checkpoint import Checkpoint, CheckpointError
 from .comm import Comm
-from .config import Config
+from .config import Config, shown
 from .mesh import ParallelContext
 from .model.llama import full_shapes
 from .optim import MOMENTS, AdamW
@@ -203,7 +203,7 @@ def load(checkpoint: Checkpoint, sharded: Sharded, optim: AdamW, cfg: Config) ->
     whether it had) from a checkpoint written in any layout. A training checkpoint (with optimizer state)
     resumes only the same model: settings other than FREE must match."""
     diffs = differences(checkpoint.meta, cfg)
-    named = ", ".join(f"model.{k}={a!r} (here {b!r})" for k, (a, b) in diffs.items())
+    named = ", ".join(f"model.{k}={shown(a)} (here {shown(b)})" for k, (a, b) in diffs.items())
     hint = f"the checkpoint was written with {named}; set those to match" if diffs else \
         "check model.* settings against the checkpoint's config"
     expected = full_shapes(cfg.model)

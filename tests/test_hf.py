@@ -89,8 +89,8 @@ def test_config_round_trip(rope):
 def test_rope_scaling_imports_and_exports_as_in_transformers(tmp_path, kind):
     """Llama 3.1 on stretch RoPE's low frequencies (llama3), older models all of them (linear); original length 16
     makes llama3's three bands show within the 24 tokens compared."""
-    scaling = {"rope_type": kind, "factor": 8.0, **({"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                     "original_max_position_embeddings": 16} if kind == "llama3" else {})}
+    bands = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    scaling = {"rope_type": kind, "factor": 8.0, **(bands if kind == "llama3" else {})}
     hf = hf_model(False, rope_scaling=scaling)
     hf.save_pretrained(tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "ckpt")

@@ -175,8 +175,13 @@ def test_check_removes_its_temporary_runs_when_parity_holds(tmp_path, monkeypatc
     assert cli.main(["check", TINY, "--steps", "1"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("parity OK: single process, 1 steps")
     assert not list(tmp_path.iterdir())
-    assert cli.main(["check", TINY, "checkpoint.resume=auto"]) == 2
-    assert "checkpoint.resume=auto would not be used; leave it out" in capsys.readouterr().err
+    for argv, said in ((["checkpoint.resume=auto"], "checkpoint.resume=auto would not be used; leave it out"),
+                       (["train.grad_reduce=bf16", "parallel.dp_shard=2"], "set train.grad_reduce=fp32"),
+                       (["train.steps=2"], "runs --steps steps (now 5), not train.steps: give --steps instead"),
+                       (["model.vocab_size=100", "parallel.tp=2"], "model.vocab_size=100 is smaller than the "
+                                                                    "tokenizer's 257 tokens")):
+        assert cli.main(["check", TINY, *argv]) == 2  # before any run starts: nothing in the temporary directory
+        assert said in capsys.readouterr().err and not list(tmp_path.iterdir())
 
 
 def test_a_hung_peer_ends_the_collective_with_an_error_naming_its_group():

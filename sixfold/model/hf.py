@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from ..checkpoint import META, Checkpoint, CheckpointError, check_shapes, require, save_tensors, write_checkpoint
 from ..slices import Reader
-from ..config import Config, ConfigError, ModelConfig, config_from_dict
+from ..config import Config, ConfigError, ModelConfig, config_from_dict, shown
 from .llama import Llama, full_shapes
 
 TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
@@ -164,7 +164,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     """config.json for a LlamaForCausalLM (or MixtralForCausalLM) equal to a sixfold Llama."""
     if cfg.moe_experts and (cfg.moe_every != 1 or cfg.moe_shared_expert):
         raise ConfigError("only MoE on every layer without a shared expert (Mixtral) can be exported: "
-                          f"model.moe_every={cfg.moe_every}, model.moe_shared_expert={cfg.moe_shared_expert}")
+                          f"model.moe_every={cfg.moe_every}, model.moe_shared_expert={shown(cfg.moe_shared_expert)}")
     if cfg.moe_experts and not cfg.moe_norm_topk:
         raise ConfigError("Mixtral renormalises the chosen experts' weights: a model trained with "
                           "model.moe_norm_topk=false cannot be exported as one")
@@ -184,7 +184,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         "vocab_size": cfg.vocab_size,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": None if cfg.rope_scaling == "none" else
-        {"rope_type": cfg.rope_scaling, **{theirs: getattr(cfg, ours) for theirs, ours in ROPE[cfg.rope_scaling].items()}},
+        {"rope_type": cfg.rope_scaling, **{k: getattr(cfg, ours) for k, ours in ROPE[cfg.rope_scaling].items()}},
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
         "max_position_embeddings": cfg.max_seq_len,
