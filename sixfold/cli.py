@@ -8,8 +8,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from .config import (ConfigError, check_available, check_text, check_world_size, load_config, make_run_dir, validate,
-                     writable_dir)
+from .config import (ConfigError, check_available, check_tensorboard, check_text, check_world_size, load_config,
+                     make_run_dir, validate, writable_dir)
 from .launch import run_torchrun, under_torchrun
 from .run_lock import check_free
 
@@ -74,6 +74,7 @@ def _config(args):
 
 def cmd_train(args, argv) -> int:
     cfg = _config(args)
+    check_tensorboard(cfg)
     run_dir = make_run_dir(cfg)
     if not under_torchrun():  # (under torchrun, rank 0 takes the lock)
         check_free(run_dir)
@@ -98,11 +99,11 @@ def cmd_check(args, argv) -> int:
         raise ConfigError(f"sixfold check runs --steps steps (now {args.steps}), not train.steps: give --steps "
                           f"instead")
     from .data import load_data
-    from .parity import check
+    from .parity import check, layout_config
     from .train import check_inputs
-    check_inputs(cfg, load_data(cfg.data))  # refused here, in one line, not by each rank
     if args.workdir:
         writable_dir(args.workdir, "--workdir")
+    check_inputs(layout_config(cfg, Path("."), args.steps), load_data(cfg.data))  # here, not by each rank
     result = check(cfg, args.steps, args.workdir)
     print(result.line())
     return 0 if result.ok else 1

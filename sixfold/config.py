@@ -34,9 +34,9 @@ class ModelConfig:
     n_kv_heads: int = 2
     ffn_dim: int = 176
     rope_theta: float = 10000.0
-    # RoPE frequencies stretched for a longer context: none | linear (all of them) | llama3 (Llama 3.1 on: the low
-    # ones, by rope_factor, below rope_original_len / rope_low_freq; the high ones, above rope_original_len /
-    # rope_high_freq, kept; those between blended)
+    # RoPE frequencies divided by rope_factor for a longer context: none | linear (all of them) | llama3 (Llama 3.1
+    # on: those of wavelength from rope_original_len / rope_low_freq up; those up to rope_original_len /
+    # rope_high_freq kept; those between blended)
     rope_scaling: str = "none"
     rope_factor: float = 1.0
     rope_low_freq: float = 1.0
@@ -315,7 +315,7 @@ def load_saved_config(path: str | Path) -> Config:
 
 
 def shown(value) -> str:
-    """A setting's value as a message gives it: as written in YAML or an override (true, not True)."""
+    """A setting's value as a message gives it: repr, but booleans as YAML writes them (true, not True)."""
     return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
@@ -386,9 +386,19 @@ def check_available(cfg: Config) -> None:
         import torch
         if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
             raise ConfigError("train.precision=bf16: this GPU has no bf16 support; set train.precision=fp32")
+
+
+def check_tensorboard(cfg: Config) -> None:
+    """Refuse log.tensorboard=true where the package is missing, before training starts."""
     if cfg.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("log.tensorboard=true needs the tensorboard package: install it (pip install tensorboard), "
                           "or set log.tensorboard=false")
+
+
+def inert(m: ModelConfig) -> tuple[str, ...]:
+    """The model settings that change nothing under the others (the RoPE scaling fields its kind does not use)."""
+    return {"none": ("rope_factor", "rope_low_freq", "rope_high_freq", "rope_original_len"),
+            "linear": ("rope_low_freq", "rope_high_freq", "rope_original_len")}.get(m.rope_scaling, ())
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:

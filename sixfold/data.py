@@ -228,17 +228,18 @@ def _jsonl(path: Path, doc_id: str, text: str, field: str) -> list[tuple[str, st
     return docs
 
 
-def _text(path: Path, limit: int) -> tuple[str, bool]:
+def _text(path: Path, limit: int, binary_if_nul: bool) -> tuple[str, bool]:
     """A UTF-8 file's text (a leading byte-order mark dropped) and whether the limit cut it: with a limit, at most
-    that many bytes, a character it cuts left out. Raises UnicodeDecodeError for other bytes, and for a NUL byte,
-    which text does not hold and binary files do (all-zero files are valid UTF-8)."""
+    that many bytes, a character it cuts left out. Raises UnicodeDecodeError for other bytes, and with
+    `binary_if_nul` for a NUL byte, which text files do not hold and binary ones do (all-zero bytes are UTF-8)."""
     with open(path, "rb") as f:
         raw = f.read(limit + 1) if limit else f.read()
-    if b"\0" in raw:
+    cut = bool(limit) and len(raw) > limit
+    raw = raw[:limit] if cut else raw
+    if binary_if_nul and b"\0" in raw:
         at = raw.index(b"\0")
         raise UnicodeDecodeError("utf-8", raw, at, at + 1, "a NUL byte: binary data")
-    cut = bool(limit) and len(raw) > limit
-    return codecs.getincrementaldecoder("utf-8-sig")().decode(raw[:limit] if cut else raw, final=not cut), cut
+    return codecs.getincrementaldecoder("utf-8-sig")().decode(raw, final=not cut), cut
 
 
 def _documents(cfg: DataConfig, root: Path, files) -> list[tuple[str, str]]:
@@ -249,7 +250,7 @@ def _documents(cfg: DataConfig, root: Path, files) -> list[tuple[str, str]]:
         jsonl = _format(cfg, path) == "jsonl"
         left = cfg.max_bytes - taken if cfg.max_bytes else 0
         try:
-            text, cut = _text(path, 0 if jsonl else left)
+            text, cut = _text(path, 0 if jsonl else left, binary_if_nul=not jsonl)  # a JSONL line: refused alone
         except UnicodeDecodeError:
             skipped.append(str(path))
             continue

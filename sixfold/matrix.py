@@ -104,6 +104,10 @@ def _layouts() -> list[Layout]:
                                           "parallel.pp_virtual_stages=2", "train.micro_batches=4",
                                           "model.recompute=full")
     out["cp2-recompute-selective"] = ("parallel.cp=2", "model.recompute=selective")
+    # RoPE scaling: llama3's three bands at the zigzag positions of cp's shards, linear under sequence-TP
+    out["cp2-rope-llama3"] = ("parallel.cp=2", "model.rope_scaling=llama3", "model.rope_factor=8",
+                              "model.rope_original_len=64")
+    out["tp2-rope-linear"] = ("parallel.tp=2", "model.rope_scaling=linear", "model.rope_factor=4")
     out["pp2xcp2xdp_shard2-zero3-loss-chunk-tied"] = ("parallel.pp=2", "parallel.cp=2", "parallel.dp_shard=2",
                                                       "parallel.zero=3", "model.loss_chunk=24", *TIED, *ACCUM)
     # three and four dimensions at once

@@ -23,6 +23,7 @@ from .config import Config, ParallelConfig
 from .launch import run_torchrun
 from .logs import read_metrics
 from .slices import Reader
+from .stop import Stopped
 from .train import train
 
 LOSS_RTOL = 1e-5
@@ -138,7 +139,8 @@ def compare_learning(layout_dir: Path, reference_dir: Path, layout: str) -> Pari
 
 def check(cfg: Config, steps: int, workdir: str | None = None) -> ParityResult:
     """Run the layout under torchrun and the reference in this process; compare the two. Without `workdir` the
-    runs go to a temporary directory, removed when parity holds and kept (and named) when it does not."""
+    runs go to a temporary directory, removed when parity holds or a signal stops the check, and kept (and named)
+    when parity fails."""
     root = Path(workdir or tempfile.mkdtemp(prefix="sixfold-check-"))
     layout_cfg = layout_config(cfg, root / "layout", steps)
     root.mkdir(parents=True, exist_ok=True)
@@ -153,6 +155,10 @@ def check(cfg: Config, steps: int, workdir: str | None = None) -> ParityResult:
             train(layout_cfg)
         train(reference_config(cfg, root / "reference", steps))
         result = compare(root / "layout", root / "reference", cfg.parallel.describe())
+    except Stopped:  # by a signal: nothing to look into
+        if workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+        raise
     except Exception:
         print(f"sixfold check: the runs are in {root}", file=sys.stderr)
         raise

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from . import ledger, train_state
 from .comm import Comm
-from .config import (DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, check_available, make_run_dir,
-                     shown)
+from .config import (DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, check_available, check_tensorboard,
+                     inert, make_run_dir, shown)
 from .data import BatchLoader, DataError, TokenData, eval_batches, load_data, with_tokenizer
 from .logs import RunLog, start_metrics
 from .mesh import ParallelContext
@@ -247,8 +247,9 @@ class Trainer:
                 warnings.warn(f"resuming {checkpoint.path} with {named}: the learning-rate schedule and AdamW go "
                               f"on with the new values from step {self.step}")
         elif self.ctx.is_main:  # weights only (an imported model): other settings are allowed, but said
-            changed = {k: v for k, v in train_state.differences(meta, self.cfg).items()
-                       if k not in train_state.FREE + train_state.OBJECTIVE}
+            diffs = train_state.differences(meta, self.cfg)
+            same = train_state.FREE + train_state.OBJECTIVE + (() if "rope_scaling" in diffs else inert(self.cfg.model))
+            changed = {k: v for k, v in diffs.items() if k not in same}
             if changed:
                 named = ", ".join(f"model.{k}={shown(b)} (the checkpoint's: {shown(a)})"
                                   for k, (a, b) in changed.items())
@@ -398,10 +399,12 @@ def data_settings(cfg: Config) -> DataConfig:
     try:
         with warnings.catch_warnings():  # said again where the checkpoint is loaded
             warnings.simplefilter("ignore")
-            text = ckpt.Checkpoint(resume).blob("tokenizer.json")
-    except ckpt.CheckpointError:  # none in it (a byte-level run), or a checkpoint refused where it is loaded
+            checkpoint = ckpt.Checkpoint(resume)
+    except ckpt.CheckpointError:  # refused where it is loaded
         return cfg.data
-    return with_tokenizer(cfg.data, text)
+    if "tokenizer.json" not in checkpoint.meta.get("files", {}):  # a byte-level run's, or an imported model's
+        return cfg.data
+    return with_tokenizer(cfg.data, checkpoint.blob("tokenizer.json"))
 
 
 def check_inputs(cfg: Config, data: TokenData) -> None:
@@ -431,9 +434,7 @@ def check_inputs(cfg: Config, data: TokenData) -> None:
 def resumes_here(cfg: Config) -> bool:
     """Whether the run continues from its own directory's checkpoints (the directory itself, or one of its
     checkpoints/; not one set aside in checkpoints-before-*)."""
-    run_dir, resume = Path(cfg.log.run_dir), cfg.checkpoint.resume
-    if resume == "auto":
-        return ckpt.has_checkpoint(run_dir)
+    run_dir, resume = Path(cfg.log.run_dir), resume_path(cfg)
     path = Path(resume).resolve() if resume else None
     return bool(resume) and (path == run_dir.resolve() or (run_dir / "checkpoints").resolve() in path.parents)
 
@@ -507,6 +508,7 @@ def run(cfg: Config, ctx: ParallelContext, data: TokenData | None = None) -> lis
 def train(cfg: Config) -> list[dict]:
     """Run training in this process (one rank of a torchrun job, or alone)."""
     check_available(cfg)
+    check_tensorboard(cfg)
     ctx = ParallelContext.initialize(cfg.parallel)
     try:
         return run(cfg, ctx)

@@ -1,5 +1,6 @@
 """Hugging Face interop: imported and exported models give the same logits as transformers."""
 import json
+import math
 import warnings
 
 import pytest
@@ -11,7 +12,7 @@ from sixfold.config import Config, ModelConfig, load_config
 from sixfold.data import DataError
 from sixfold.generate import checkpoint_tokenizer
 from sixfold.model.hf import export_hf, hf_config_from_model, import_hf, load_model, model_config_from_hf
-from sixfold.model.llama import Llama, init_weights
+from sixfold.model.llama import Llama, init_weights, rope_frequencies
 from sixfold.train import train
 from helpers import TINY
 
@@ -87,15 +88,18 @@ def test_config_round_trip(rope):
 
 @pytest.mark.parametrize("kind", ["linear", "llama3"])
 def test_rope_scaling_imports_and_exports_as_in_transformers(tmp_path, kind):
-    """Llama 3.1 on stretch RoPE's low frequencies (llama3), older models all of them (linear); original length 16
-    makes llama3's three bands show within the 24 tokens compared."""
-    bands = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    """Llama 3.1 on stretch RoPE's low frequencies (llama3), older models all of them (linear); with original
+    length 64 each of llama3's bands holds some of a head's 8 frequencies: kept (wavelength up to 64 / 4), blended,
+    divided by the factor (from 64 / 1 up)."""
+    bands = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     scaling = {"rope_type": kind, "factor": 8.0, **(bands if kind == "llama3" else {})}
     hf = hf_model(False, rope_scaling=scaling)
     hf.save_pretrained(tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "ckpt")
     model, cfg = load_model(tmp_path / "ckpt")
     assert (cfg.model.rope_scaling, cfg.model.rope_factor, cfg.model.rope_theta) == (kind, 8.0, 500000.0)
+    wavelengths = 2 * math.pi / rope_frequencies(ModelConfig(**{**cfg.model.__dict__, "rope_scaling": "none"}))
+    assert all(band.any() for band in (wavelengths <= 16, (wavelengths > 16) & (wavelengths < 64), wavelengths >= 64))
     plain = Llama(ModelConfig(**{**cfg.model.__dict__, "rope_scaling": "none"}))
     plain.load_state_dict(model.state_dict())
     with torch.no_grad():

@@ -15,10 +15,11 @@ from safetensors.torch import load_file
 
 from sixfold import cli, ledger
 from sixfold.checkpoint import Checkpoint
+from sixfold.config import load_config
 from sixfold.logs import read_metrics
 from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
 from sixfold.slices import Reader
-from sixfold.stop import StopSignal
+from sixfold.stop import Stopped, StopSignal
 from helpers import ROOT, TINY, sixfold, torchrun
 
 
@@ -182,6 +183,20 @@ def test_check_removes_its_temporary_runs_when_parity_holds(tmp_path, monkeypatc
                                                                     "tokenizer's 257 tokens")):
         assert cli.main(["check", TINY, *argv]) == 2  # before any run starts: nothing in the temporary directory
         assert said in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_check_stopped_by_a_signal_removes_its_temporary_runs(tmp_path, monkeypatch):
+    """SIGTERM or Ctrl-C to `sixfold check` (its job stopped with it, launch.py) leaves nothing to look into."""
+    from sixfold import parity
+
+    def stopped(*args, **kwargs):
+        raise Stopped("stopped by SIGTERM, and the job it ran with it", "SIGTERM")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(parity, "run_torchrun", stopped)
+    with pytest.raises(Stopped):
+        parity.check(load_config(TINY, ["parallel.dp_replicate=2"]), 1)
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_hung_peer_ends_the_collective_with_an_error_naming_its_group():

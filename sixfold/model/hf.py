@@ -90,21 +90,29 @@ ROPE = {"default": {}, "linear": {"factor": "rope_factor"},
                    "original_max_position_embeddings": "rope_original_len"}}
 
 
-def _rope(hf: dict) -> dict:
+def _rope(hf: dict, defaults: dict) -> dict:
     """The model settings of config.json's RoPE (transformers 5's rope_parameters, or the older rope_theta and
     rope_scaling): rope_theta if given, and rope_scaling with its fields; refuses the kinds sixfold lacks."""
-    given = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    parts = [hf.get(k) or {} for k in ("rope_scaling", "rope_parameters")]
+    if not all(isinstance(p, dict) for p in parts):
+        raise ConfigError(f"config.json's rope_scaling and rope_parameters must be objects: {parts}")
+    given = {**parts[0], **parts[1]}
     kind = given.get("rope_type", given.get("type", "default"))
     if kind not in ROPE:
         raise ConfigError(f"rope_type={kind!r} (config.json's rope_scaling or rope_parameters: {given}): sixfold's "
                           f"RoPE is {', '.join(ROPE)}")
-    missing = [k for k in ROPE[kind] if k not in given]
-    if missing:
-        raise ConfigError(f"rope_type={kind!r} without {', '.join(missing)} (config.json's rope_scaling or "
-                          f"rope_parameters: {given})")
-    out = {ours: type(getattr(ModelConfig, ours))(given[theirs]) for theirs, ours in ROPE[kind].items()}
-    if "rope_theta" in given:
-        out["rope_theta"] = float(given["rope_theta"])
+    if kind == "llama3":  # as transformers reads it
+        given.setdefault("original_max_position_embeddings",
+                         hf.get("max_position_embeddings") or defaults["max_position_embeddings"])
+    try:
+        out = {ours: type(getattr(ModelConfig, ours))(given[theirs]) for theirs, ours in ROPE[kind].items()}
+        if "rope_theta" in given:
+            out["rope_theta"] = float(given["rope_theta"])
+    except KeyError as e:
+        raise ConfigError(f"rope_type={kind!r} without {e.args[0]} (config.json's rope_scaling or rope_parameters: "
+                          f"{given})") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config.json's RoPE settings {given} are not numbers where they must be: {e}") from None
     return {**out, "rope_scaling": "none" if kind == "default" else kind}
 
 
@@ -131,7 +139,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     if hf.get("sliding_window"):
         raise ConfigError(f"sliding_window={hf['sliding_window']}: sixfold attends to the whole causal context")
     defaults = DEFAULTS[hf["model_type"]]
-    rope = _rope(hf)
+    rope = _rope(hf, defaults)
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ConfigError(f"{flag}=true: sixfold's linear layers have no bias")
