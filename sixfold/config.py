@@ -495,7 +495,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     else:
         check_name(p.pp_schedule)
     if p.reshard_after_forward is not None and p.zero != 3:
-        raise ConfigError(f"parallel.reshard_after_forward={str(p.reshard_after_forward).lower()} applies to "
+        raise ConfigError(f"parallel.reshard_after_forward={shown(p.reshard_after_forward)} applies to "
                           f"parallel.zero=3 (sharded weights) and this layout has zero={p.zero}: leave it unset or "
                           f"set parallel.zero=3")
     if t.seq_len > m.max_seq_len:

@@ -17,7 +17,7 @@ from . import checkpoint as ckpt
 from . import ledger, train_state
 from .comm import Comm
 from .config import (DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, check_available, check_tensorboard,
-                     inert, make_run_dir, shown)
+                     make_run_dir, shown)
 from .data import BatchLoader, DataError, TokenData, eval_batches, load_data, with_tokenizer
 from .logs import RunLog, start_metrics
 from .mesh import ParallelContext
@@ -247,9 +247,7 @@ class Trainer:
                 warnings.warn(f"resuming {checkpoint.path} with {named}: the learning-rate schedule and AdamW go "
                               f"on with the new values from step {self.step}")
         elif self.ctx.is_main:  # weights only (an imported model): other settings are allowed, but said
-            diffs = train_state.differences(meta, self.cfg)
-            same = train_state.FREE + train_state.OBJECTIVE + (() if "rope_scaling" in diffs else inert(self.cfg.model))
-            changed = {k: v for k, v in diffs.items() if k not in same}
+            changed = train_state.function_changes(meta, self.cfg)
             if changed:
                 named = ", ".join(f"model.{k}={shown(b)} (the checkpoint's: {shown(a)})"
                                   for k, (a, b) in changed.items())

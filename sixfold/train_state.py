@@ -22,7 +22,7 @@ import torch
 from . import checkpoint as ckpt
 from .checkpoint import Checkpoint, CheckpointError
 from .comm import Comm
-from .config import Config, shown
+from .config import Config, inert, shown
 from .mesh import ParallelContext
 from .model.llama import full_shapes
 from .optim import MOMENTS, AdamW
@@ -195,6 +195,14 @@ def differences(meta: dict, cfg: Config, section: str = "model") -> dict[str, tu
     # a key that an older version did not save: its default
     saved = {**Config().to_dict()[section], **meta.get("config", {}).get(section, {})}
     return {k: (v, now.get(k)) for k, v in saved.items() if now.get(k) != v}
+
+
+def function_changes(meta: dict, cfg: Config) -> dict[str, tuple]:
+    """The model settings that differ from a checkpoint's and change what its weights compute: not FREE or
+    OBJECTIVE ones, nor RoPE fields that the rope_scaling kind both share does not use."""
+    diffs = differences(meta, cfg)
+    same = FREE + OBJECTIVE + (() if "rope_scaling" in diffs else inert(cfg.model))
+    return {k: v for k, v in diffs.items() if k not in same}
 
 
 @torch.no_grad()
