@@ -102,6 +102,10 @@ def cmd_check(args, argv) -> int:
     from .parity import check, layout_config
     from .train import check_inputs
     if args.workdir:
+        earlier = [name for name in ("layout", "reference") if (Path(args.workdir) / name).exists()]
+        if earlier:
+            raise ConfigError(f"--workdir {args.workdir} holds an earlier check's runs ({', '.join(earlier)}); remove "
+                              f"them or give another --workdir")
         writable_dir(args.workdir, "--workdir")
     check_inputs(layout_config(cfg, Path("."), args.steps), load_data(cfg.data))  # here, not by each rank
     result = check(cfg, args.steps, args.workdir)
@@ -198,7 +202,7 @@ def cmd_import_hf(args, argv) -> int:
 
 def cmd_export_hf(args, argv) -> int:
     from .model.hf import export_hf
-    print(f"wrote {export_hf(args.checkpoint, args.out)}")
+    print(f"wrote {export_hf(args.checkpoint, args.out, args.dtype)}")
     return 0
 
 
@@ -279,6 +283,8 @@ def parser() -> argparse.ArgumentParser:
                                          "experts, MixtralForCausalLM) directory")
     e.add_argument("checkpoint")
     e.add_argument("out")
+    e.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the weights' type in the files (default fp32, as sixfold keeps them; bf16 halves the size)")
     e.set_defaults(fn=cmd_export_hf)
     return p
 

@@ -484,6 +484,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} under sequence-TP; "
                           f"change it or set parallel.sequence_parallel=false")
     from .parallel.pipeline.schedules import check, check_name
+    if p.pp == 1 and p.pp_virtual_stages > 1:
+        raise ConfigError(f"parallel.pp_virtual_stages={p.pp_virtual_stages} splits each pipeline rank's layers into "
+                          f"stages, and parallel.pp=1 runs no pipeline: set parallel.pp_virtual_stages=1, or "
+                          f"parallel.pp to 2 or more")
     if p.pp > 1 or p.pp_virtual_stages != 1:
         from .parallel.pipeline.stages import check_stages
         check(p.pp_schedule, p.pp, p.pp_virtual_stages, t.micro_batches,

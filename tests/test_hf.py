@@ -77,6 +77,28 @@ def test_export_loads_in_transformers(tmp_path, tied):
         assert max_diff(model(tokens()), hf.eval()(tokens()).logits) <= TOL
 
 
+def test_bf16_export_in_shards_loads_in_transformers_and_imports_back(tmp_path):
+    """--dtype bf16 halves the files; above the shard size the weights are split with an index, as save_pretrained
+    does (its own limit is 5 GB: 64 KB here)."""
+    cfg = Config(model=ModelConfig(max_seq_len=128))
+    model = Llama(cfg.model)
+    init_weights(model, seed=3)
+    write_checkpoint(tmp_path / "ckpt", {"model": model.state_dict()}, {"step": 7, "config": cfg.to_dict()})
+    export_hf(tmp_path / "ckpt", tmp_path / "hf", dtype="bf16", shard_bytes=2**16)
+    shards = sorted((tmp_path / "hf").glob("model-*-of-*.safetensors"))
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert len(shards) > 1 and set(index["weight_map"].values()) == {p.name for p in shards}
+    assert index["metadata"]["total_size"] == sum(p.numel() * 2 for p in model.parameters())
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    assert hf.dtype == torch.bfloat16
+    import_hf(tmp_path / "hf", tmp_path / "back")
+    back, _ = load_model(tmp_path / "back")
+    for name, w in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], w.bfloat16().float()), name
+    with pytest.raises(CheckpointError, match="cannot export as 'fp16': choose one of fp32, bf16"):
+        export_hf(tmp_path / "ckpt", tmp_path / "fp16", dtype="fp16")
+
+
 @pytest.mark.parametrize("rope", [{}, {"rope_scaling": "linear", "rope_factor": 4.0},
                                   {"rope_scaling": "llama3", "rope_factor": 32.0, "rope_low_freq": 1.0,
                                    "rope_high_freq": 4.0, "rope_original_len": 8192}])

@@ -36,6 +36,8 @@ def test_too_many_stages_is_refused_naming_the_settings():
     (["parallel.pp=2", "parallel.pp_schedule=zigzag"], "not one of"),
     (["parallel.pp_schedule=zigzag"], "not one of"),  # without pipelining too
     (["parallel.pp_virtual_stages=0"], "pp_virtual_stages=0 must be at least 1"),
+    (["parallel.pp_schedule=zb-v", "parallel.pp_virtual_stages=2"], "parallel.pp=1 runs no pipeline: set "
+                                                                     "parallel.pp_virtual_stages=1"),
     (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2",
       "train.micro_batches=1", "model.n_layers=4"], "multiple of parallel.pp=2: set train.micro_batches to 2 or 4 "
                                                      "or 8,"),  # those that divide the 8 sequences

@@ -169,6 +169,9 @@ def test_check_command_prints_one_verdict(tmp_path):
     proc = sixfold("check", TINY, "parallel.dp_replicate=2", "--steps", "2", "--workdir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("parity OK: dp_replicate2, 2 steps")
+    again = sixfold("check", TINY, "parallel.dp_replicate=2", "--steps", "2", "--workdir", str(tmp_path))
+    assert again.returncode == 2 and f"--workdir {tmp_path} holds an earlier check's runs (layout, reference); " \
+        "remove them or give another --workdir" in again.stderr, again.stderr
 
 
 def test_check_removes_its_temporary_runs_when_parity_holds(tmp_path, monkeypatch, capsys):

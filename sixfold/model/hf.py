@@ -201,7 +201,6 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
-        "torch_dtype": "float32",
         **moe,
     }
 
@@ -280,9 +279,16 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Ll
     return model.to(device), cfg
 
 
-def export_hf(path: str | Path, out_dir: str | Path) -> Path:
-    """Write a sixfold checkpoint as a LlamaForCausalLM or MixtralForCausalLM directory (config.json,
-    model.safetensors, and tokenizer.json when it was trained with a BPE tokenizer) at out_dir (a new directory)."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SHARD_BYTES = 5 * 10**9  # transformers' own default for save_pretrained
+
+
+def export_hf(path: str | Path, out_dir: str | Path, dtype: str = "fp32", shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write a sixfold checkpoint as a LlamaForCausalLM or MixtralForCausalLM directory (config.json, the
+    weights in `dtype` as model.safetensors or, above shard_bytes, shards with their index, and tokenizer.json when
+    it was trained with a BPE tokenizer) at out_dir (a new directory)."""
+    if dtype not in DTYPES:
+        raise CheckpointError(f"cannot export as {dtype!r}: choose one of {', '.join(DTYPES)}")
     from ..data import EOT, BPETokenizer, DataError
     from ..generate import checkpoint_tokenizer
     out_dir = _new_output(out_dir)
@@ -291,7 +297,8 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
         tok = checkpoint_tokenizer(path, cfg)
     except DataError:
         tok = None
-    hf = {**hf_config_from_model(cfg.model), "bos_token_id": None, "eos_token_id": tok.eot if tok else None}
+    hf = {**hf_config_from_model(cfg.model), "bos_token_id": None, "eos_token_id": tok.eot if tok else None,
+          "torch_dtype": str(DTYPES[dtype]).removeprefix("torch.")}
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -307,9 +314,32 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     for k, v in model.state_dict().items():
         layer, _, rest = k.removeprefix("layers.").partition(".")
         if rest in EXPERTS:
-            tensors.update({f"model.layers.{layer}.block_sparse_moe.experts.{j}.{EXPERTS[rest]}.weight": w.contiguous()
+            tensors.update({f"model.layers.{layer}.block_sparse_moe.experts.{j}.{EXPERTS[rest]}.weight": w
                             for j, w in enumerate(v)})
         else:
-            tensors[hf_name(k)] = v.contiguous()
-    save_tensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+            tensors[hf_name(k)] = v
+    _save_shards({k: v.to(DTYPES[dtype]).contiguous() for k, v in tensors.items()}, out_dir, shard_bytes)
     return out_dir
+
+
+def _save_shards(tensors: dict[str, torch.Tensor], out_dir: Path, shard_bytes: int) -> None:
+    """model.safetensors, or consecutive shards of at most shard_bytes (a larger tensor alone) with
+    model.safetensors.index.json, as save_pretrained writes them."""
+    shards, size = [{}], 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name], size = t, size + nbytes
+    if len(shards) == 1:
+        save_tensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_tensors(shard, out_dir / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
