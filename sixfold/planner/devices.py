@@ -15,10 +15,11 @@ class Device:
     inter_bw: float  # bytes/s to a GPU of another node (one InfiniBand NIC per GPU)
 
 
+MIB = 2**20  # memory as nvidia-smi shows it (its "80GB" is 80 GiB less what the driver keeps)
 DEVICES = {
-    "h100": Device("h100", 989e12, 67e12, 80e9, 450e9, 50e9),  # SXM, NVLink 4, 400 Gb/s NDR
-    "h200": Device("h200", 989e12, 67e12, 141e9, 450e9, 50e9),
-    "a100": Device("a100", 312e12, 19.5e12, 80e9, 300e9, 25e9),  # SXM 80GB, NVLink 3, 200 Gb/s HDR
+    "h100": Device("h100", 989e12, 67e12, 81559 * MIB, 450e9, 50e9),  # SXM, NVLink 4, 400 Gb/s NDR
+    "h200": Device("h200", 989e12, 67e12, 143771 * MIB, 450e9, 50e9),
+    "a100": Device("a100", 312e12, 19.5e12, 81920 * MIB, 300e9, 25e9),  # SXM 80GB, NVLink 3, 200 Gb/s HDR
 }
 
 
