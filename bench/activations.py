@@ -1,8 +1,8 @@
 """Activation memory per rank: the bytes autograd saves for backward in one forward, by tp and sequence-TP or by
 cp and its attention mode; and how evenly cp spreads the causal attention work.
 
-    python bench/activations.py --tp 1 2 4
-    python bench/activations.py --cp 1 2 4 [--cp-mode ring allgather ulysses]
+    python bench/activations.py --tp 1 2 4 [--write]
+    python bench/activations.py --cp 1 2 4 [--cp-mode ring allgather ulysses] [--write]
 
 One micro-batch of the benchmark workload (configs/bench.yaml: 4 sequences of 256 tokens), fp32. Each
 layout is a torchrun job; each rank counts with sixfold.activations.SavedTensors (parameters excluded, a
@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from common import ROOT, machine, revision, save_result, torchrun, write_doc
+from common import ROOT, add_write, machine, revision, save_result, torchrun, write_doc
 from sixfold.parallel.context import MODES
 
 SEQUENCES = 4
@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--cp", type=int, nargs="+", help="cp sizes")
     parser.add_argument("--cp-mode", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--config", default=str(ROOT / "configs" / "bench.yaml"))
+    add_write(parser)
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--layout", choices=("tp", "cp"), help="(internal) the dimension the worker's ranks span")
     parser.add_argument("--sequence", action="store_true", help="(internal) sequence-TP")
@@ -134,9 +135,11 @@ def main() -> None:
             f"sixfold: {revision()}", ""]
     if args.tp or not args.cp:
         args.tp = args.tp or [1, 2, 4]
-        write_doc("tp-activations", "Activation memory under tensor parallelism", "\n".join(head + tp_table(args)))
+        write_doc("tp-activations", "Activation memory under tensor parallelism", "\n".join(head + tp_table(args)),
+                  args.write)
     if args.cp:
-        write_doc("cp-activations", "Activation memory under context parallelism", "\n".join(head + cp_tables(args)))
+        write_doc("cp-activations", "Activation memory under context parallelism", "\n".join(head + cp_tables(args)),
+                  args.write)
 
 
 if __name__ == "__main__":

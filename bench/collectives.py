@@ -1,7 +1,7 @@
 """Reduce-scatter on gloo: sixfold's (an all-to-all of the slices, then their sum on each rank) beside
 torch.distributed.reduce_scatter_tensor, over the same group, on the same fp32 tensors.
 
-    python bench/collectives.py --ranks 2 4
+    python bench/collectives.py --ranks 2 4 [--write]
 
 Each rank count is one torchrun job (OMP_NUM_THREADS=1 per rank). For each input size the two sides alternate
 in blocks of --repeats calls, after one warm-up block each; a side's time is the median of its blocks' means.
@@ -13,7 +13,7 @@ import argparse
 import statistics
 import time
 
-from common import ROOT, save_result, torchrun, write_doc
+from common import ROOT, add_write, save_result, torchrun, write_doc
 from sixfold.measure import machine, revision
 
 SIZES_KB = (256, 1024, 4096, 16384)  # input per rank
@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=5)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--config", default=str(ROOT / "configs" / "tiny.yaml"))
-    p.add_argument("--write", action="store_true", help="put the table into docs/benchmarks.md")
+    add_write(p)
     p.add_argument("--worker", action="store_true", help="(internal)")
     p.add_argument("--world", type=int, help="(internal)")
     p.add_argument("--out", help="(internal)")
@@ -86,8 +86,7 @@ def main() -> None:
         results[world] = ranks[0]["rows"]
     body = report(results, args)
     print(body)
-    if args.write:
-        write_doc("collectives", "Reduce-scatter on gloo: sixfold vs torch.distributed", body)
+    write_doc("collectives", "Reduce-scatter on gloo: sixfold vs torch.distributed", body, args.write)
 
 
 if __name__ == "__main__":

@@ -365,9 +365,18 @@ def report(bench: Bench, rows: list[dict], args, rev: str) -> str:
     return "\n".join(lines)
 
 
-def write_doc(name: str, title: str, body: str) -> None:
-    """The table of `name` into this checkout's docs/benchmarks.md."""
-    write_into(name, title, body, DOC)
+def add_write(parser) -> None:
+    parser.add_argument("--write", action="store_true", help="put the table into docs/benchmarks.md (without it: "
+                        "printed only)")
+
+
+def write_doc(name: str, title: str, body: str, write: bool) -> None:
+    """With `write` (--write), the table of `name` into this checkout's docs/benchmarks.md."""
+    if write:
+        write_into(name, title, body, DOC)
+        print(f"wrote {DOC.relative_to(ROOT)}")
+    else:
+        print(f"not written into {DOC.relative_to(ROOT)}: add --write")
 
 
 def drive(bench: Bench, args) -> None:
@@ -397,8 +406,7 @@ def drive(bench: Bench, args) -> None:
         rev += f", then {revision()} before the last run ended"
     body = report(bench, rows, args, rev)
     print(body)
-    write_doc(bench.name, bench.title, body)
-    print(f"wrote {DOC.relative_to(ROOT)}")
+    write_doc(bench.name, bench.title, body, args.write)
 
 
 def main(bench: Bench, description: str) -> None:
@@ -408,6 +416,7 @@ def main(bench: Bench, description: str) -> None:
                    "turn) per size")
     p.add_argument("--steps", type=int, default=10, help=f"steps per run; the first {WARMUP} are not timed")
     p.add_argument("--config", default=str(ROOT / "configs" / "bench.yaml"))
+    add_write(p)
     p.add_argument("--worker", choices=("sixfold", bench.side), help="(internal) run one rank of one side")
     p.add_argument("--out", help="(internal) where a worker writes its result")
     args = p.parse_args()

@@ -1,6 +1,6 @@
 """Context parallelism against sequence length: time of a forward and backward and bytes saved per rank.
 
-    python bench/cp.py --seq 256 512 1024 2048 --cp 2
+    python bench/cp.py --seq 256 512 1024 2048 --cp 2 [--write]
 
 One sequence of the benchmark model (configs/bench.yaml), fp32, on one process (cp=1) and on cp ranks in each
 mode (zigzag chunks); each a torchrun job (bench/common.py). A job counts the bytes autograd saves in its first
@@ -16,7 +16,7 @@ import sys
 import time
 
 from activations import setup
-from common import ROOT, WARMUP, machine, revision, save_result, spread, torchrun, write_doc
+from common import ROOT, WARMUP, add_write, machine, revision, save_result, spread, torchrun, write_doc
 from sixfold.parallel.context import MODES
 
 SEQUENCES = 1
@@ -50,6 +50,7 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--repeats", type=int, default=5, help=f"timed steps per job, after {WARMUP} warm-up steps")
     p.add_argument("--config", default=str(ROOT / "configs" / "bench.yaml"))
+    add_write(p)
     p.add_argument("--worker", action="store_true")
     p.add_argument("--mode", choices=MODES, default="ring", help="(internal) the worker's cp mode")
     p.add_argument("--seq-len", type=int, help="(internal) the worker's sequence length")
@@ -80,7 +81,7 @@ def main() -> None:
         f"processes kept {statistics.median(others):.2f} cores busy in the median job, {max(others):.2f} at most; "
         f"load average (1 min) {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end"
         + (": a shared machine, read the times as rough." if max(others) > 0.5 else "."), "", *rows])
-    write_doc("cp", "Context parallelism against sequence length", body)
+    write_doc("cp", "Context parallelism against sequence length", body, args.write)
     print(body)
 
 

@@ -1,6 +1,6 @@
 """Data parallel: sixfold's trainer beside torch DistributedDataParallel on the same workload.
 
-    python bench/dp.py --ranks 2 4 --runs 3
+    python bench/dp.py --ranks 2 4 --runs 3 [--write]
 
 The method (alternating torchrun jobs, timing, memory, the docs table) is bench/common.py's.
 """

@@ -2,7 +2,7 @@
 them (DTensor TP + sequence parallel, FSDP2 over a 2-D DeviceMesh, torch.distributed.pipelining), on the same
 workload.
 
-    python bench/e2e.py --ranks 1 4 8 --runs 3
+    python bench/e2e.py --ranks 1 4 8 --runs 3 [--write]
 
 1 rank: no parallelism (sixfold's trainer alone; torch: the model in plain PyTorch, as a single-process training
 loop writes it). 4 ranks: dp_shard=2 x tp=2 (sixfold ZeRO-3; torch FSDP2 on top of DTensor TP+SP). 8 ranks:

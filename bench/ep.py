@@ -1,6 +1,6 @@
 """Expert parallelism: MoE step time with ep = 1, 2, 4 at the same global batch, and the ep all-to-alls' share.
 
-    python bench/ep.py --ep 1 2 4 --runs 2 --steps 8
+    python bench/ep.py --ep 1 2 4 --runs 2 --steps 8 [--write]
 
 The benchmark model (configs/bench.yaml: 6 layers, 4 sequences of 256 tokens a step) with 8 experts, top-2, on
 every layer. ep=N is sixfold's trainer on dp_shard=N ranks, a torchrun job with one thread per rank and
@@ -22,7 +22,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from common import ROOT, WARMUP, machine, revision, save_result, torchrun, write_doc
+from common import ROOT, WARMUP, add_write, machine, revision, save_result, torchrun, write_doc
 
 MOE = ["model.moe_experts=8", "model.moe_top_k=2"]
 LOAD = 1.5  # 1-minute load average to wait for before measuring
@@ -97,6 +97,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=2, help="jobs per layout")
     p.add_argument("--steps", type=int, default=8, help=f"steps per job; the first {WARMUP} are not timed")
     p.add_argument("--config", default=str(ROOT / "configs" / "bench.yaml"))
+    add_write(p)
     p.add_argument("--worker", action="store_true", help="(internal) run one rank")
     p.add_argument("--out", help="(internal) where a worker writes its result")
     args = p.parse_args()
@@ -124,7 +125,7 @@ def main() -> None:
         "MiB/step (rank 0) | all comm MiB/step (rank 0) | cores other processes used |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
         *(row(ep, results[ep], base) for ep in args.ep)])
-    write_doc("ep", "Expert parallel: MoE step time and all-to-all share", body)
+    write_doc("ep", "Expert parallel: MoE step time and all-to-all share", body, args.write)
     print(body)
 
 

@@ -1,6 +1,6 @@
 """Fully sharded: sixfold's ZeRO-3 trainer beside torch FSDP2 (fully_shard) on the same workload.
 
-    python bench/fsdp.py --ranks 2 4 --runs 3
+    python bench/fsdp.py --ranks 2 4 --runs 3 [--write]
 
 The method (alternating torchrun jobs, timing, memory, the docs table) is bench/common.py's.
 """

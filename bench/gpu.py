@@ -193,10 +193,9 @@ def report(path: str, write: bool) -> None:
         "loss first -> last step |",
         "|---|---|---|---|---|---|---|---|", *rows])
     print(body)
-    if write:
-        sys.path.insert(0, str(ROOT / "bench"))
-        from common import write_doc
-        write_doc("gpu", "Single GPU: throughput and MFU", body)
+    sys.path.insert(0, str(ROOT / "bench"))
+    from common import write_doc
+    write_doc("gpu", "Single GPU: throughput and MFU", body, write)
 
 
 def main() -> None:

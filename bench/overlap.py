@@ -2,7 +2,7 @@
 the asynchronous collectives' time in flight that their ranks did not spend blocked in wait(), with the time
 spent waiting for slower ranks apart (sixfold.trace.overlap).
 
-    python bench/overlap.py --runs 3
+    python bench/overlap.py --runs 3 [--write]
 
 Each run is `sixfold train` with `log.trace=true` (the last 3 steps traced), OMP_NUM_THREADS=1 per rank: the data-
 and ZeRO-parallel layouts on the common workload (configs/bench.yaml, 4 sequences of 256 tokens per data-parallel
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, spread, wait_quiet, write_doc
+from common import ROOT, add_write, spread, wait_quiet, write_doc
 from sixfold.measure import machine, revision
 
 BENCH, DEMO = "configs/bench.yaml", "configs/demo.yaml"
@@ -73,6 +73,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8, help=f"steps per run on the workload (the last {TRACED} traced)")
     p.add_argument("--demo-steps", type=int, default=30, help="steps per run of the demo")
     p.add_argument("--only", nargs="+", choices=list(LAYOUTS), help="some of the layouts")
+    add_write(p)
     args = p.parse_args()
     rev, began = revision(), time.perf_counter()
     lines = ["| layout | ranks | group | in flight, ms per rank and step | hidden | waiting for peers, ms per rank and "
@@ -95,7 +96,7 @@ def main() -> None:
         f"Date: {time.strftime('%Y-%m-%d')}; {args.runs} run(s) per layout, the last {TRACED} steps of each traced; "
         f"{(time.perf_counter() - began) / 60:.0f} min in all. Median over runs (range).", "", *lines])
     print(body)
-    write_doc("overlap", "Communication hidden behind compute", body)
+    write_doc("overlap", "Communication hidden behind compute", body, args.write)
 
 
 if __name__ == "__main__":

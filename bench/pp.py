@@ -1,7 +1,7 @@
 """Pipeline parallel: each schedule's bubble (measured from sixfold's trace, simulated, theory), and sixfold's
 pipeline beside torch.distributed.pipelining on the same stages and data.
 
-    python bench/pp.py --runs 5 --micro 8 --pp4 --runs4 2
+    python bench/pp.py --runs 5 --micro 8 --pp4 --runs4 2 [--write]
 
 The workload is configs/bench.yaml with uniform stages: 8 blocks of dim 256, a 320-token vocabulary (the
 embedding and head cost about a tenth of a block), 8 sequences of 256 tokens per step, one per micro-batch.
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import (QUIET, ROOT, WARMUP, Pipe, leave, machine, paired, pipeline_worker, revision, save_result,
+from common import (QUIET, ROOT, WARMUP, Pipe, add_write, leave, machine, paired, pipeline_worker, revision, save_result,
                     sixfold_worker, spread, torchrun, wait_quiet, write_doc)
 
 MODEL = ["model.vocab_size=320", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8"]
@@ -286,6 +286,7 @@ def main() -> None:
     p.add_argument("--runs4", type=int, default=2, help="alternations per schedule at pp=4")
     p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
     p.add_argument("--config", default=str(ROOT / "configs" / "bench.yaml"))
+    add_write(p)
     p.add_argument("--worker", choices=("sixfold", "torch"), help="(internal) run one rank of one side")
     p.add_argument("--schedule", choices=SCHEDULES, help="(internal) the worker's schedule")
     p.add_argument("--out", help="(internal) where a worker writes its result")
@@ -367,7 +368,8 @@ def main() -> None:
         "runs (range). Paired: the time ratio of each alternation (a sixfold job and the torch job next to it; "
         "sixfold goes first in odd alternations, torch in even ones): median (range).", "", *versus])
     print(body)
-    write_doc("pp", "Pipeline bubble: measured, simulated, theory; sixfold vs torch.distributed.pipelining", body)
+    write_doc("pp", "Pipeline bubble: measured, simulated, theory; sixfold vs torch.distributed.pipelining", body,
+              args.write)
     print(f"wrote {Path('docs/benchmarks.md')}")
 
 

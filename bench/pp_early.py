@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-from common import ROOT, save_result, torchrun, write_doc
+from common import ROOT, add_write, save_result, torchrun, write_doc
 from sixfold.config import load_config
 from sixfold.measure import machine, revision
 
@@ -99,7 +99,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps of each way")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each way first")
     p.add_argument("--config", default=str(ROOT / "configs" / "bench.yaml"))
-    p.add_argument("--write", action="store_true", help="put the table into docs/benchmarks.md")
+    add_write(p)
     p.add_argument("--worker", action="store_true", help="(internal)")
     p.add_argument("--layout", help="(internal)")
     p.add_argument("--out", help="(internal)")
@@ -116,8 +116,7 @@ def main() -> None:
         print(rows[-1][0], f"{rows[-1][1]['early'] / rows[-1][1]['after']:.3f}", flush=True)
     body = report(rows, args)
     print(body)
-    if args.write:
-        write_doc("pp-early", "Pipeline: input gradients sent before weight gradients", body)
+    write_doc("pp-early", "Pipeline: input gradients sent before weight gradients", body, args.write)
 
 
 if __name__ == "__main__":

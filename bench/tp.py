@@ -1,6 +1,6 @@
 """Tensor parallel: sixfold's sequence-TP beside torch DTensor TP+SP (parallelize_module) on the same workload.
 
-    python bench/tp.py --ranks 2 4 --runs 3
+    python bench/tp.py --ranks 2 4 --runs 3 [--write]
 
 There is no data parallelism: every rank reads the same global batch of 4 sequences, whatever the rank count.
 The method (alternating torchrun jobs, timing, memory, the docs table) is bench/common.py's.

@@ -14,6 +14,7 @@ a `latest` pointer file.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -58,10 +59,11 @@ def find_checkpoint(path: str | Path) -> Path:
         if not name.startswith("step_") or Path(name).name != name:
             raise CheckpointError(f"{latest} names {name!r}, not a checkpoint of this run; point it at one of "
                                   f"{path / 'checkpoints'}'s step_* directories, or remove it")
-        for old in found.parent.glob(f".{found.name}.old-*"):  # a save replacing it stopped in between
-            restore_replaced(old)
         if (found / META).is_file():
             return found
+        for old in found.parent.glob(f".{found.name}.old-*"):  # a save replacing it stopped in between: read it
+            if (old / META).is_file():                         # there (the next save puts it back)
+                return old
         done = complete_steps(path)
         hint = f"; the newest complete one is {done[-1]}: give that path instead (to train on from it: " \
                f"checkpoint.resume={done[-1]})" if done else ""
@@ -254,9 +256,20 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     os.chmod(path, path.parent.stat().st_mode & 0o666)
 
 
+@contextlib.contextmanager
+def writing(path: Path):
+    """A failure to write `path` (a full disk, a lost mount) as a CheckpointError naming it."""
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"cannot write {path}: {e}; make room there, or write elsewhere (log.run_dir, or the "
+                              f"output path). What was saved before is intact") from None
+
+
 def write_tensors(tmp: Path, fname: str, tensors: dict[str, torch.Tensor]) -> dict:
     """One safetensors file; its size and sha256 for meta.json."""
-    save_tensors({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp / fname)
+    with writing(tmp / fname):
+        save_tensors({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp / fname)
     return {"sha256": file_sha256(tmp / fname), "bytes": (tmp / fname).stat().st_size}
 
 
@@ -264,12 +277,13 @@ def publish(path: Path, tmp: Path, meta: dict, files: dict, blobs: dict[str, byt
     """Write the other files (`blobs`, e.g. a tokenizer) and meta.json into the staging directory, then move
     it to `path` (replacing an older checkpoint of that name only once the new one is complete)."""
     files = dict(files)
-    for fname, data in (blobs or {}).items():
-        (tmp / fname).write_bytes(data)
-        files[fname] = {"sha256": file_sha256(tmp / fname), "bytes": len(data)}
-    text = json.dumps({**meta, "format": FORMAT, "files": files}, indent=1).encode()
-    (tmp / META).write_bytes(text)
-    (tmp / META_SHA256).write_text(hashlib.sha256(text).hexdigest() + "\n")
+    with writing(tmp):
+        for fname, data in (blobs or {}).items():
+            (tmp / fname).write_bytes(data)
+            files[fname] = {"sha256": file_sha256(tmp / fname), "bytes": len(data)}
+        text = json.dumps({**meta, "format": FORMAT, "files": files}, indent=1).encode()
+        (tmp / META).write_bytes(text)
+        (tmp / META_SHA256).write_text(hashlib.sha256(text).hexdigest() + "\n")
     old = path.parent / f".{path.name}.old-{os.getpid()}"
     if path.exists():
         path.rename(old)

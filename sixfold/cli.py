@@ -58,7 +58,15 @@ def _relaunch(args, argv: list[str], cfg) -> int | None:
         return None
     from .data import load_data
     from .train import check_inputs, data_settings
-    check_inputs(cfg, load_data(data_settings(cfg)))
+    said = []
+    try:
+        with warnings.catch_warnings(record=True) as said:  # said by rank 0 again (from the cache's index)
+            warnings.simplefilter("always")
+            check_inputs(cfg, load_data(data_settings(cfg)))
+    except Exception:  # then only here
+        for w in said:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        raise
     return run_torchrun(nproc, argv).returncode
 
 
@@ -145,7 +153,7 @@ def cmd_plan(args, argv) -> int:
             plans = search(cfg, args.gpus, device, per_node, refused)
         except ConfigError as e:  # with what the trainer refused, which may be why
             raise ConfigError("\n".join([str(e), *refusals(refused)])) from None
-        print(ranking(plans, refused))
+        print(ranking(plans, refused, args.top or len(plans)))
         return 0
     check_world_size(cfg.parallel, args.gpus, "--gpus", "--gpus, or add --search")
     validate(cfg)
@@ -176,7 +184,8 @@ def cmd_matrix(args, argv) -> int:
         Path(args.table).write_text(report.table())
     failed = [row.layout.name for row in report.rows if not row.ok]
     print(f"parity matrix: {len(report.rows) - len(failed)} of {len(report.rows)} layouts OK in {report.seconds:.0f}s"
-          + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+          + (f"; FAILED: {', '.join(failed)}" if failed else "")
+          + (f"; the runs are in {report.kept}" if report.kept else ""))
     return 1 if failed else 0
 
 
@@ -239,6 +248,8 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpu", choices=["h100", "h200", "a100"], default="h100")
     pl.add_argument("--nodes", type=_at_least(1), default=1)
     pl.add_argument("--search", action="store_true", help="rank every layout of --gpus GPUs that fits")
+    pl.add_argument("--top", type=_at_least(0), default=10, help="with --search: the fastest N shown (default 10; "
+                    "0: all that fit)")
     pl.set_defaults(fn=cmd_plan)
     b = sub.add_parser("bench", help="step time and peak memory of a layout on the common workload (--table: 8 "
                                       "layouts beside picotron's, torchtitan's and DeepSpeed's times on it), or "
@@ -311,8 +322,7 @@ def _run(args, argv: list[str], rank: str) -> int:
     """The command, its known errors as one line each (torch is imported here, inside main's Ctrl-C handling)."""
     from .benchjob import BenchError
     from .checkpoint import CheckpointError
-    from .comm import CommError
-    from .mesh import PeerStopped
+    from .mesh import CommError, PeerStopped
     from .parity import ParityError
     from .stop import Stopped
     from .train import TrainingError

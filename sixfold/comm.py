@@ -8,20 +8,12 @@ import torch
 import torch.distributed as dist
 
 from .ledger import Ledger
-from .mesh import ParallelContext
+from .mesh import ParallelContext, collective
 from .trace import Tracer, now_us
 
 # torch 2.13 renamed these; 2.11 and 2.12 have only the old names
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class CommError(RuntimeError):
-    """A collective that failed or timed out; the message names its group and what to check."""
-
-    def __init__(self, name: str, ranks: tuple[int, ...], error: Exception):
-        super().__init__(f"{name} over ranks {list(ranks)} failed: {error}. A rank of that group crashed or did not "
-                         f"reach the same collective within parallel.timeout_s; see its log")
 
 
 class _Watcher:
@@ -80,11 +72,9 @@ class Pending:
     def wait(self) -> None:
         if self.work is not None:
             began = now_us()
-            try:
+            with collective(self.name, self.ranks):
                 for work in self.works:
                     work.wait()
-            except RuntimeError as e:
-                raise CommError(self.name, self.ranks, e) from None
             self.work, self.works = None, []
             if self.then is not None:
                 self.then()
@@ -106,10 +96,8 @@ class Comm:
         self.ledger.record(group, op, nbytes)
         name = f"{op} {group}{' ' + label if label else ''}"
         start = now_us()
-        try:
+        with collective(name, self.ctx.members(group)):
             work = call(self.ctx.groups[group], async_op)
-        except RuntimeError as e:
-            raise CommError(name, self.ctx.members(group), e) from None
         args = {"group": group, "op": op, "bytes": nbytes, **({"async": True} if async_op else {})}
         if not async_op:
             self.tracer.add(name, "comm", start, now_us(), **args)
@@ -184,7 +172,8 @@ class Comm:
         if len(ranks) == 1:
             return [obj]
         out = [None] * len(ranks) if self.ctx.rank == ranks[0] else None
-        dist.gather_object(obj, out, dst=ranks[0], group=self.ctx.groups[group])
+        with collective(f"gather_object {group}", ranks):
+            dist.gather_object(obj, out, dst=ranks[0], group=self.ctx.groups[group])
         return out if out is not None else [obj]
 
     def all_gather_objects(self, obj, group: str) -> list:
@@ -192,7 +181,8 @@ class Comm:
         if self.ctx.size(group) == 1:
             return [obj]
         out = [None] * self.ctx.size(group)
-        dist.all_gather_object(out, obj, group=self.ctx.groups[group])
+        with collective(f"all_gather_object {group}", self.ctx.members(group)):
+            dist.all_gather_object(out, obj, group=self.ctx.groups[group])
         return out
 
     def broadcast(self, t: torch.Tensor, group: str, src: int) -> None:

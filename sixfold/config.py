@@ -350,6 +350,12 @@ def make_run_dir(cfg: Config) -> Path:
         raise ConfigError("log.run_dir is empty: set it to the directory for this run's checkpoints, metrics and "
                           "trace")
     directory = writable_dir(cfg.log.run_dir, "log.run_dir")
+    for name, kind in (("checkpoints", "directory"), ("checkpoints/latest", "file"), ("metrics.jsonl", "file"),
+                       ("config.yaml", "file")):  # what the run writes: refused now, not after its training
+        path = directory / name
+        if path.exists() and (path.is_dir() != (kind == "directory")):
+            raise ConfigError(f"{path} is not a {kind}, and this run writes one there: set log.run_dir to another "
+                              f"directory, or move it away")
     own = directory / "config.yaml"
     if own.is_file() and not _run_config(directory):
         raise ConfigError(f"{own} was not written by a sixfold run, and this run would replace it with its resolved "

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ from .checkpoint import step_dir
 from .config import ConfigError, load_config
 from .launch import run_torchrun
 from .parity import ParityResult, compare, compare_learning, layout_config, reference_config, reference_key
+from .stop import Stopped
 
 STEPS = 4  # fp32 parity
 LEARN_STEPS = 50  # bf16 learns like fp32
@@ -200,6 +203,7 @@ class Report:
     rows: list[Row]  # in the matrix's order
     seconds: float  # the whole job, start-up included
     load: float  # the machine's 1-minute load average as the job started: other work sharing its cores
+    kept: str = ""  # the temporary directory holding the runs, left to look into when a layout failed
 
     def table(self) -> str:
         """docs/parity.md: one line per layout, and how long the whole job took on this machine."""
@@ -239,7 +243,8 @@ class Report:
 def run(config: str | None, overrides: list[str] = (), workdir: str | None = None,
         only: list[str] | None = None) -> Report:
     """Train the matrix's layouts (all, or `only` these and the layouts they resume from) and their references
-    in one job; compare each with its reference."""
+    in one job; compare each with its reference. Without `workdir` the runs go to a temporary directory, removed
+    when every layout passes or a signal stops the job, and kept (and named) when one fails."""
     unknown = set(only or ()) - {layout.name for layout in LAYOUTS}
     if unknown:
         raise ConfigError(f"no layout named {', '.join(sorted(unknown))} in the matrix; its layouts: "
@@ -249,7 +254,24 @@ def run(config: str | None, overrides: list[str] = (), workdir: str | None = Non
     layouts = [layout for layout in LAYOUTS if layout.name in wanted]
     root = Path(workdir or tempfile.mkdtemp(prefix="sixfold-matrix-"))
     root.mkdir(parents=True, exist_ok=True)
-    runs, rows, dirs = _plan(config, list(overrides), layouts, root)
+    try:
+        report = _run(config, list(overrides), layouts, root)
+    except (Stopped, KeyboardInterrupt):  # nothing to look into
+        if workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+        raise
+    except Exception:
+        print(f"sixfold matrix: the runs are in {root}", file=sys.stderr)
+        raise
+    if workdir is None and all(row.ok for row in report.rows):
+        shutil.rmtree(root, ignore_errors=True)
+    elif workdir is None:
+        report.kept = str(root)
+    return report
+
+
+def _run(config: str | None, overrides: list[str], layouts: list[Layout], root: Path) -> Report:
+    runs, rows, dirs = _plan(config, overrides, layouts, root)
     plan = root / "plan.json"
     plan.write_text(json.dumps({"timeout_s": TIMEOUT_S,
                                 "runs": [{"name": name, "config": cfg.to_dict()} for name, cfg in runs]}))

@@ -1,12 +1,13 @@
 """The six-dimensional mesh: pure rank arithmetic (ParallelDims) and its process groups (ParallelContext).
 
-Ranks vary fastest along tp, then cp, dp_shard, dp_replicate, pp (DESIGN.md, "The mesh").
+Ranks vary fastest along tp, then cp, dp_shard, dp_replicate, pp (docs/guide/README.md, "The mesh").
 Expert parallel borrows ranks: an ep group is `ep` consecutive members of the flattened
 (dp_shard, cp) index; edp is the rest of (dp_replicate, dp_shard, cp). pp_ends joins the first and last
 pipeline ranks (a tied embedding and head), every other rank alone.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from dataclasses import dataclass
@@ -34,6 +35,25 @@ GROUP_DIMS = {
     "world": ORDER,
 }
 GROUP_NAMES = tuple(GROUP_DIMS) + ("ep", "edp", "pp_ends")
+
+
+class CommError(RuntimeError):
+    """A collective that failed or timed out; the message names its group and what to check."""
+
+    def __init__(self, name: str, ranks: tuple[int, ...], error: Exception):
+        super().__init__(f"{name} over ranks {list(ranks)} failed: {error}. A rank of that group crashed or did not "
+                         f"reach the same collective within parallel.timeout_s; see its log")
+
+
+@contextlib.contextmanager
+def collective(name: str, ranks):
+    """The failure of the collective inside (a rank crashed, or a timeout) as a CommError naming it."""
+    try:
+        yield
+    except CommError:
+        raise
+    except RuntimeError as e:  # torch.distributed's DistError too
+        raise CommError(name, tuple(ranks), e) from None
 
 
 class PeerStopped(RuntimeError):
@@ -140,8 +160,9 @@ def join_job(timeout: timedelta) -> int:
     """Join the torchrun job (its world group); returns this process's rank."""
     backend, device = pick_device()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group(backend, store=_store(rank, world, timeout), rank=rank, world_size=world,
-                            timeout=timeout, device_id=device if backend == "nccl" else None)
+    with collective(f"joining the job as rank {rank}", range(world)):
+        dist.init_process_group(backend, store=_store(rank, world, timeout), rank=rank, world_size=world,
+                                timeout=timeout, device_id=device if backend == "nccl" else None)
     return rank
 
 
@@ -246,7 +267,8 @@ class ParallelContext:
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.groups["world"])
+            with collective("barrier world", range(self.world_size)):
+                dist.barrier(group=self.groups["world"])
 
     def local_first(self, fn):
         """fn() on each machine's first rank, then on the other ranks; returns once every rank has run it. However

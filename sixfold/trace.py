@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from .mesh import collective
+
 ROWS = {"compute": 0, "comm": 1, "optim": 0, "data": 0}
 
 
@@ -47,7 +49,8 @@ class Tracer:
         if world is None:
             return list(self.events)
         out = [None] * dist.get_world_size(world) if self.rank == 0 else None
-        dist.gather_object(self.events, out, dst=0, group=world)
+        with collective("gather_object world (trace events)", range(dist.get_world_size(world))):
+            dist.gather_object(self.events, out, dst=0, group=world)
         return [e for part in out for e in part] if self.rank == 0 else []
 
 

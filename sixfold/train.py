@@ -5,6 +5,7 @@ import contextlib
 import hashlib
 import math
 import os
+import socket
 import time
 import warnings
 from pathlib import Path
@@ -20,7 +21,7 @@ from .config import (DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, c
                      make_run_dir, shown)
 from .data import BatchLoader, DataError, TokenData, eval_batches, load_data, with_tokenizer
 from .logs import RunLog, start_metrics
-from .mesh import ParallelContext
+from .mesh import ParallelContext, collective
 from .model.llama import Llama, init_weights, no_decay
 from .optim import AdamW, clip_grad_norm, learning_rate
 from .model.moe import MoE, routing_warning
@@ -319,7 +320,8 @@ class Trainer:
                     text = self.sample()
                     log.print("sample:\n" + text)
                     self.comm.ledger.close("sample")
-                self._write_outputs(log)
+                if history:  # else the last run's ledger and trace stay
+                    self._write_outputs(log)
             finally:
                 log.close()
         return history
@@ -472,21 +474,46 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
     ctx.barrier()
 
 
+def _everyone(ctx: ParallelContext, mine) -> list:
+    said = [None] * ctx.world_size
+    with collective("all_gather_object world (the run directory)", range(ctx.world_size)):
+        dist.all_gather_object(said, mine, group=ctx.groups["world"])
+    return said
+
+
 def _claim_run_dir(cfg: Config, ctx: ParallelContext, held: contextlib.ExitStack) -> None:
-    """Rank 0 makes the run directory and takes its lock (held until `held` closes); its refusal stops every rank
-    with the same message, none waiting in a collective for it."""
-    problem = ""
+    """Rank 0 makes the run directory and takes its lock (held until `held` closes), and every rank reads a file
+    it writes there: ranks on machines that do not share the directory would fail at their first save, their
+    training lost. A refusal stops every rank with the same message, none waiting in a collective for it."""
+    problem, probe, host = "", Path(cfg.log.run_dir) / f".shared-{os.urandom(8).hex()}", socket.gethostname()
     if ctx.is_main:
         try:
             held.enter_context(RunLock(make_run_dir(cfg)))
+            if ctx.world_size > 1:
+                probe.write_text(host)
         except ConfigError as e:
             problem = str(e)
+        except OSError as e:
+            problem = f"cannot write {probe} ({e.strerror or e}); set log.run_dir to a writable directory"
     if ctx.world_size > 1:
-        said = [None] * ctx.world_size
-        dist.all_gather_object(said, problem, group=ctx.groups["world"])
-        problem = said[0]
+        problem, probe, first = _everyone(ctx, (problem, str(probe), host))[0]
     if problem:
         raise ConfigError(problem)
+    if ctx.world_size > 1:
+        try:
+            seen = Path(probe).read_text() == first
+        except OSError:
+            seen = False
+        mine = "" if seen else (
+            f"rank {ctx.rank} on {host} does not see {probe}, which rank 0 on {first} wrote into log.run_dir="
+            f"{cfg.log.run_dir}: the ranks of several machines need one directory that all of them share (a network "
+            f"file system, the same path on each); set log.run_dir to one")
+        said = _everyone(ctx, mine)
+        if ctx.is_main:
+            Path(probe).unlink(missing_ok=True)
+        problem = next((p for p in said if p), "")
+        if problem:
+            raise ConfigError(problem)
 
 
 def run(cfg: Config, ctx: ParallelContext, data: TokenData | None = None) -> list[dict]:

@@ -121,11 +121,25 @@ class Saver:
             self._thread = threading.Thread(target=self._run, args=args, daemon=True, name="checkpoint")
             self._thread.start()
         else:  # the files' records travel by collective, and every rank returns once the checkpoint is in place
-            written = self.comm.gather_objects(self._files(path, snapshot), "world")
-            if index is not None:
-                self._publish(path, index, meta, {k: v for part in written for k, v in part.items()}, blobs)
-            self.ctx.barrier()
+            written = self._together(path, lambda: self._files(path, snapshot))
+            self._together(path, lambda: index is not None and self._publish(
+                path, index, meta, {k: v for part in written for k, v in part.items()}, blobs))
         return path
+
+    def _together(self, path: Path, write) -> list:
+        """write() on every rank, and every rank's result; if it failed on any, every rank raises that rank's
+        CheckpointError (none left waiting in a collective), the staging directory removed."""
+        try:
+            mine, problem = write(), ""
+        except CheckpointError as e:
+            mine, problem = None, f"rank {self.ctx.rank}: {e}"
+        everyone = self.comm.all_gather_objects((mine, problem), "world")
+        said = next((problem for _, problem in everyone if problem), "")
+        if said:
+            if self.ctx.is_main:
+                shutil.rmtree(ckpt.staging_dir(path), ignore_errors=True)
+            raise CheckpointError(said)
+        return [result for result, _ in everyone]
 
     def _run(self, *args) -> None:
         try:
@@ -145,7 +159,8 @@ class Saver:
 
     def _publish(self, path: Path, index: dict, meta: dict, files: dict, blobs: dict) -> None:
         ckpt.publish(path, ckpt.staging_dir(path), {**meta, "index": index}, files, blobs)
-        ckpt.mark_latest(self.run_dir, path, self.keep)
+        with ckpt.writing(path.parent / "latest"):
+            ckpt.mark_latest(self.run_dir, path, self.keep)
 
     def _write(self, path: Path, snapshot: list, index: dict | None, meta: dict, blobs: dict) -> None:
         """In the background: this rank's files, then a record of them; rank 0 collects every record."""

@@ -184,9 +184,13 @@ def test_an_unwritable_run_directory_is_refused_before_training(tmp_path, capsys
     assert "log.run_dir=" in capsys.readouterr().err
     run = tmp_path / "run"
     run.mkdir()
-    (run / "checkpoints").write_text("")  # the checkpoints directory cannot be made
+    (run / "checkpoints").write_text("")  # the checkpoints directory cannot be made: refused before training
     cfg = load_config(TINY, [f"log.run_dir={run}", "train.steps=1"])
-    with pytest.raises(CheckpointError, match="cannot write a checkpoint under .*checkpoints"):
+    with pytest.raises(ConfigError, match="checkpoints is not a directory, and this run writes one there"):
+        train(cfg)
+    (run / "checkpoints").unlink()
+    (run / "metrics.jsonl").mkdir()
+    with pytest.raises(ConfigError, match="metrics.jsonl is not a file"):
         train(cfg)
 
 
@@ -355,9 +359,11 @@ def test_a_run_resumed_from_an_earlier_step_moves_the_later_checkpoints_aside(tm
     later = {p.name: (p / "model-00000.safetensors").read_bytes() for p in (run / "checkpoints").glob("step_*")
              if p.name > "step_0000002"}
     step2 = f"checkpoint.resume={run / 'checkpoints' / 'step_0000002'}"
-    with pytest.warns(UserWarning, match="no step left to train"):  # changes nothing
+    ledger = (run / "comm_ledger.json").read_bytes()
+    with pytest.warns(UserWarning, match="no step left to train"):  # changes nothing, the ledger of 6 steps kept
         train(load_config(TINY, [*common, step2, "train.steps=2"]))
     assert (run / "checkpoints" / "latest").read_text() == "step_0000006" and not list(run.glob("*-before-*"))
+    assert (run / "comm_ledger.json").read_bytes() == ledger
     with (run / "metrics.jsonl").open("ab") as f:
         f.write(b"\xff\xfe damaged\n")
     replaced = run / "checkpoints" / ".step_0000006.old-99"  # a save of step 6 again, stopped between its renames

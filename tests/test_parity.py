@@ -3,6 +3,7 @@ weights in round-off, bf16 learning like fp32. The matrix runs in one torchrun j
 `sixfold matrix --table`, must list its layouts. It covers every pair of dimensions. ZeRO's buffers and bytes
 equal the formulas."""
 import itertools
+import tempfile
 
 import pytest
 
@@ -28,6 +29,12 @@ def test_parity(rows, name):
     row = rows[name]
     print(row.line())
     assert row.ok, row.line()
+
+
+def test_a_passing_matrix_removes_its_temporary_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    report = matrix.run(TINY, only=["dp2"])
+    assert [row.ok for row in report.rows] == [True] and not report.kept and not list(tmp_path.iterdir())
 
 
 def test_docs_parity_lists_the_matrix():

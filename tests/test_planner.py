@@ -91,6 +91,7 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     end = next(i for i, line in enumerate(table) if "layouts fit; fastest first" in line)
     steps = [float(line.split()[-3]) for line in table[1:end]]
     assert table[0].startswith("layout") and steps == sorted(steps) and len(steps) == 10
+    assert table[end].endswith("layouts fit; fastest first, the first 10 shown: --top)")
     # what the trainer would refuse is said, not silently dropped: interleaved needs micro-batches in multiples of pp
     assert len(table) == end + 2 and table[-1].startswith("not planned: 10 parallel layout(s) that the trainer refuses")
     assert "interleaved" in table[-1]

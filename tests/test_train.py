@@ -3,6 +3,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,19 @@ def test_run_outputs(tmp_path):
     assert gen.returncode == 0 and gen.stdout.startswith("import "), gen.stderr[-2000:]
     gen = sixfold("generate", str(run), "--prompt", "import ", "--max-new-tokens", "300")  # max_seq_len 256
     assert gen.returncode == 0 and "leaves room for 249 after the prompt; at most 249 are generated" in gen.stderr
+
+
+def test_a_data_warning_is_said_once_when_the_launcher_starts_the_ranks(tmp_path):
+    """The launcher reads the corpus before starting the ranks, and rank 0 reads it again from the cache."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("a", "b", "c"):
+        (corpus / f"{name}.txt").write_text(f"def {name}(x):\n    return x\n" * 400)
+    (corpus / "d.txt").write_bytes(b"\xff\xfe" * 100)
+    proc = _train(tmp_path / "run", "parallel.dp_replicate=2", "train.steps=1", f"data.source={corpus}",
+                  f"data.cache_dir={tmp_path / 'cache'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("skipped 1 file(s) that are not UTF-8 text") == 1, proc.stderr
 
 
 @pytest.mark.parametrize("layout", [["parallel.dp_replicate=2"], ["parallel.dp_shard=2", "parallel.zero=3"],
@@ -204,8 +218,43 @@ def test_check_stopped_by_a_signal_removes_its_temporary_runs(tmp_path, monkeypa
 
 def test_a_hung_peer_ends_the_collective_with_an_error_naming_its_group():
     proc = torchrun("hang.py", 2)
+    assert "rank 0 stopped: gather_object dp_replicate over ranks [0, 1] failed" in proc.stdout, proc.stderr[-2000:]
     assert "rank 0 stopped: all_reduce dp_replicate grads over ranks [0, 1] failed" in proc.stdout, proc.stderr[-2000:]
     assert "parallel.timeout_s" in proc.stdout
+
+
+def test_a_rank_that_never_joins_ends_the_others_with_an_error_naming_the_timeout(tmp_path):
+    """Rank 0 of 2 started alone (as when the other machine's ranks hang at start): the rendezvous times out."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    proc = subprocess.run([sys.executable, "-m", "sixfold.cli", "train", TINY, "parallel.dp_replicate=2",
+                           "parallel.timeout_s=3", f"log.run_dir={tmp_path / 'run'}"], env=env, text=True,
+                          capture_output=True, timeout=120)
+    assert proc.returncode == 2 and "sixfold error (rank 0): joining the job as rank 0 over ranks [0, 1] failed" \
+        in proc.stderr and "parallel.timeout_s" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_full_disk_in_a_save_stops_every_rank_with_its_error(tmp_path):
+    start = time.monotonic()
+    proc = torchrun("full_disk.py", 2, TINY, str(tmp_path / "run"))
+    for rank in (0, 1):
+        assert f"rank {rank} stopped: rank 1: cannot write {tmp_path / 'run' / 'checkpoints' / '.step_0000002.tmp'}" \
+               f"/model-00001.safetensors: [Errno 28] No space left on device; make room there" in proc.stdout, \
+            proc.stdout + proc.stderr[-2000:]
+    assert time.monotonic() - start < 60 and not list((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_ranks_that_do_not_share_the_run_directory_are_refused_before_training(tmp_path):
+    proc = torchrun("unshared.py", 2, TINY, str(tmp_path))
+    for rank in (0, 1):
+        assert f"rank {rank} refused: rank 1 on " in proc.stdout and "which rank 0 on " in proc.stdout and \
+               "wrote into log.run_dir=run: the ranks of several machines need one directory that all of them " \
+               "share" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert not (tmp_path / "machine0" / "run" / "metrics.jsonl").exists()
+    assert [p.name for p in (tmp_path / "machine0" / "run").iterdir()] == [".lock"]
 
 
 def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):

@@ -1,7 +1,7 @@
 """Expert parallelism: token rows go to the ep rank holding their expert and come back, by all_to_all with
 variable splits whose sizes are exchanged first.
 
-The ep group is `ep` consecutive ranks of the flattened (dp_shard, cp) index (DESIGN.md, "The mesh"); rank j
+The ep group is `ep` consecutive ranks of the flattened (dp_shard, cp) index (docs/guide/README.md); rank j
 holds experts j*L .. (j+1)*L - 1 of the E experts (L = E / ep).
 """
 from __future__ import annotations
