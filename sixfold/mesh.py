@@ -1,6 +1,6 @@
 """The six-dimensional mesh: pure rank arithmetic (ParallelDims) and its process groups (ParallelContext).
 
-Ranks vary fastest along tp, then cp, dp_shard, dp_replicate, pp (docs/guide/README.md, "The mesh").
+Ranks vary fastest along tp, then cp, dp_shard, dp_replicate, pp (docs/guide/README.md, "The mesh in one paragraph").
 Expert parallel borrows ranks: an ep group is `ep` consecutive members of the flattened
 (dp_shard, cp) index; edp is the rest of (dp_replicate, dp_shard, cp). pp_ends joins the first and last
 pipeline ranks (a tied embedding and head), every other rank alone.
