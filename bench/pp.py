@@ -370,7 +370,6 @@ def main() -> None:
     print(body)
     write_doc("pp", "Pipeline bubble: measured, simulated, theory; sixfold vs torch.distributed.pipelining", body,
               args.write)
-    print(f"wrote {Path('docs/benchmarks.md')}")
 
 
 if __name__ == "__main__":

@@ -270,7 +270,7 @@ def write_tensors(tmp: Path, fname: str, tensors: dict[str, torch.Tensor]) -> di
     """One safetensors file; its size and sha256 for meta.json."""
     with writing(tmp / fname):
         save_tensors({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp / fname)
-    return {"sha256": file_sha256(tmp / fname), "bytes": (tmp / fname).stat().st_size}
+        return {"sha256": file_sha256(tmp / fname), "bytes": (tmp / fname).stat().st_size}
 
 
 def publish(path: Path, tmp: Path, meta: dict, files: dict, blobs: dict[str, bytes] | None = None) -> Path:
@@ -285,9 +285,10 @@ def publish(path: Path, tmp: Path, meta: dict, files: dict, blobs: dict[str, byt
         (tmp / META).write_bytes(text)
         (tmp / META_SHA256).write_text(hashlib.sha256(text).hexdigest() + "\n")
     old = path.parent / f".{path.name}.old-{os.getpid()}"
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
+    with writing(path):
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
     return path
 

@@ -153,8 +153,10 @@ def cmd_plan(args, argv) -> int:
             plans = search(cfg, args.gpus, device, per_node, refused)
         except ConfigError as e:  # with what the trainer refused, which may be why
             raise ConfigError("\n".join([str(e), *refusals(refused)])) from None
-        print(ranking(plans, refused, args.top or len(plans)))
+        print(ranking(plans, refused, len(plans) if args.top == 0 else args.top or 10))
         return 0
+    if args.top is not None:
+        raise ConfigError(f"--top {args.top} chooses how many layouts --search shows: add --search, or leave it out")
     check_world_size(cfg.parallel, args.gpus, "--gpus", "--gpus, or add --search")
     validate(cfg)
     print(describe(plan(cfg, device, per_node), args.gpu, args.gpus, args.nodes))
@@ -248,8 +250,8 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpu", choices=["h100", "h200", "a100"], default="h100")
     pl.add_argument("--nodes", type=_at_least(1), default=1)
     pl.add_argument("--search", action="store_true", help="rank every layout of --gpus GPUs that fits")
-    pl.add_argument("--top", type=_at_least(0), default=10, help="with --search: the fastest N shown (default 10; "
-                    "0: all that fit)")
+    pl.add_argument("--top", type=_at_least(0), default=None, help="with --search: the fastest N shown (default "
+                    "10; 0: all that fit)")
     pl.set_defaults(fn=cmd_plan)
     b = sub.add_parser("bench", help="step time and peak memory of a layout on the common workload (--table: 8 "
                                       "layouts beside picotron's, torchtitan's and DeepSpeed's times on it), or "

@@ -176,15 +176,6 @@ class Comm:
             dist.gather_object(obj, out, dst=ranks[0], group=self.ctx.groups[group])
         return out if out is not None else [obj]
 
-    def all_gather_objects(self, obj, group: str) -> list:
-        """Every member's `obj` (pickled in transit), on every member."""
-        if self.ctx.size(group) == 1:
-            return [obj]
-        out = [None] * self.ctx.size(group)
-        with collective(f"all_gather_object {group}", self.ctx.members(group)):
-            dist.all_gather_object(out, obj, group=self.ctx.groups[group])
-        return out
-
     def broadcast(self, t: torch.Tensor, group: str, src: int) -> None:
         """`t` from the group's rank `src` to every member, in place."""
         if self.ctx.size(group) > 1:

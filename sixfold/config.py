@@ -351,7 +351,8 @@ def make_run_dir(cfg: Config) -> Path:
                           "trace")
     directory = writable_dir(cfg.log.run_dir, "log.run_dir")
     for name, kind in (("checkpoints", "directory"), ("checkpoints/latest", "file"), ("metrics.jsonl", "file"),
-                       ("config.yaml", "file")):  # what the run writes: refused now, not after its training
+                       ("config.yaml", "file"), ("comm_ledger.json", "file"), ("trace.json", "file")):
+        # what the run writes: refused now, not after its training
         path = directory / name
         if path.exists() and (path.is_dir() != (kind == "directory")):
             raise ConfigError(f"{path} is not a {kind}, and this run writes one there: set log.run_dir to another "

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +13,8 @@ from pathlib import Path
 from .checkpoint import step_dir
 from .config import ConfigError, load_config
 from .launch import run_torchrun
-from .parity import ParityResult, compare, compare_learning, layout_config, reference_config, reference_key
-from .stop import Stopped
+from .parity import (ParityResult, compare, compare_learning, layout_config, reference_config, reference_key, runs_dir,
+                     settle)
 
 STEPS = 4  # fp32 parity
 LEARN_STEPS = 50  # bf16 learns like fp32
@@ -252,21 +249,9 @@ def run(config: str | None, overrides: list[str] = (), workdir: str | None = Non
     wanted = set(only or [layout.name for layout in LAYOUTS])
     wanted |= {layout.resumes for layout in LAYOUTS if layout.name in wanted and layout.resumes}
     layouts = [layout for layout in LAYOUTS if layout.name in wanted]
-    root = Path(workdir or tempfile.mkdtemp(prefix="sixfold-matrix-"))
-    root.mkdir(parents=True, exist_ok=True)
-    try:
+    with runs_dir(workdir, "matrix") as root:
         report = _run(config, list(overrides), layouts, root)
-    except (Stopped, KeyboardInterrupt):  # nothing to look into
-        if workdir is None:
-            shutil.rmtree(root, ignore_errors=True)
-        raise
-    except Exception:
-        print(f"sixfold matrix: the runs are in {root}", file=sys.stderr)
-        raise
-    if workdir is None and all(row.ok for row in report.rows):
-        shutil.rmtree(root, ignore_errors=True)
-    elif workdir is None:
-        report.kept = str(root)
+    report.kept = settle(root, workdir, all(row.ok for row in report.rows))
     return report
 
 

@@ -40,20 +40,21 @@ GROUP_NAMES = tuple(GROUP_DIMS) + ("ep", "edp", "pp_ends")
 class CommError(RuntimeError):
     """A collective that failed or timed out; the message names its group and what to check."""
 
-    def __init__(self, name: str, ranks: tuple[int, ...], error: Exception):
-        super().__init__(f"{name} over ranks {list(ranks)} failed: {error}. A rank of that group crashed or did not "
-                         f"reach the same collective within parallel.timeout_s; see its log")
+    def __init__(self, name: str, ranks: tuple[int, ...], error: Exception, hint: str = ""):
+        super().__init__(f"{name} over ranks {list(ranks)} failed: {error}. " + (hint or (
+            "A rank of that group crashed or did not reach the same collective within parallel.timeout_s; see its "
+            "log")))
 
 
 @contextlib.contextmanager
-def collective(name: str, ranks):
+def collective(name: str, ranks, hint: str = ""):
     """The failure of the collective inside (a rank crashed, or a timeout) as a CommError naming it."""
     try:
         yield
     except CommError:
         raise
     except RuntimeError as e:  # torch.distributed's DistError too
-        raise CommError(name, tuple(ranks), e) from None
+        raise CommError(name, tuple(ranks), e, hint) from None
 
 
 class PeerStopped(RuntimeError):
@@ -160,7 +161,8 @@ def join_job(timeout: timedelta) -> int:
     """Join the torchrun job (its world group); returns this process's rank."""
     backend, device = pick_device()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    with collective(f"joining the job as rank {rank}", range(world)):
+    with collective(f"joining the job as rank {rank}", range(world), "Check MASTER_ADDR and MASTER_PORT (torchrun's "
+                    "--rdzv-endpoint), and that every rank started within parallel.timeout_s; see their logs"):
         dist.init_process_group(backend, store=_store(rank, world, timeout), rank=rank, world_size=world,
                                 timeout=timeout, device_id=device if backend == "nccl" else None)
     return rank
@@ -264,6 +266,15 @@ class ParallelContext:
     def batch_index(self) -> int:
         """Which slice of the global batch this rank reads."""
         return self.rank_in("batch")
+
+    def all_gather_objects(self, obj, group: str = "world") -> list:
+        """Every member's `obj` (pickled in transit), on every member."""
+        if self.size(group) == 1:
+            return [obj]
+        out = [None] * self.size(group)
+        with collective(f"all_gather_object {group}", self.members(group)):
+            dist.all_gather_object(out, obj, group=self.groups[group])
+        return out
 
     def barrier(self) -> None:
         if self.world_size > 1:

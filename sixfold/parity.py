@@ -10,6 +10,7 @@ fp32 reference's, which itself fell by at least LEARNED.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import shutil
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import Checkpoint
-from .config import Config, ParallelConfig
+from .config import Config, ConfigError, ParallelConfig
 from .launch import run_torchrun
 from .logs import read_metrics
 from .slices import Reader
@@ -137,15 +138,37 @@ def compare_learning(layout_dir: Path, reference_dir: Path, layout: str) -> Pari
                         weight_tol=math.inf)
 
 
+@contextlib.contextmanager
+def runs_dir(workdir: str | None, command: str):
+    """Where `sixfold COMMAND` puts its runs: `workdir`, or a temporary directory, removed if a signal stops the
+    command or a setting is refused, named if it fails otherwise. See settle() for the end."""
+    root = Path(workdir or tempfile.mkdtemp(prefix=f"sixfold-{command}-"))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        yield root
+    except (Stopped, KeyboardInterrupt, ConfigError):  # nothing to look into
+        if workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+        raise
+    except Exception:
+        print(f"sixfold {command}: the runs are in {root}", file=sys.stderr)
+        raise
+
+
+def settle(root: Path, workdir: str | None, ok: bool) -> str:
+    """A temporary runs_dir removed when every comparison held; else its path (to name), "" for a `workdir`."""
+    if workdir is None and ok:
+        shutil.rmtree(root, ignore_errors=True)
+    return "" if workdir or ok else str(root)
+
+
 def check(cfg: Config, steps: int, workdir: str | None = None) -> ParityResult:
     """Run the layout under torchrun and the reference in this process; compare the two. Without `workdir` the
     runs go to a temporary directory, removed when parity holds or a signal stops the check, and kept (and named)
     when parity fails."""
-    root = Path(workdir or tempfile.mkdtemp(prefix="sixfold-check-"))
-    layout_cfg = layout_config(cfg, root / "layout", steps)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "layout.yaml").write_text(layout_cfg.to_yaml())
-    try:
+    with runs_dir(workdir, "check") as root:
+        layout_cfg = layout_config(cfg, root / "layout", steps)
+        (root / "layout.yaml").write_text(layout_cfg.to_yaml())
         if cfg.parallel.world_size > 1:
             proc = run_torchrun(cfg.parallel.world_size, ["train", str(root / "layout.yaml")], capture=True)
             if proc.returncode != 0:
@@ -155,15 +178,5 @@ def check(cfg: Config, steps: int, workdir: str | None = None) -> ParityResult:
             train(layout_cfg)
         train(reference_config(cfg, root / "reference", steps))
         result = compare(root / "layout", root / "reference", cfg.parallel.describe())
-    except Stopped:  # by a signal: nothing to look into
-        if workdir is None:
-            shutil.rmtree(root, ignore_errors=True)
-        raise
-    except Exception:
-        print(f"sixfold check: the runs are in {root}", file=sys.stderr)
-        raise
-    if workdir is None and result.ok:
-        shutil.rmtree(root, ignore_errors=True)
-    elif workdir is None:
-        result.kept = str(root)
+    result.kept = settle(root, workdir, result.ok)
     return result

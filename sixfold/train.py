@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from . import ledger, train_state
@@ -21,7 +20,7 @@ from .config import (DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, c
                      make_run_dir, shown)
 from .data import BatchLoader, DataError, TokenData, eval_batches, load_data, with_tokenizer
 from .logs import RunLog, start_metrics
-from .mesh import ParallelContext, collective
+from .mesh import ParallelContext
 from .model.llama import Llama, init_weights, no_decay
 from .optim import AdamW, clip_grad_norm, learning_rate
 from .model.moe import MoE, routing_warning
@@ -220,7 +219,7 @@ class Trainer:
         except ckpt.CheckpointError as e:
             problem = str(e)
         if self.ctx.world_size > 1:
-            problems = self.comm.all_gather_objects(problem, "world")
+            problems = self.ctx.all_gather_objects(problem)
             problem = next((f"{p} (rank {r})" for r, p in enumerate(problems) if p), "")
         if problem:
             raise ckpt.CheckpointError(problem)
@@ -474,46 +473,48 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
     ctx.barrier()
 
 
-def _everyone(ctx: ParallelContext, mine) -> list:
-    said = [None] * ctx.world_size
-    with collective("all_gather_object world (the run directory)", range(ctx.world_size)):
-        dist.all_gather_object(said, mine, group=ctx.groups["world"])
-    return said
-
-
 def _claim_run_dir(cfg: Config, ctx: ParallelContext, held: contextlib.ExitStack) -> None:
-    """Rank 0 makes the run directory and takes its lock (held until `held` closes), and every rank reads a file
-    it writes there: ranks on machines that do not share the directory would fail at their first save, their
-    training lost. A refusal stops every rank with the same message, none waiting in a collective for it."""
-    problem, probe, host = "", Path(cfg.log.run_dir) / f".shared-{os.urandom(8).hex()}", socket.gethostname()
+    """Rank 0 makes the run directory and takes its lock (held until `held` closes); its refusal stops every rank
+    with the same message, none waiting in a collective for it."""
+    problem = ""
     if ctx.is_main:
         try:
             held.enter_context(RunLock(make_run_dir(cfg)))
-            if ctx.world_size > 1:
-                probe.write_text(host)
         except ConfigError as e:
             problem = str(e)
-        except OSError as e:
-            problem = f"cannot write {probe} ({e.strerror or e}); set log.run_dir to a writable directory"
-    if ctx.world_size > 1:
-        problem, probe, first = _everyone(ctx, (problem, str(probe), host))[0]
+    problem = ctx.all_gather_objects(problem)[0]
     if problem:
         raise ConfigError(problem)
-    if ctx.world_size > 1:
+    if ctx.world_size > 1 and (cfg.checkpoint.every or cfg.checkpoint.save_final):
+        _check_shared(Path(cfg.log.run_dir), ctx)
+
+
+def _check_shared(run_dir: Path, ctx: ParallelContext) -> None:
+    """Every rank writes checkpoint files into the run directory: each reads a file rank 0 writes there, so that
+    ranks on machines that do not share it are refused now, not at the first save with their training lost."""
+    host, name, problem = socket.gethostname(), f".shared-{os.urandom(8).hex()}", ""
+    if ctx.is_main:
         try:
-            seen = Path(probe).read_text() == first
-        except OSError:
-            seen = False
-        mine = "" if seen else (
-            f"rank {ctx.rank} on {host} does not see {probe}, which rank 0 on {first} wrote into log.run_dir="
-            f"{cfg.log.run_dir}: the ranks of several machines need one directory that all of them share (a network "
-            f"file system, the same path on each); set log.run_dir to one")
-        said = _everyone(ctx, mine)
+            (run_dir / name).write_text(host)
+        except OSError as e:
+            problem = f"cannot write {run_dir / name} ({e.strerror or e}); set log.run_dir to a writable directory"
+    try:
+        name, first, where, problem = ctx.all_gather_objects((name, host, str(run_dir.resolve()), problem))[0]
+        if not problem:
+            try:
+                seen = (run_dir / name).read_text() == first
+            except OSError:
+                seen = False
+            mine = "" if seen else (
+                f"rank {ctx.rank} on {host} does not see {run_dir.resolve() / name}, which rank 0 on {first} wrote "
+                f"into {where}: the ranks of several machines need one log.run_dir that all of them share (a network "
+                f"file system); set it to one")
+            problem = next((p for p in ctx.all_gather_objects(mine) if p), "")
+    finally:
         if ctx.is_main:
-            Path(probe).unlink(missing_ok=True)
-        problem = next((p for p in said if p), "")
-        if problem:
-            raise ConfigError(problem)
+            (run_dir / name).unlink(missing_ok=True)
+    if problem:
+        raise ConfigError(problem)
 
 
 def run(cfg: Config, ctx: ParallelContext, data: TokenData | None = None) -> list[dict]:

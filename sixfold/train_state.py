@@ -90,7 +90,7 @@ class Saver:
         self.keep, self.background = cfg.checkpoint.keep, cfg.checkpoint.async_save
         self.timeout_s = cfg.parallel.timeout_s
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._error, self._path = "", self.run_dir  # a background save's error, and its checkpoint
 
     def save(self, step: int, mine: list[Piece], meta: dict, blobs: dict[str, bytes]) -> Path:
         """Write a checkpoint of step `step` (a collective over every rank); `meta` and `blobs` from rank 0."""
@@ -107,7 +107,7 @@ class Saver:
                 ckpt.start_staging(path)
             except CheckpointError as e:
                 problem = str(e)
-        everyone = self.comm.all_gather_objects(([p.key for p in mine], problem), "world")
+        everyone = self.ctx.all_gather_objects(([p.key for p in mine], problem))
         if everyone[0][1]:
             raise CheckpointError(everyone[0][1])
         writer = {}
@@ -118,12 +118,16 @@ class Saver:
         index = build_index([keys for keys, _ in everyone], writer) if self.ctx.is_main else None
         args = (path, snapshot, index, meta, blobs)
         if self.background:
+            self._path = path
             self._thread = threading.Thread(target=self._run, args=args, daemon=True, name="checkpoint")
             self._thread.start()
         else:  # the files' records travel by collective, and every rank returns once the checkpoint is in place
             written = self._together(path, lambda: self._files(path, snapshot))
-            self._together(path, lambda: index is not None and self._publish(
-                path, index, meta, {k: v for part in written for k, v in part.items()}, blobs))
+
+            def publish() -> None:
+                if index is not None:  # rank 0
+                    self._publish(path, index, meta, {k: v for part in written for k, v in part.items()}, blobs)
+            self._together(path, publish)
         return path
 
     def _together(self, path: Path, write) -> list:
@@ -133,7 +137,7 @@ class Saver:
             mine, problem = write(), ""
         except CheckpointError as e:
             mine, problem = None, f"rank {self.ctx.rank}: {e}"
-        everyone = self.comm.all_gather_objects((mine, problem), "world")
+        everyone = self.ctx.all_gather_objects((mine, problem))
         said = next((problem for _, problem in everyone if problem), "")
         if said:
             if self.ctx.is_main:
@@ -144,8 +148,8 @@ class Saver:
     def _run(self, *args) -> None:
         try:
             self._write(*args)
-        except BaseException as e:  # re-raised by wait(), in the training thread
-            self._error = e
+        except BaseException as e:  # raised by wait(), in the training thread
+            self._error = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
 
     def _files(self, path: Path, snapshot: list) -> dict:
         """Write this rank's files into the staging directory; their sizes and checksums."""
@@ -163,11 +167,18 @@ class Saver:
             ckpt.mark_latest(self.run_dir, path, self.keep)
 
     def _write(self, path: Path, snapshot: list, index: dict | None, meta: dict, blobs: dict) -> None:
-        """In the background: this rank's files, then a record of them; rank 0 collects every record."""
+        """In the background: this rank's files, then a record of them, or of its failure; rank 0 collects every
+        record (stopping at once at a failure) and publishes the checkpoint."""
         tmp = ckpt.staging_dir(path)
+        try:
+            files = self._files(path, snapshot)
+        except CheckpointError as e:
+            (tmp / f".failed-{self.ctx.rank:05d}").write_text(f"rank {self.ctx.rank}: {e}")
+            raise CheckpointError(f"rank {self.ctx.rank}: {e}") from None
         record = tmp / f".files-{self.ctx.rank:05d}.json"
-        record.with_suffix(".part").write_text(json.dumps(self._files(path, snapshot)))
-        record.with_suffix(".part").rename(record)
+        with ckpt.writing(record):
+            record.with_suffix(".part").write_text(json.dumps(files))
+            record.with_suffix(".part").rename(record)
         if index is not None:
             self._publish(path, index, meta, self._collect(tmp), blobs)
 
@@ -176,6 +187,9 @@ class Saver:
         records = [tmp / f".files-{r:05d}.json" for r in range(self.ctx.world_size)]
         deadline = time.monotonic() + self.timeout_s
         while not all(r.is_file() for r in records):
+            failed = sorted(tmp.glob(".failed-*"))
+            if failed:
+                raise CheckpointError(failed[0].read_text())
             if time.monotonic() > deadline:
                 late = [r.name for r in records if not r.is_file()]
                 raise CheckpointError(f"checkpoint {tmp}: {len(late)} rank(s) did not finish writing within "
@@ -188,13 +202,18 @@ class Saver:
         return files
 
     def wait(self) -> None:
-        """Wait for a background save to finish; raise its error, if it had one."""
+        """Wait for a background save to finish. If it failed on any rank, every rank raises that error (all call
+        this at the same points: a save, the end of the run), the unfinished save removed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise CheckpointError(f"the background checkpoint save failed: {error}") from error
+        error, self._error = self._error, ""
+        if self.background:
+            error = next((e for e in self.ctx.all_gather_objects(error) if e), "")
+        if error:
+            if self.ctx.is_main:
+                shutil.rmtree(ckpt.staging_dir(self._path), ignore_errors=True)
+            raise CheckpointError(f"the background checkpoint save failed: {error}")
 
 
 # model settings a run may change when it resumes

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sixfold import cli
-from sixfold.checkpoint import Checkpoint, CheckpointError, complete_steps, publish, start_staging, write_tensors
+from sixfold.checkpoint import (Checkpoint, CheckpointError, complete_steps, find_checkpoint, publish, start_staging,
+                                write_tensors)
 from sixfold.config import RUN_CONFIG_HEAD, ConfigError, load_config
 from sixfold.data import DataError
 from sixfold.logs import read_metrics
@@ -204,8 +205,9 @@ def test_an_unfinished_save_is_ignored_and_cleared_and_the_last_k_are_kept(tmp_p
     (partial / "model-00000.safetensors").write_bytes(b"half")
     replaced = run / "checkpoints" / ".step_0000002.old-99"  # a save of step 2 again, stopped between its renames
     (run / "checkpoints" / "step_0000002").rename(replaced)
+    assert find_checkpoint(run) == replaced and replaced.is_dir()  # read where it lies (a read-only run, say)
     train(load_config(TINY, [*common, "train.steps=3"]))
-    assert read_metrics(run)[-1]["step"] == 3 and not replaced.exists()  # resumed from the step 2 put back
+    assert read_metrics(run)[-1]["step"] == 3 and not replaced.exists()  # resumed from step 2 moved aside, put back
     assert not partial.exists() and (run / "checkpoints" / "latest").read_text() == "step_0000003"
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000002", "step_0000003"]  # keep=2
 

@@ -8,7 +8,7 @@ import tempfile
 import pytest
 
 from sixfold import matrix
-from sixfold.config import load_config
+from sixfold.config import ConfigError, load_config
 from helpers import ROOT, TINY, torchrun
 
 DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
@@ -35,6 +35,9 @@ def test_a_passing_matrix_removes_its_temporary_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     report = matrix.run(TINY, only=["dp2"])
     assert [row.ok for row in report.rows] == [True] and not report.kept and not list(tmp_path.iterdir())
+    with pytest.raises(ConfigError):  # a layout refuses the setting: nothing ran, nothing is left
+        matrix.run(TINY, ["model.n_heads=3"], only=["dp2"])
+    assert not list(tmp_path.iterdir())
 
 
 def test_docs_parity_lists_the_matrix():

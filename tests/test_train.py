@@ -237,11 +237,13 @@ def test_a_rank_that_never_joins_ends_the_others_with_an_error_naming_the_timeou
         in proc.stderr and "parallel.timeout_s" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_a_full_disk_in_a_save_stops_every_rank_with_its_error(tmp_path):
+@pytest.mark.parametrize("background", [False, True])
+def test_a_full_disk_in_a_save_stops_every_rank_with_its_error(tmp_path, background):
     start = time.monotonic()
-    proc = torchrun("full_disk.py", 2, TINY, str(tmp_path / "run"))
+    proc = torchrun("full_disk.py", 2, TINY, str(tmp_path / "run"), str(background).lower())
+    said = "the background checkpoint save failed: " if background else ""
     for rank in (0, 1):
-        assert f"rank {rank} stopped: rank 1: cannot write {tmp_path / 'run' / 'checkpoints' / '.step_0000002.tmp'}" \
+        assert f"rank {rank} stopped: {said}rank 1: cannot write {tmp_path / 'run' / 'checkpoints' / '.step_0000002.tmp'}" \
                f"/model-00001.safetensors: [Errno 28] No space left on device; make room there" in proc.stdout, \
             proc.stdout + proc.stderr[-2000:]
     assert time.monotonic() - start < 60 and not list((tmp_path / "run" / "checkpoints").iterdir())
@@ -250,9 +252,9 @@ def test_a_full_disk_in_a_save_stops_every_rank_with_its_error(tmp_path):
 def test_ranks_that_do_not_share_the_run_directory_are_refused_before_training(tmp_path):
     proc = torchrun("unshared.py", 2, TINY, str(tmp_path))
     for rank in (0, 1):
-        assert f"rank {rank} refused: rank 1 on " in proc.stdout and "which rank 0 on " in proc.stdout and \
-               "wrote into log.run_dir=run: the ranks of several machines need one directory that all of them " \
-               "share" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+        assert f"rank {rank} refused: rank 1 on " in proc.stdout and f"does not see {tmp_path}/machine1/run/.shared-" \
+               in proc.stdout and f"wrote into {tmp_path}/machine0/run: the ranks of several machines need one " \
+               "log.run_dir that all of them share" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     assert not (tmp_path / "machine0" / "run" / "metrics.jsonl").exists()
     assert [p.name for p in (tmp_path / "machine0" / "run").iterdir()] == [".lock"]
 

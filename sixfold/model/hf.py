@@ -8,13 +8,15 @@ transformers version reads.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..checkpoint import META, Checkpoint, CheckpointError, check_shapes, require, save_tensors, write_checkpoint
+from ..checkpoint import (META, Checkpoint, CheckpointError, check_shapes, require, save_tensors, write_checkpoint,
+                          writing)
 from ..slices import Reader
 from ..config import Config, ConfigError, ModelConfig, config_from_dict, shown
 from .llama import Llama, full_shapes
@@ -289,7 +291,7 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str = "fp32", shard_
     it was trained with a BPE tokenizer) at out_dir (a new directory)."""
     if dtype not in DTYPES:
         raise CheckpointError(f"cannot export as {dtype!r}: choose one of {', '.join(DTYPES)}")
-    from ..data import EOT, BPETokenizer, DataError
+    from ..data import DataError
     from ..generate import checkpoint_tokenizer
     out_dir = _new_output(out_dir)
     model, cfg = load_model(path)
@@ -304,6 +306,17 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str = "fp32", shard_
     except OSError as e:
         raise CheckpointError(f"cannot write under {out_dir} ({e.strerror or e}); choose a writable directory") \
             from None
+    try:
+        with writing(out_dir):
+            _write_hf(out_dir, model, hf, tok, cfg, dtype, shard_bytes)
+    except CheckpointError:  # a full disk, say: nothing half written is left
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _write_hf(out_dir: Path, model: Llama, hf: dict, tok, cfg: Config, dtype: str, shard_bytes: int) -> None:
+    from ..data import EOT, BPETokenizer
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
     if isinstance(tok, BPETokenizer):  # AutoTokenizer reads the pair, with the end-of-text token as its eos
         (out_dir / "tokenizer.json").write_text(tok.to_json())
@@ -319,7 +332,6 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str = "fp32", shard_
         else:
             tensors[hf_name(k)] = v
     _save_shards({k: v.to(DTYPES[dtype]).contiguous() for k, v in tensors.items()}, out_dir, shard_bytes)
-    return out_dir
 
 
 def _save_shards(tensors: dict[str, torch.Tensor], out_dir: Path, shard_bytes: int) -> None:
