@@ -276,6 +276,10 @@ class ParallelContext:
             dist.all_gather_object(out, obj, group=self.groups[group])
         return out
 
+    def first_problem(self, problem: str) -> str:
+        """The first non-empty `problem` (a refusal, a failure) of any rank, on every rank: all stop together."""
+        return next((p for p in self.all_gather_objects(problem) if p), "")
+
     def barrier(self) -> None:
         if self.world_size > 1:
             with collective("barrier world", range(self.world_size)):

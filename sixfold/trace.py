@@ -8,10 +8,6 @@ from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-import torch.distributed as dist
-
-from .mesh import collective
-
 ROWS = {"compute": 0, "comm": 1, "optim": 0, "data": 0}
 
 
@@ -43,15 +39,6 @@ class Tracer:
 
     def span(self, name: str, cat: str = "compute", **args):
         return self._span(name, cat, args) if self.enabled else nullcontext()
-
-    def gather(self, world: dist.ProcessGroup | None) -> list[dict]:
-        """All the events of the run's ranks (`world`; None: this rank alone) on rank 0, an empty list elsewhere."""
-        if world is None:
-            return list(self.events)
-        out = [None] * dist.get_world_size(world) if self.rank == 0 else None
-        with collective("gather_object world (trace events)", range(dist.get_world_size(world))):
-            dist.gather_object(self.events, out, dst=0, group=world)
-        return [e for part in out for e in part] if self.rank == 0 else []
 
 
 def _comm_lanes(events: list[dict]) -> list[int]:

@@ -372,7 +372,8 @@ class Trainer:
             log.print(f"{ledger.table(data)}\nledger: {self.run_dir / 'comm_ledger.json'}")
         if not self.cfg.log.trace:
             return
-        events = self.tracer.gather(self.ctx.groups["world"])
+        parts = self.comm.gather_objects(self.tracer.events, "world")  # every rank's events, on rank 0
+        events = [e for part in parts for e in part] if self.ctx.is_main else []
         if self.ctx.is_main and events:
             write_chrome_trace(events, self.run_dir / "trace.json")
             pictures = draw_pictures(self.run_dir, self.cfg)
@@ -482,7 +483,7 @@ def _claim_run_dir(cfg: Config, ctx: ParallelContext, held: contextlib.ExitStack
             held.enter_context(RunLock(make_run_dir(cfg)))
         except ConfigError as e:
             problem = str(e)
-    problem = ctx.all_gather_objects(problem)[0]
+    problem = ctx.first_problem(problem)
     if problem:
         raise ConfigError(problem)
     if ctx.world_size > 1 and (cfg.checkpoint.every or cfg.checkpoint.save_final):
@@ -501,20 +502,22 @@ def _check_shared(run_dir: Path, ctx: ParallelContext) -> None:
     try:
         name, first, where, problem = ctx.all_gather_objects((name, host, str(run_dir.resolve()), problem))[0]
         if not problem:
-            try:
-                seen = (run_dir / name).read_text() == first
-            except OSError:
-                seen = False
-            mine = "" if seen else (
+            problem = ctx.first_problem("" if _holds(run_dir / name, first) else (
                 f"rank {ctx.rank} on {host} does not see {run_dir.resolve() / name}, which rank 0 on {first} wrote "
                 f"into {where}: the ranks of several machines need one log.run_dir that all of them share (a network "
-                f"file system); set it to one")
-            problem = next((p for p in ctx.all_gather_objects(mine) if p), "")
+                f"file system); set it to one"))
     finally:
         if ctx.is_main:
             (run_dir / name).unlink(missing_ok=True)
     if problem:
         raise ConfigError(problem)
+
+
+def _holds(path: Path, text: str) -> bool:
+    try:
+        return path.read_text() == text
+    except OSError:
+        return False
 
 
 def run(cfg: Config, ctx: ParallelContext, data: TokenData | None = None) -> list[dict]:

@@ -209,7 +209,7 @@ class Saver:
             self._thread = None
         error, self._error = self._error, ""
         if self.background:
-            error = next((e for e in self.ctx.all_gather_objects(error) if e), "")
+            error = self.ctx.first_problem(error)
         if error:
             if self.ctx.is_main:
                 shutil.rmtree(ckpt.staging_dir(self._path), ignore_errors=True)

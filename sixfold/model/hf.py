@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from ..checkpoint import (META, Checkpoint, CheckpointError, check_shapes, require, save_tensors, write_checkpoint,
                           writing)
 from ..slices import Reader
-from ..config import Config, ConfigError, ModelConfig, config_from_dict, shown
+from ..config import DTYPES, Config, ConfigError, ModelConfig, config_from_dict, shown
 from .llama import Llama, full_shapes
 
 TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
@@ -281,7 +281,6 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Ll
     return model.to(device), cfg
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SHARD_BYTES = 5 * 10**9  # transformers' own default for save_pretrained
 
 
@@ -300,7 +299,7 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str = "fp32", shard_
     except DataError:
         tok = None
     hf = {**hf_config_from_model(cfg.model), "bos_token_id": None, "eos_token_id": tok.eot if tok else None,
-          "torch_dtype": str(DTYPES[dtype]).removeprefix("torch.")}
+          "torch_dtype": DTYPES[dtype]}
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -331,7 +330,8 @@ def _write_hf(out_dir: Path, model: Llama, hf: dict, tok, cfg: Config, dtype: st
                             for j, w in enumerate(v)})
         else:
             tensors[hf_name(k)] = v
-    _save_shards({k: v.to(DTYPES[dtype]).contiguous() for k, v in tensors.items()}, out_dir, shard_bytes)
+    _save_shards({k: v.to(getattr(torch, DTYPES[dtype])).contiguous() for k, v in tensors.items()}, out_dir,
+                 shard_bytes)
 
 
 def _save_shards(tensors: dict[str, torch.Tensor], out_dir: Path, shard_bytes: int) -> None:
