@@ -92,18 +92,19 @@ def build_rank(cfg: Config, rank: int) -> Rank:
     p, t = cfg.parallel, cfg.train
     stages = split_stages(cfg.model, p.pp * p.pp_virtual_stages, t.seq_len)
     schedule = _schedule(p.pp_schedule, p.pp, p.pp_virtual_stages, t.micro_batches) if p.pp > 1 else None
-    same = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="none"))
-    key = same.to_yaml(), rank
+    same = dataclasses.replace(cfg.model, recompute="none")
+    # what _build reads: neither recomputation nor the micro-batch count change it
+    key = repr(same), repr(p), t.precision, t.seq_len, schedule and schedule.placement, rank
     if key not in _BUILT:
         if len(_BUILT) == 16:
             _BUILT.pop(next(iter(_BUILT)))
-        _BUILT[key] = _build(same, rank, stages, schedule)
+        _BUILT[key] = _build(dataclasses.replace(cfg, model=same), rank, stages, schedule)
     ctx, model, sharded = _BUILT[key]
     costs = stage_costs(cfg.model, stages, t.seq_len, schedule.splits) if schedule else None
     return Rank(cfg, ctx, model, sharded, schedule, costs)
 
 
-_BUILT: dict = {}  # (config as YAML with recompute "none", rank) -> _build's, the last 16
+_BUILT: dict = {}  # build_rank's key -> _build's, the last 16
 
 
 def _build(cfg: Config, rank: int, stages, schedule: Schedule | None):

@@ -4,6 +4,7 @@ returns at once, and drops it; a send never known received is waited for at the 
 the tensors a rank's sends keep alive from the same lists."""
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 
 from .schedules import B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule
@@ -28,14 +29,33 @@ def delivered(schedule: Schedule, rank: int) -> dict[Action, list[Action]]:
     messages its peer sends to this rank after using its data, the one this rank waits for first."""
     mine = schedule.ranks[rank]
     order = {a: i for i, a in enumerate(mine)}
+    first = {peer: _first_replies(schedule, peer, rank, order) for peer in set(map(schedule.peer, _sends(mine)))}
     out = defaultdict(list)
-    for send in (a for a in mine if a.kind in SENDS):
-        theirs = schedule.ranks[schedule.peer(send)]
-        after = theirs[theirs.index(_waiting(_receipt(send))) + 1:]  # after the compute that used its data
-        replies = [_receipt(a) for a in after if a.kind in SENDS and schedule.peer(a) == rank]
-        if replies:
-            out[min(replies, key=lambda r: order[_waiting(r)])].append(send)
+    for send in _sends(mine):
+        at, reply = first[schedule.peer(send)]
+        found = reply[at[_waiting(_receipt(send))] + 1]  # after the compute that used its data
+        if found is not None:
+            out[found].append(send)
     return dict(out)
+
+
+def _sends(actions) -> list[Action]:
+    return [a for a in actions if a.kind in SENDS]
+
+
+def _first_replies(schedule: Schedule, peer: int, rank: int, order: dict[Action, int]):
+    """`peer`'s action -> its position, and for each position the RECV on `rank` of the messages `peer` sends
+    from there on that `rank` waits for first (None if none)."""
+    theirs = schedule.ranks[peer]
+    reply: list[Action | None] = [None] * (len(theirs) + 1)
+    for i in range(len(theirs) - 1, -1, -1):
+        reply[i] = reply[i + 1]
+        a = theirs[i]
+        if a.kind in SENDS and schedule.peer(a) == rank:
+            r = _receipt(a)
+            if reply[i] is None or order[_waiting(r)] <= order[_waiting(reply[i])]:
+                reply[i] = r
+    return {a: i for i, a in enumerate(theirs)}, reply
 
 
 def held_sends(schedule: Schedule, rank: int) -> int:
@@ -45,11 +65,13 @@ def held_sends(schedule: Schedule, rank: int) -> int:
     mine = schedule.ranks[rank]
     at = {a: i for i, a in enumerate(a for a in mine if a.kind in COMPUTE)}
     known = {send: at[_waiting(recv)] for recv, sends in delivered(schedule, rank).items() for send in sends}
-    spans = []
-    for send in (a for a in mine if a.kind in SENDS):
+    alive = [0] * (len(at) + 1)  # held at compute i: the running sum of these
+    for send in _sends(mine):
         made = at[Action(F if send.kind == SEND_F else B, send.stage, send.micro)]
         end = known.get(send, len(at))
         if send.kind == SEND_F:  # the output is its backward's root
             end = max(end, at[Action(B, send.stage, send.micro)] + 1)
-        spans.append((made + 1, end))
-    return max((sum(a <= i < b for a, b in spans) for i in range(len(at))), default=0)
+        if made + 1 < end:
+            alive[made + 1] += 1
+            alive[end] -= 1
+    return max(itertools.accumulate(alive[:-1]), default=0)
