@@ -26,6 +26,7 @@ class RunLog:
         self.enabled = enabled
         self.bar = None
         self.tb = None
+        self.problem = ""  # why a step's metrics could not be written ("" while they could)
         if not enabled:
             return
         self.file = open(run_dir / "metrics.jsonl", "a")  # begun by start_metrics
@@ -41,10 +42,14 @@ class RunLog:
             (self.bar.write if self.bar else print)(text)
 
     def step(self, metrics: dict, show: bool) -> None:
-        if not self.enabled:
+        if not self.enabled or self.problem:
             return
-        self.file.write(json.dumps(metrics) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(metrics) + "\n")
+            self.file.flush()
+        except OSError as e:  # the trainer stops every rank after the step (a full disk, a lost mount)
+            self.problem = f"rank 0 cannot write {self.file.name} at step {metrics['step']}: {e}"
+            return
         if self.tb:
             for k, v in metrics.items():
                 if k != "step" and isinstance(v, (int, float)):
@@ -67,7 +72,11 @@ class RunLog:
         self.end_progress()
         if self.tb:
             self.tb.close()
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError:  # what the failed step left in the buffer, already reported
+            if not self.problem:
+                raise
 
 
 def start_metrics(run_dir: Path, up_to: int, aside: Path | None = None) -> None:

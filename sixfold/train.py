@@ -304,7 +304,7 @@ class Trainer:
                         self.step < t.steps or not cfg.checkpoint.save_final)
                     if due:
                         self.save()
-                    heard = self._stop_heard(stop)
+                    heard = self._stop_heard(stop, log.problem)
                     if heard:
                         raise self._stopped(due, heard)
                 self.tracer.enabled = False
@@ -325,14 +325,22 @@ class Trainer:
                 log.close()
         return history
 
-    def _stop_heard(self, stop: StopSignal) -> str:
+    def _stop_heard(self, stop: StopSignal, problem: str = "") -> str:
         """The signal any rank has received ("" if none; SIGTERM over SIGINT): each one's summed over the world
         once a step, so that all stop after the same step (counted in the ledger's "other" phase, outside the
-        steps)."""
+        steps). With them, whether a rank could not write the step's metrics (`problem`): then every rank raises
+        that rank's TrainingError."""
         if self.ctx.world_size == 1:
-            return stop.received
-        heard = self.comm.sum_scalars([float(stop.received == name) for name in SIGNAL_NAMES], "world")
-        return next((name for name, n in zip(SIGNAL_NAMES, heard) if n > 0), "")
+            heard, failed = stop.received, problem
+        else:
+            sums = self.comm.sum_scalars([float(stop.received == n) for n in SIGNAL_NAMES] + [float(bool(problem))],
+                                         "world")
+            heard = next((name for name, n in zip(SIGNAL_NAMES, sums) if n > 0), "")
+            failed = self.ctx.first_problem(problem) if sums[-1] else ""
+        if failed:
+            raise TrainingError(f"{failed}; make room there (or set log.run_dir elsewhere), then run the same "
+                                f"command with checkpoint.resume=auto to go on from the last checkpoint")
+        return heard
 
     def _stopped(self, saved: bool, signal_name: str) -> Stopped:
         """The end of a run stopped by a signal: the step's checkpoint (unless `saved` already, or checkpoints are
@@ -368,17 +376,31 @@ class Trainer:
         self.comm.ledger.close("other")
         parts = self.comm.gather_objects(self.comm.ledger.summary(), "world")
         if self.ctx.is_main:
-            data = ledger.write(self.run_dir / "comm_ledger.json", parts, self.cfg.parallel.describe())
+            with _writing_outputs(self.run_dir):
+                data = ledger.write(self.run_dir / "comm_ledger.json", parts, self.cfg.parallel.describe())
             log.print(f"{ledger.table(data)}\nledger: {self.run_dir / 'comm_ledger.json'}")
         if not self.cfg.log.trace:
             return
         parts = self.comm.gather_objects(self.tracer.events, "world")  # every rank's events, on rank 0
         events = [e for part in parts for e in part] if self.ctx.is_main else []
         if self.ctx.is_main and events:
-            write_chrome_trace(events, self.run_dir / "trace.json")
-            pictures = draw_pictures(self.run_dir, self.cfg)
+            with _writing_outputs(self.run_dir):
+                write_chrome_trace(events, self.run_dir / "trace.json")
+                pictures = draw_pictures(self.run_dir, self.cfg)
             log.print(f"{overlap_table(events)}\ntrace: {self.run_dir / 'trace.json'}; pictures: "
                       f"{', '.join(map(str, pictures))}")
+
+
+@contextlib.contextmanager
+def _writing_outputs(run_dir: Path):
+    """After the training and its final checkpoint: a summary that cannot be written (a full disk) is a
+    TrainingError that says so."""
+    try:
+        yield
+    except OSError as e:
+        raise TrainingError(f"cannot write the run's summaries (comm_ledger.json, trace.json, pictures) in {run_dir}: "
+                            f"{e}; the training and its checkpoints are done; make room there to have them next "
+                            f"time") from e
 
 
 def resume_path(cfg: Config) -> str:

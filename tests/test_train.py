@@ -1,4 +1,5 @@
 """The trainer end to end: run output, exact resume, checkpoint safety, clear errors."""
+import errno
 import json
 import os
 import shutil
@@ -15,12 +16,14 @@ import torch
 from safetensors.torch import load_file
 
 from sixfold import cli, ledger
+from sixfold import train as train_module
 from sixfold.checkpoint import Checkpoint
 from sixfold.config import load_config
 from sixfold.logs import read_metrics
 from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
 from sixfold.slices import Reader
 from sixfold.stop import Stopped, StopSignal
+from sixfold.train import TrainingError
 from helpers import ROOT, TINY, sixfold, torchrun
 
 
@@ -240,13 +243,36 @@ def test_a_rank_that_never_joins_ends_the_others_with_an_error_naming_the_timeou
 @pytest.mark.parametrize("background", [False, True])
 def test_a_full_disk_in_a_save_stops_every_rank_with_its_error(tmp_path, background):
     start = time.monotonic()
-    proc = torchrun("full_disk.py", 2, TINY, str(tmp_path / "run"), str(background).lower())
+    proc = torchrun("full_disk.py", 2, TINY, str(tmp_path / "run"), "async" if background else "sync")
     said = "the background checkpoint save failed: " if background else ""
     for rank in (0, 1):
         assert f"rank {rank} stopped: {said}rank 1: cannot write {tmp_path / 'run' / 'checkpoints' / '.step_0000002.tmp'}" \
                f"/model-00001.safetensors: [Errno 28] No space left on device; make room there" in proc.stdout, \
             proc.stdout + proc.stderr[-2000:]
     assert time.monotonic() - start < 60 and not list((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_a_full_disk_in_the_metrics_stops_every_rank_after_the_step(tmp_path):
+    start = time.monotonic()
+    proc = torchrun("full_disk.py", 2, TINY, str(tmp_path / "run"), "metrics")
+    for rank in (0, 1):
+        assert f"rank {rank} stopped: rank 0 cannot write {tmp_path / 'run' / 'metrics.jsonl'} at step 3: [Errno 28] " \
+               "No space left on device; make room there (or set log.run_dir elsewhere), then run the same command " \
+               "with checkpoint.resume=auto" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert time.monotonic() - start < 60 and [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["latest", "step_0000002"]
+
+
+def test_a_full_disk_at_the_summaries_says_the_training_is_done(tmp_path, monkeypatch):
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(train_module, "write_chrome_trace", full)
+    with pytest.raises(TrainingError, match=f"cannot write the run's summaries .* in {tmp_path / 'run'}: .*No space "
+                                            "left on device; the training and its checkpoints are done"):
+        train_module.train(load_config(TINY, [f"log.run_dir={tmp_path / 'run'}", "train.steps=2", "log.trace=true",
+                                              "log.progress=false"]))
+    assert (tmp_path / "run" / "checkpoints" / "step_0000002").is_dir()
 
 
 def test_ranks_that_do_not_share_the_run_directory_are_refused_before_training(tmp_path):

@@ -1,25 +1,60 @@
-"""Rank 1's disk fills while it writes its checkpoint files (argv: config, run directory, async_save true or
-false): every rank stops with rank 1's error at once, not a timeout, and nothing of the failed save is left."""
+"""The disk fills (argv: config, run directory, what): with "sync" or "async" (checkpoint.async_save) while rank 1
+writes its checkpoint files, with "metrics" while rank 0 appends step 3's line to metrics.jsonl. Every rank stops
+with the failing rank's error at once, not a timeout; nothing of a failed save is left."""
+import builtins
 import errno
+import os
 import sys
 
-from sixfold import checkpoint
+from sixfold import checkpoint, logs
 from sixfold.checkpoint import CheckpointError
 from sixfold.config import load_config
-from sixfold.train import train
+from sixfold.train import TrainingError, train
 
 
-def full(*args, **kwargs):
-    raise OSError(errno.ENOSPC, "No space left on device")
+def full():
+    return OSError(errno.ENOSPC, "No space left on device")
 
 
-config, run_dir, background = sys.argv[1:]
-rank = int(__import__("os").environ["RANK"])
-if rank == 1:
-    checkpoint.save_tensors = full
+def save_nothing(*args, **kwargs):
+    raise full()
+
+
+class Filling:
+    """metrics.jsonl on a disk that fills after two lines: the flush fails, and so does closing with them buffered."""
+
+    def __init__(self, file):
+        self.file, self.name, self.lines = file, file.name, 0
+
+    def write(self, text):
+        self.lines += 1
+        return self.file.write(text) if self.lines <= 2 else len(text)
+
+    def flush(self):
+        if self.lines > 2:
+            raise full()
+        self.file.flush()
+
+    def close(self):
+        self.file.close()
+        if self.lines > 2:
+            raise full()
+
+
+def opening(path, mode="r", *args, **kwargs):
+    file = builtins.open(path, mode, *args, **kwargs)
+    return Filling(file) if str(path).endswith("metrics.jsonl") else file
+
+
+config, run_dir, what = sys.argv[1:]
+rank = int(os.environ["RANK"])
+if rank == 1 and what != "metrics":
+    checkpoint.save_tensors = save_nothing
+if rank == 0 and what == "metrics":
+    logs.open = opening
 try:
     train(load_config(config, [f"log.run_dir={run_dir}", "parallel.dp_shard=2", "parallel.zero=2", "train.steps=4",
                                "checkpoint.every=2", "parallel.timeout_s=60", "log.progress=false",
-                               f"checkpoint.async_save={background}"]))
-except CheckpointError as e:
+                               f"checkpoint.async_save={what == 'async'}"]))
+except (CheckpointError, TrainingError) as e:
     print(f"rank {rank} stopped: {e}", flush=True)
