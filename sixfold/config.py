@@ -196,9 +196,16 @@ def _fields(obj) -> dict[str, dataclasses.Field]:
 
 
 def _unknown(key: str, choices, where: str) -> ConfigError:
-    near = difflib.get_close_matches(key, list(choices), n=1, cutoff=0.5)
-    hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(sorted(choices))}"
+    """Names the keys it may stand for: those it begins (dp: dp_replicate, dp_shard), else the closest."""
+    near = sorted(c for c in choices if c.startswith(key)) or difflib.get_close_matches(key, list(choices), n=1,
+                                                                                         cutoff=0.5)
+    named = " or ".join(f"'{where}{c}'" for c in near)
+    hint = f"; did you mean {named}?" if near else f"; valid keys: {', '.join(sorted(choices))}"
     return ConfigError(f"unknown config key '{where}{key}'{hint}")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def _coerce(value, typ, name: str):
@@ -463,11 +470,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
     if m.head_dim % 2:
-        raise ConfigError(f"head dimension {m.head_dim} (model.dim/model.n_heads) must be even for RoPE")
+        raise ConfigError(f"head dimension {m.head_dim} (model.dim/model.n_heads) must be even for RoPE: change "
+                          f"model.dim or model.n_heads")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
     if p.tp > 1 and m.n_heads % p.tp:
-        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}")
+        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}: set parallel.tp to one "
+                          f"of {_divisors(m.n_heads)}")
     if p.tp > 1 and m.n_kv_heads % p.tp and p.tp % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} and parallel.tp={p.tp}: one must divide the other")
     if p.cp_mode not in ("ring", "allgather", "ulysses"):
@@ -516,9 +525,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not 0 <= t.seed < SEEDS:
         raise ConfigError(f"train.seed={t.seed} must be from 0 to 2**63 - 1")
     if t.global_batch % (p.dp * t.micro_batches):
+        need = p.dp * t.micro_batches
+        fix = f"set train.global_batch to a multiple of {need} (such as {-(-t.global_batch // need) * need})"
+        if t.global_batch % p.dp == 0:
+            fix += f", or train.micro_batches to one of {_divisors(t.global_batch // p.dp)}"
         raise ConfigError(
             f"train.global_batch={t.global_batch} must be divisible by data-parallel size "
-            f"({p.dp} = dp_replicate*dp_shard) times train.micro_batches={t.micro_batches}")
+            f"({p.dp} = dp_replicate*dp_shard) times train.micro_batches={t.micro_batches}: {fix}")
     if not (math.isfinite(t.lr) and math.isfinite(t.min_lr)) or t.warmup_steps < 0 or t.lr <= 0 or t.min_lr < 0:
         raise ConfigError("train.lr must be positive; train.min_lr and train.warmup_steps non-negative")
     if t.eval_every < 0 or (t.eval_every and t.eval_batches < 1):

@@ -240,12 +240,19 @@ class Trainer:
             self.optim.set_step_count(meta["optimizer_steps"])
             self.loader.load_state_dict(meta["loader"])
             self.step = meta["step"]
-            changed = {k: v for k, v in train_state.differences(meta, self.cfg, "train").items() if k in SCHEDULE}
+            diffs = train_state.differences(meta, self.cfg, "train")
+            changed = {k: v for k, v in diffs.items() if k in SCHEDULE}
             if changed and self.ctx.is_main:  # allowed (a lower lr after a divergence, more steps), but said
                 named = ", ".join(f"train.{k}={shown(b)} (the checkpoint's run: {shown(a)})"
                                   for k, (a, b) in changed.items())
                 warnings.warn(f"resuming {checkpoint.path} with {named}: the learning-rate schedule and AdamW go "
                               f"on with the new values from step {self.step}")
+            micro = diffs.get("micro_batches")
+            if micro and self.cfg.model.moe_experts and self.cfg.model.moe_aux_weight and self.ctx.is_main:
+                warnings.warn(f"resuming {checkpoint.path} with train.micro_batches={micro[1]} (the checkpoint's run: "
+                              f"{micro[0]}): an MoE layer's load-balancing loss is taken per micro-batch, so from step "
+                              f"{self.step} the run trains on another objective; set train.micro_batches={micro[0]} "
+                              f"to go on as it would have")
         elif self.ctx.is_main:  # weights only (an imported model): other settings are allowed, but said
             changed = train_state.function_changes(meta, self.cfg)
             if changed:

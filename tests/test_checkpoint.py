@@ -330,6 +330,17 @@ def test_resuming_on_other_text_of_the_same_length_or_with_other_settings_warns(
                "learning-rate schedule and AdamW go on with the new values from step 1" in m for m in said), said
 
 
+def test_resuming_an_moe_model_with_other_micro_batches_warns(tmp_path):
+    """Its load-balancing loss is taken per micro-batch: the run would go on with another objective."""
+    run = tmp_path / "run"
+    train(load_config(TINY, [f"log.run_dir={run}", "model.moe_experts=4", "train.steps=1"]))
+    with pytest.warns(UserWarning, match="with train.micro_batches=2 \\(the checkpoint's run: 1\\): an MoE layer's "
+                                         "load-balancing loss is taken per micro-batch, so from step 1 the run trains "
+                                         "on another objective; set train.micro_batches=1"):
+        train(load_config(TINY, [f"log.run_dir={run}", "model.moe_experts=4", "train.steps=2", "train.micro_batches=2",
+                                 "checkpoint.resume=auto"]))
+
+
 def test_resuming_with_another_tokenizer_is_refused(saved, tmp_path):
     """Its ids would mean other text to the model; the checkpoint names the tokenizer it was trained with."""
     cfg = load_config(TINY, [f"checkpoint.resume={saved}", f"log.run_dir={tmp_path / 'run'}", "data.tokenizer=bpe",

@@ -28,6 +28,8 @@ def test_unknown_key_names_nearest():
         load_config(None, ["parallel.dp_shrd=2"])
     with pytest.raises(ConfigError, match="unknown config key 'trian'.*train"):
         load_config(None, ["trian.lr=1"])
+    with pytest.raises(ConfigError, match="'parallel.dp'; did you mean 'parallel.dp_replicate' or 'parallel.dp_shard'"):
+        load_config(None, ["parallel.dp=2"])
 
 
 def test_unknown_key_in_yaml(tmp_path):
@@ -66,13 +68,17 @@ def test_bad_values(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["model.n_heads=3"], "model.dim=64 is not divisible by model.n_heads=3"),
     (["model.n_kv_heads=3"], "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
-    (["parallel.dp_replicate=3"], "train.global_batch=8 must be divisible by data-parallel size"),
-    (["train.micro_batches=3"], "train.global_batch=8 must be divisible"),
+    (["parallel.dp_replicate=3"], "train.global_batch=8 must be divisible by data-parallel size .*: set "
+                                  "train.global_batch to a multiple of 3 \\(such as 9\\)$"),
+    (["train.micro_batches=3"], "train.global_batch=8 must be divisible .*: set train.global_batch to a multiple of 3 "
+                                "\\(such as 9\\), or train.micro_batches to one of 1, 2, 4, 8"),
     (["parallel.cp=2", "train.seq_len=30"], "train.seq_len=30 must be divisible by 4 \\(2\\*parallel.cp=2 zigzag"),
     (["parallel.cp=8", "parallel.cp_mode=ulysses"], "4 query heads and 2 kv heads per tp rank must divide by parallel.cp=8"),
     (["parallel.cp=2", "parallel.cp_mode=rings"], "parallel.cp_mode='rings': choose ring, allgather or ulysses"),
     (["parallel.tp=2", "train.seq_len=31"], "train.seq_len=31 must be divisible by parallel.tp=2"),
-    (["parallel.tp=8", "model.n_heads=4"], "model.n_heads=4 is not divisible by parallel.tp=8"),
+    (["parallel.tp=8", "model.n_heads=4"], "model.n_heads=4 is not divisible by parallel.tp=8: set parallel.tp to "
+                                           "one of 1, 2, 4"),
+    (["model.dim=60"], "head dimension 15 .* must be even for RoPE: change model.dim or model.n_heads"),
     (["parallel.tp=4", "model.ffn_dim=170"], "model.ffn_dim=170 is not divisible by parallel.tp=4"),
     (["parallel.tp=2", "model.n_heads=6", "model.dim=96", "model.n_kv_heads=3"],
      "model.n_kv_heads=3 and parallel.tp=2: one must divide the other"),

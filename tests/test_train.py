@@ -175,7 +175,7 @@ def test_layout_errors_before_any_process_starts(tmp_path):
     proc = sixfold("matrix", TINY, "--table", "/proc/sixfold/parity.md")  # before any layout runs
     assert proc.returncode == 2 and "--table's directory=/proc/sixfold cannot be written" in proc.stderr
     proc = _train(tmp_path / "run", "parallel.dp_shrd=2")
-    assert proc.returncode == 2 and "did you mean 'dp_shard'" in proc.stderr
+    assert proc.returncode == 2 and "did you mean 'parallel.dp_shard'" in proc.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
     proc = _train(tmp_path / "run", f"data.source={empty}")
