@@ -204,8 +204,12 @@ def _unknown(key: str, choices, where: str) -> ConfigError:
     return ConfigError(f"unknown config key '{where}{key}'{hint}")
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _listed(numbers: list[int]) -> str:
+    return ", ".join(map(str, numbers))
 
 
 def _coerce(value, typ, name: str):
@@ -476,7 +480,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
     if p.tp > 1 and m.n_heads % p.tp:
         raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}: set parallel.tp to one "
-                          f"of {_divisors(m.n_heads)}")
+                          f"of {_listed(divisors(m.n_heads))}")
     if p.tp > 1 and m.n_kv_heads % p.tp and p.tp % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} and parallel.tp={p.tp}: one must divide the other")
     if p.cp_mode not in ("ring", "allgather", "ulysses"):
@@ -528,7 +532,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         need = p.dp * t.micro_batches
         fix = f"set train.global_batch to a multiple of {need} (such as {-(-t.global_batch // need) * need})"
         if t.global_batch % p.dp == 0:
-            fix += f", or train.micro_batches to one of {_divisors(t.global_batch // p.dp)}"
+            fix += f", or train.micro_batches to one of {_listed(divisors(t.global_batch // p.dp))}"
         raise ConfigError(
             f"train.global_batch={t.global_batch} must be divisible by data-parallel size "
             f"({p.dp} = dp_replicate*dp_shard) times train.micro_batches={t.micro_batches}: {fix}")

@@ -6,7 +6,7 @@ import copy
 import itertools
 from dataclasses import dataclass
 
-from ..config import Config, ConfigError, validate
+from ..config import Config, ConfigError, divisors, validate
 from ..parallel.pipeline.schedules import placement
 from ..parallel.pipeline.stages import split_stages
 from .devices import Device, peak
@@ -75,28 +75,24 @@ def plan(cfg: Config, device: Device, per_node: int, ends_only: bool = False) ->
 PP_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))  # (schedule, virtual stages)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def layouts(cfg: Config, world: int, per_node: int, refused: dict[str, str] | None = None):
     """Every layout of `world` ranks for cfg's model and global batch: tp within a node, zero 1 or 3 when
     sharded (1 under pipelining), under pipelining one sequence per micro-batch and each of PP_SCHEDULES, each
     recomputation mode, and for an MoE model each ep that divides the experts and the ranks that read different
     tokens. Those that validation refuses go into `refused` (the layout's description: the reason)."""
     m, t = cfg.model, cfg.train
-    for tp, cp, pp in itertools.product(_divisors(min(world, per_node)), _divisors(world), _divisors(world)):
+    for tp, cp, pp in itertools.product(divisors(min(world, per_node)), divisors(world), divisors(world)):
         rest = world // (tp * cp * pp) if world % (tp * cp * pp) == 0 else 0
         if not rest or m.n_heads % tp:
             continue
-        for replicate in _divisors(rest):
+        for replicate in divisors(rest):
             shard = rest // replicate
             dp = replicate * shard
             if t.global_batch % dp:
                 continue
             # under pipelining ZeRO-3 gathers once per step: its peak and traffic are ZeRO-1's, a duplicate row
             zeros = (0,) if shard * cp == 1 else (1,) if pp > 1 else (1, 3)
-            eps = [e for e in _divisors(shard * cp) if m.moe_experts % e == 0] if m.moe_experts else [1]
+            eps = [e for e in divisors(shard * cp) if m.moe_experts % e == 0] if m.moe_experts else [1]
             schedules = PP_SCHEDULES if pp > 1 else PP_SCHEDULES[:1]
             # recomputation innermost: build_rank builds the rest once for the three
             for zero, ep, (schedule, v), recompute in itertools.product(zeros, eps, schedules,
@@ -128,7 +124,7 @@ def _fewest_micro_batches(c: Config, device: Device, per_node: int) -> Plan:
         trial.train.micro_batches = micro
         return plan(trial, device, per_node, ends_only=True)
 
-    *fewer, most = _divisors(c.train.global_batch // (c.parallel.dp_replicate * c.parallel.dp_shard))
+    *fewer, most = divisors(c.train.global_batch // (c.parallel.dp_replicate * c.parallel.dp_shard))
     last = with_micro(most)
     if last.fits:
         return next((p for p in map(with_micro, fewer) if p.fits), last)

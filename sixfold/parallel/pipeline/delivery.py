@@ -29,9 +29,10 @@ def delivered(schedule: Schedule, rank: int) -> dict[Action, list[Action]]:
     messages its peer sends to this rank after using its data, the one this rank waits for first."""
     mine = schedule.ranks[rank]
     order = {a: i for i, a in enumerate(mine)}
-    first = {peer: _first_replies(schedule, peer, rank, order) for peer in set(map(schedule.peer, _sends(mine)))}
+    sends = _sends(mine)
+    first = {peer: _first_replies(schedule, peer, rank, order) for peer in set(map(schedule.peer, sends))}
     out = defaultdict(list)
-    for send in _sends(mine):
+    for send in sends:
         at, reply = first[schedule.peer(send)]
         found = reply[at[_waiting(_receipt(send))] + 1]  # after the compute that used its data
         if found is not None:
