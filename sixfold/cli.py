@@ -6,12 +6,15 @@ import os
 import signal
 import sys
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 from .config import (ConfigError, check_available, check_tensorboard, check_text, check_world_size, load_config,
                      make_run_dir, validate, writable_dir)
 from .launch import run_torchrun, under_torchrun
 from .run_lock import check_free
+
+SAID_WITHIN_S = 30  # how long a rank waits for its machine's first to say an error all of them raised
 
 
 def _at_least(low: int):
@@ -331,11 +334,24 @@ def _run(args, argv: list[str], rank: str) -> int:
     try:
         return args.fn(args, argv)
     except Stopped as e:
-        print(f"sixfold{rank}: {e}", file=sys.stderr)
+        _say(e, "sixfold", rank)
         return e.exit_code
     except (ValueError, CheckpointError, TrainingError, CommError, PeerStopped, ParityError, BenchError) as e:
-        print(f"sixfold error{rank}: {e}", file=sys.stderr)  # ConfigError and DataError are ValueErrors
+        _say(e, "sixfold error", rank)  # ConfigError and DataError are ValueErrors
         return 2
+
+
+def _say(error: Exception, prefix: str, rank: str) -> None:
+    """One line for `error`: from each rank that raised it, or, when every rank raised it alike, from each
+    machine's first rank with no rank named (the machine's other ranks end once it has said it)."""
+    from .mesh import first_done
+    if not getattr(error, "on_every_rank", False):
+        print(f"{prefix}{rank}: {error}", file=sys.stderr)
+        return
+    first = os.environ.get("LOCAL_RANK", "0") == "0"
+    if first:
+        print(f"{prefix}: {error}", file=sys.stderr, flush=True)
+    first_done(first, timedelta(seconds=SAID_WITHIN_S))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Start this machine's ranks with torchrun, or tell that we already run under it."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -86,14 +87,26 @@ def torchrun(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)  # said below
     try:
         main(argv)
     except ChildFailedError as e:
-        failed = sorted(e.failures.values(), key=lambda f: f.timestamp)
-        return next((f.exitcode for f in failed if f.exitcode > 0), 1)
+        rank, first = next(iter(e.failures.items()))  # in the order torchrun saw them end: first the cause
+        if first.exitcode > 0:  # the rank has said why
+            return first.exitcode
+        print(_killed(rank, first.pid, first.signal_name()), file=sys.stderr)
+        return 128 - first.exitcode
     except SignalException as e:
         return 128 + int(e.sigval)
     return 0
+
+
+def _killed(rank: int, pid: int, signal_name: str) -> str:
+    """What to say of a rank that a signal ended before it could say anything itself."""
+    why = " (the kernel's out-of-memory killer sends it; `dmesg` says if it did)" if signal_name == "SIGKILL" else ""
+    return (f"sixfold error: rank {rank} (pid {pid}) was ended by {signal_name}{why}, and torchrun stopped the other "
+            f"ranks. A training run goes on from its last checkpoint when the same command is run with "
+            f"checkpoint.resume=auto")
 
 
 if __name__ == "__main__":

@@ -61,6 +61,13 @@ class PeerStopped(RuntimeError):
     """A rank stopped while the ranks ran a step in turn, because another failed, died or did not answer."""
 
 
+def on_every_rank(error: Exception) -> Exception:
+    """`error`, marked as raised alike by every rank (after an exchange of problems, or from values all ranks
+    hold): the command line prints it once a machine, from its first rank, not once a rank."""
+    error.on_every_rank = True
+    return error
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     pp: int = 1
@@ -148,13 +155,30 @@ def pick_device() -> tuple[str, torch.device]:
     return "gloo", torch.device("cpu")
 
 
-def _store(rank: int, world: int, timeout: timedelta) -> dist.Store:
-    """The job's rendezvous store, with keys of their own for each torchrun restart: a restarted job must not
-    read the addresses that the ranks it replaces left there."""
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
+def _store(timeout: timedelta, rank: int = -1, world: int | None = None) -> dist.Store:
+    """The job's rendezvous store, hosted by rank 0 unless torchrun's agent hosts it, with keys of their own for
+    each torchrun restart: a restarted job must not read the addresses that the ranks it replaces left there."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=rank == 0 and not agent, timeout=timeout)
     return dist.PrefixStore(f"sixfold/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def first_done(first: bool, timeout: timedelta) -> None:
+    """Under torchrun, the machine's first rank marks in the job's store that it is done (`first`), and its other
+    ranks wait for that mark, at most `timeout`: torchrun stops a machine's ranks once one has ended, so ending
+    first they would stop it before it is done. The store is the agent's, which outlives the ranks."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    key = f"first_done/{os.environ.get('GROUP_RANK', '0')}"
+    try:
+        store = _store(timeout)
+        if first:
+            store.set(key, "1")
+        else:
+            store.wait([key])
+    except (RuntimeError, OSError):  # DistStoreError is a RuntimeError
+        pass
 
 
 def join_job(timeout: timedelta) -> int:
@@ -163,7 +187,7 @@ def join_job(timeout: timedelta) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     with collective(f"joining the job as rank {rank}", range(world), "Check MASTER_ADDR and MASTER_PORT (torchrun's "
                     "--rdzv-endpoint), and that every rank started within parallel.timeout_s; see their logs"):
-        dist.init_process_group(backend, store=_store(rank, world, timeout), rank=rank, world_size=world,
+        dist.init_process_group(backend, store=_store(timeout, rank, world), rank=rank, world_size=world,
                                 timeout=timeout, device_id=device if backend == "nccl" else None)
     return rank
 

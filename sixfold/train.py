@@ -20,7 +20,7 @@ from .config import (DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, c
                      make_run_dir, shown)
 from .data import BatchLoader, DataError, TokenData, eval_batches, load_data, with_tokenizer
 from .logs import RunLog, start_metrics
-from .mesh import ParallelContext
+from .mesh import ParallelContext, on_every_rank
 from .model.llama import Llama, init_weights, no_decay
 from .optim import AdamW, clip_grad_norm, learning_rate
 from .model.moe import MoE, routing_warning
@@ -136,9 +136,10 @@ class Trainer:
         self.skipped = self.skipped + 1 if skip else 0
         self.loader.load_state_dict({**self.loader.state_dict(), "next_step": self.step})
         if self.skipped > t.skip_nonfinite:
-            raise TrainingError(f"loss {loss_value}, gradient norm {grad_norm} at step {self.step}: not finite for "
-                                f"{self.skipped} step(s) in a row (train.skip_nonfinite={t.skip_nonfinite}); the run "
-                                f"stops here. Lower train.lr or check the data, then {self._go_back()}")
+            raise on_every_rank(TrainingError(
+                f"loss {loss_value}, gradient norm {grad_norm} at step {self.step}: not finite for {self.skipped} "
+                f"step(s) in a row (train.skip_nonfinite={t.skip_nonfinite}); the run stops here. Lower train.lr or "
+                f"check the data, then {self._go_back()}"))
         if skip and self.ctx.is_main:
             warnings.warn(f"step {self.step}: loss {loss_value}, gradient norm {grad_norm}; step skipped, weights "
                           f"unchanged ({self.skipped} of at most train.skip_nonfinite={t.skip_nonfinite} in a row)")
@@ -222,7 +223,7 @@ class Trainer:
             problems = self.ctx.all_gather_objects(problem)
             problem = next((f"{p} (rank {r})" for r, p in enumerate(problems) if p), "")
         if problem:
-            raise ckpt.CheckpointError(problem)
+            raise on_every_rank(ckpt.CheckpointError(problem))
 
     def _load(self, where: str) -> None:
         checkpoint = ckpt.Checkpoint(where)
@@ -313,7 +314,7 @@ class Trainer:
                         self.save()
                     heard = self._stop_heard(stop, log.problem)
                     if heard:
-                        raise self._stopped(due, heard)
+                        raise on_every_rank(self._stopped(due, heard))
                 self.tracer.enabled = False
                 log.end_progress()
                 self.sharded.settle()
@@ -345,8 +346,9 @@ class Trainer:
             heard = next((name for name, n in zip(SIGNAL_NAMES, sums) if n > 0), "")
             failed = self.ctx.first_problem(problem) if sums[-1] else ""
         if failed:
-            raise TrainingError(f"{failed}; make room there (or set log.run_dir elsewhere), then run the same "
-                                f"command with checkpoint.resume=auto to go on from the last checkpoint")
+            raise on_every_rank(TrainingError(f"{failed}; make room there (or set log.run_dir elsewhere), then run "
+                                              f"the same command with checkpoint.resume=auto to go on from the last "
+                                              f"checkpoint"))
         return heard
 
     def _stopped(self, saved: bool, signal_name: str) -> Stopped:
@@ -514,7 +516,7 @@ def _claim_run_dir(cfg: Config, ctx: ParallelContext, held: contextlib.ExitStack
             problem = str(e)
     problem = ctx.first_problem(problem)
     if problem:
-        raise ConfigError(problem)
+        raise on_every_rank(ConfigError(problem))
     if ctx.world_size > 1 and (cfg.checkpoint.every or cfg.checkpoint.save_final):
         _check_shared(Path(cfg.log.run_dir), ctx)
 
@@ -539,7 +541,7 @@ def _check_shared(run_dir: Path, ctx: ParallelContext) -> None:
         if ctx.is_main:
             (run_dir / name).unlink(missing_ok=True)
     if problem:
-        raise ConfigError(problem)
+        raise on_every_rank(ConfigError(problem))
 
 
 def _holds(path: Path, text: str) -> bool:

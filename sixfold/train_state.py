@@ -23,7 +23,7 @@ from . import checkpoint as ckpt
 from .checkpoint import Checkpoint, CheckpointError
 from .comm import Comm
 from .config import Config, inert, shown
-from .mesh import ParallelContext
+from .mesh import ParallelContext, on_every_rank
 from .model.llama import full_shapes
 from .optim import MOMENTS, AdamW
 from .parallel.sharding import Sharded
@@ -109,7 +109,7 @@ class Saver:
                 problem = str(e)
         everyone = self.ctx.all_gather_objects(([p.key for p in mine], problem))
         if everyone[0][1]:
-            raise CheckpointError(everyone[0][1])
+            raise on_every_rank(CheckpointError(everyone[0][1]))
         writer = {}
         for rank, (keys, _) in enumerate(everyone):
             for key in keys:
@@ -142,7 +142,7 @@ class Saver:
         if said:
             if self.ctx.is_main:
                 shutil.rmtree(ckpt.staging_dir(path), ignore_errors=True)
-            raise CheckpointError(said)
+            raise on_every_rank(CheckpointError(said))
         return [result for result, _ in everyone]
 
     def _run(self, *args) -> None:
@@ -213,7 +213,7 @@ class Saver:
         if error:
             if self.ctx.is_main:
                 shutil.rmtree(ckpt.staging_dir(self._path), ignore_errors=True)
-            raise CheckpointError(f"the background checkpoint save failed: {error}")
+            raise on_every_rank(CheckpointError(f"the background checkpoint save failed: {error}"))
 
 
 # model settings a run may change when it resumes

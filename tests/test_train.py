@@ -358,8 +358,8 @@ def test_sigterm_ends_the_run_with_a_checkpoint_and_it_goes_on_as_if_never_stopp
     out, err = job.communicate(timeout=300)
     last = read_metrics(run)[-1]["step"]
     assert job.returncode != 0 and last < 30, err[-3000:]
-    assert err.count(f"stopped by SIGTERM after step {last} of 30; checkpoint ") == 2, err[-3000:]
-    assert "checkpoint.resume=auto" in err
+    assert err.count(f"sixfold: stopped by SIGTERM after step {last} of 30; checkpoint ") == 1, err[-3000:]
+    assert "checkpoint.resume=auto" in err and "(rank " not in err  # said once, by the first rank
     assert (run / "checkpoints" / "latest").read_text() == f"step_{last:07d}"
     assert _train(run, *LONG, "checkpoint.resume=auto", nproc=2).returncode == 0
     steps = read_metrics(run)
@@ -417,7 +417,7 @@ def test_ctrl_c_to_the_launcher_stops_its_ranks_after_a_step_with_a_checkpoint(t
     out, err = job.communicate(timeout=300)
     last = read_metrics(run)[-1]["step"]
     assert job.returncode == 128 + signal.SIGINT and last < 30 and "Traceback" not in err, err[-3000:]
-    assert err.count(f"stopped by SIGINT after step {last} of 30; checkpoint ") == 2, err[-3000:]
+    assert err.count(f"stopped by SIGINT after step {last} of 30; checkpoint ") == 1, err[-3000:]
     assert (run / "checkpoints" / "latest").read_text() == f"step_{last:07d}"
 
 
@@ -429,15 +429,30 @@ def test_killing_the_launcher_outright_stops_its_ranks_after_a_step_with_a_check
     job.kill()
     out, err = job.communicate(timeout=300)
     last = read_metrics(run)[-1]["step"]
-    assert last < 30 and err.count(f"stopped by SIGTERM after step {last} of 30; checkpoint ") == 2, err[-3000:]
+    assert last < 30 and err.count(f"stopped by SIGTERM after step {last} of 30; checkpoint ") == 1, err[-3000:]
     assert (run / "checkpoints" / "latest").read_text() == f"step_{last:07d}"
 
 
 def test_a_ranks_error_ends_the_launcher_with_its_exit_code_and_no_torchrun_traceback(tmp_path):
     proc = _train(tmp_path / "run", "parallel.dp_shard=2", "train.lr=1e9", "train.skip_nonfinite=0",
                   "train.steps=3", nproc=2)
-    assert proc.returncode == 2 and "sixfold error (rank 0): loss nan" in proc.stderr, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.count("sixfold error: loss nan") == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "torch.distributed.elastic" not in proc.stderr
+
+
+def test_a_rank_ended_by_a_signal_is_named_by_the_launcher(tmp_path):
+    """kill -9 of one rank (as the out-of-memory killer does): it cannot say anything itself, so the launcher
+    names it and says how to go on, with the shell's exit code for the signal."""
+    run = tmp_path / "run"
+    job = _launch(run)
+    (torchrun_pid,) = _children(job.pid)
+    worker = max(_children(torchrun_pid))
+    os.kill(worker, signal.SIGKILL)
+    out, err = job.communicate(timeout=300)
+    assert job.returncode == 128 + signal.SIGKILL, err[-3000:]
+    assert f"sixfold error: rank 1 (pid {worker}) was ended by SIGKILL (the kernel's out-of-memory killer" in err, \
+        err[-3000:]
+    assert "checkpoint.resume=auto" in err and "torch.distributed.elastic" not in err
 
 
 def test_what_the_data_refuses_is_refused_before_the_ranks_start(tmp_path):
