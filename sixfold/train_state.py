@@ -235,8 +235,12 @@ def function_changes(meta: dict, cfg: Config) -> dict[str, tuple]:
     """The model settings that differ from a checkpoint's and change what its weights compute: not FREE or
     OBJECTIVE ones, nor RoPE fields that the rope_scaling kind both share does not use."""
     diffs = differences(meta, cfg)
-    same = FREE + OBJECTIVE + (() if "rope_scaling" in diffs else inert(cfg.model))
-    return {k: v for k, v in diffs.items() if k not in same}
+    return {k: v for k, v in diffs.items() if k not in FREE + OBJECTIVE + _unused(diffs, cfg)}
+
+
+def _unused(diffs: dict, cfg: Config) -> tuple[str, ...]:
+    """The RoPE fields that neither the checkpoint nor `cfg` uses: both have one rope_scaling kind."""
+    return () if "rope_scaling" in diffs else inert(cfg.model)
 
 
 @torch.no_grad()
@@ -255,7 +259,7 @@ def load(checkpoint: Checkpoint, sharded: Sharded, optim: AdamW, cfg: Config) ->
     if state is not None:
         ckpt.check_shapes({f"{n}.{k}": s for n, s in expected.items() for k in MOMENTS}, state.shapes(),
                           f"{checkpoint.path} (optim)", hint)
-    if state is not None and any(k not in FREE for k in diffs):
+    if state is not None and any(k not in FREE + _unused(diffs, cfg) for k in diffs):
         raise CheckpointError(f"{checkpoint.path} is a training checkpoint of another model: {hint} to resume from it")
     sharded.settle()  # no gather reads the masters while they are written
     flats = [torch.zeros_like(u.master) for u in sharded.units]

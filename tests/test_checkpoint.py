@@ -179,6 +179,12 @@ def test_a_bad_checkpoint_is_refused_by_name_and_nothing_on_disk_changes(saved, 
     assert (_fingerprint(saved.parent.parent), _fingerprint(bad)) == before
 
 
+def test_a_training_checkpoint_resumes_with_rope_fields_its_scaling_does_not_use(saved, tmp_path):
+    """rope_factor means nothing with model.rope_scaling=none: the run is the checkpoint's model."""
+    cfg = load_config(TINY, [f"checkpoint.resume={saved}", f"log.run_dir={tmp_path / 'run'}", "model.rope_factor=4"])
+    assert Trainer(cfg, ParallelContext.single()).step == 2
+
+
 def test_an_unwritable_run_directory_is_refused_before_training(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert cli.main(["train", TINY, f"log.run_dir={tmp_path / 'file' / 'run'}"]) == 2
