@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 import warnings
@@ -186,7 +187,7 @@ def cmd_matrix(args, argv) -> int:
     for row in report.rows:
         print(row.line())
     if args.table:
-        Path(args.table).write_text(report.table())
+        Path(args.table).write_text(report.table(shlex.join(["sixfold", *argv])))
     failed = [row.layout.name for row in report.rows if not row.ok]
     print(f"parity matrix: {len(report.rows) - len(failed)} of {len(report.rows)} layouts OK in {report.seconds:.0f}s"
           + (f"; FAILED: {', '.join(failed)}" if failed else "")

@@ -202,13 +202,14 @@ class Report:
     load: float  # the machine's 1-minute load average as the job started: other work sharing its cores
     kept: str = ""  # the temporary directory holding the runs, left to look into when a layout failed
 
-    def table(self) -> str:
-        """docs/parity.md: one line per layout, and how long the whole job took on this machine."""
+    def table(self, command: str) -> str:
+        """docs/parity.md: one line per layout, and how long the whole job took on this machine; `command`: the
+        command line that ran the matrix."""
         rows, passed = self.rows, sum(row.ok for row in self.rows)
         lines = [
             "# Parity matrix",
             "",
-            f"Written by `sixfold matrix configs/tiny.yaml --table docs/parity.md` (`tests/test_parity.py` runs "
+            f"Written by `{command}` (`tests/test_parity.py` runs "
             f"the same matrix in CI and checks that this table lists its layouts): {len(rows)} layouts, {passed} "
             f"passed, one torchrun job of "
             f"{max(row.ranks for row in rows)} gloo ranks, {self.seconds:.0f}s on {os.cpu_count()} CPU cores "
