@@ -267,16 +267,34 @@ def _set(obj, path: list[str], value, where: str = "") -> None:
     setattr(obj, key, _coerce(value, typ, where + key))
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """safe_load's loader, refusing a key given twice in one mapping (which PyYAML would settle by the last)."""
+
+
+def _mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False) -> dict:
+    keys = [loader.construct_object(k, deep=True) for k, _ in node.value]
+    twice = next((i for i, k in enumerate(keys) if k in keys[:i]), None)
+    if twice is not None:
+        raise yaml.constructor.ConstructorError(None, None, f"key {keys[twice]!r} is given twice",
+                                                node.value[twice][0].start_mark)
+    return loader.construct_mapping(node, deep)
+
+
+_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = (), check: bool = True) -> Config:
     """Build a Config from an optional YAML file and `a.b=value` overrides, then validate it (unless not
     `check`: a layout read before the settings that depend on it are added)."""
     cfg = Config()
     if path:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {p} is a directory: give a YAML file (see configs/ for examples)")
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist (see configs/ for examples)")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.load(p.read_text(), Loader=_UniqueKeys) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
         except UnicodeDecodeError as e:
@@ -469,8 +487,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if not 0 <= getattr(m, key) < math.inf:
             raise ConfigError(f"model.{key}={getattr(m, key)} must be 0 (off) or a positive number")
     for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
-        if getattr(m, key) < 1:
-            raise ConfigError(f"model.{key}={getattr(m, key)} must be at least 1")
+        if not 1 <= getattr(m, key) < 2**31:
+            raise ConfigError(f"model.{key}={getattr(m, key)} must be from 1 to 2**31 - 1")
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
     if m.head_dim % 2:
@@ -563,6 +581,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not cfg.data.source.strip() or cfg.data.max_bytes < 0:
         raise ConfigError("data.source must name a file or directory (or stdlib), and data.max_bytes be 0 (all) "
                           "or more")
+    if not cfg.data.cache_dir.strip():
+        raise ConfigError("data.cache_dir is empty: set it to the directory that keeps the tokenized corpus "
+                          "(by default ~/.cache/sixfold)")
+    if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > m.vocab_size:
+        raise ConfigError(f"data.bpe_vocab_size={cfg.data.bpe_vocab_size} is more than model.vocab_size="
+                          f"{m.vocab_size}, which must hold every token: lower data.bpe_vocab_size or raise "
+                          f"model.vocab_size")
     for key in ("precision", "grad_reduce"):
         if getattr(t, key) not in DTYPES:
             raise ConfigError(f"train.{key}={getattr(t, key)!r}: choose fp32 or bf16")

@@ -12,7 +12,8 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Genera
     """The next token from fp32 CPU logits [vocab]."""
     if temperature == 0:
         return int(logits.argmax())
-    logits = (logits - logits.max()) / temperature  # a tiny temperature then tends to greedy, not to NaN
+    # in float64, where any positive temperature is a number (in fp32, 1e-300 is 0): a tiny one tends to greedy
+    logits = (logits.double() - logits.max()) / temperature
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -64,7 +64,7 @@ class Trainer:
         stages = split_stages(cfg.model, p.pp * p.pp_virtual_stages, t.seq_len)
         schedule = schedules.build(p.pp_schedule, p.pp, p.pp_virtual_stages, t.micro_batches) if p.pp > 1 else None
         mine = [s for s in stages if schedule is None or schedule.placement[s.index] == ctx.rank_in("pp")]
-        self.model = Llama(cfg.model, tp, self.cp, mine, ExpertParallel(self.comm)).to(ctx.device)
+        self.model = self._build(lambda: Llama(cfg.model, tp, self.cp, mine, ExpertParallel(self.comm)).to(ctx.device))
         init_weights(self.model, t.seed)
         self.moe = {int(n.split(".")[1]): m for n, m in self.model.named_modules() if isinstance(m, MoE)}
         if t.compile:  # the blocks' forward only: the sharding hooks around them stay eager
@@ -308,7 +308,9 @@ class Trainer:
                         self.comm.ledger.close("eval")
                     history.append(m)
                     log.step(m, show=self.step % cfg.log.every == 0 or self.step == t.steps)
-                    due = cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and (
+                    # none while steps are skipped as not finite: the weights may have diverged, and such
+                    # checkpoints would push the good ones out of checkpoint.keep
+                    due = cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and not self.skipped and (
                         self.step < t.steps or not cfg.checkpoint.save_final)
                     if due:
                         self.save()
@@ -364,14 +366,30 @@ class Trainer:
         return Stopped(f"{done}; checkpoint {path}: run the same command with checkpoint.resume=auto (or "
                        f"checkpoint.resume={path}) to go on", signal_name)
 
+    def _build(self, make):
+        """make(), its running out of memory a ConfigError naming the model's size and what to change."""
+        try:
+            return make()
+        except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "can't allocate memory" not in str(e):
+                raise
+            n = self.cfg.model.num_params()
+            raise ConfigError(f"rank {self.ctx.rank} ran out of memory building the model ({n:,} parameters, "
+                              f"{4 * n / 1e9:,.1f} GB in fp32 before any sharding): choose smaller model.* settings "
+                              f"or split it over more ranks (parallel.zero=3, tp, pp); `sixfold plan` estimates a "
+                              f"layout's memory") from None
+
     def _go_back(self) -> str:
-        """Where to start again after non-finite steps: the run's newest checkpoint (written before them; the
-        weights in memory may be diverged already, so none is written now), or from the start."""
-        done = ckpt.complete_steps(self.run_dir)
-        if done:
-            return f"resume from this run's newest checkpoint: checkpoint.resume={done[-1]}"
-        return ("start again: this run has no checkpoint to resume from (set checkpoint.every to keep some along "
-                "the way)")
+        """Where to start again after non-finite steps: the run's newest checkpoint before them (the weights in
+        memory may be diverged already, so none is written during them), or from the start."""
+        first = self.step - self.skipped + 1
+        done = [p for p in ckpt.complete_steps(self.run_dir) if ckpt.step_of(p) < first]
+        if not done:
+            return ("start again: this run has no checkpoint from before them to resume from (set checkpoint.every "
+                    "to keep some along the way)")
+        earlier = (f" (should it fail the same way, the update of its own step may be what diverged: then "
+                   f"checkpoint.resume={done[-2]})" if len(done) > 1 else "")
+        return f"resume from this run's newest checkpoint before step {first}: checkpoint.resume={done[-1]}{earlier}"
 
     def sample(self) -> str:
         from .generate import sample_text

@@ -61,6 +61,12 @@ def test_bad_values(tmp_path):
         load_config(None, ["model.tie_embeddings=maybe"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent.yaml")
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory: give a YAML file"):
+        load_config(tmp_path)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("model: {dim: 64}\ntrain: {steps: 3}\nmodel: {dim: 128}\n")
+    with pytest.raises(ConfigError, match="is not valid YAML: key 'model' is given twice\n.*line 3"):
+        load_config(twice)
     with pytest.raises(ConfigError, match=r"train.seed=100000000000000000000000 must be from 0 to 2\*\*63 - 1"):
         load_config(None, ["train.seed=100000000000000000000000"])
 
@@ -99,6 +105,10 @@ def test_bad_values(tmp_path):
     (["train.eps=0"], "train.eps=0.0 is out of range"),
     (["train.min_lr=1.0"], "train.min_lr=1.0 is out of range.* min_lr at most lr"),
     (["model.init_std=0"], "model.init_std=0.0 must be a positive number"),
+    (["model.vocab_size=99999999999999999999"], "model.vocab_size=99999999999999999999 must be from 1 to 2\\*\\*31 - 1"),
+    (["data.cache_dir="], "data.cache_dir is empty: set it to the directory that keeps the tokenized corpus"),
+    (["data.tokenizer=bpe", "data.bpe_vocab_size=4294967295"], "data.bpe_vocab_size=4294967295 is more than "
+     "model.vocab_size=320, which must hold every token"),
 ])
 def test_impossible_layouts(overrides, message):
     with pytest.raises(ConfigError, match=message):

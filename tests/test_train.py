@@ -159,8 +159,36 @@ def test_nan_loss_stops_at_once_when_asked(tmp_path):
     # the weights in memory may have diverged already: nothing is written, the newest checkpoint is named
     saved = tmp_path / "run" / "checkpoints" / "step_0000001"
     assert "not finite for 1 step(s) in a row (train.skip_nonfinite=0); the run stops here. Lower train.lr or " \
-           f"check the data, then resume from this run's newest checkpoint: checkpoint.resume={saved}" in proc.stderr
+           f"check the data, then resume from this run's newest checkpoint before step 2: checkpoint.resume={saved}" \
+           in proc.stderr
     assert [p.name for p in saved.parent.glob("step_*")] == ["step_0000001"]
+
+
+def test_no_checkpoint_is_written_while_steps_are_skipped_so_the_good_ones_stay(tmp_path):
+    """Steps 1-2 train; step 3's update diverges, steps 4-6 are skipped and the run stops. Checkpoints of the
+    skipped steps would have pushed steps 1 and 2 out of checkpoint.keep=3; the error names step 3's, and step 2's
+    in case step 3's update is what diverged."""
+    run, every = tmp_path / "run", ["checkpoint.every=1", "checkpoint.keep=3", f"log.run_dir={tmp_path / 'run'}"]
+    train_module.train(load_config(TINY, ["train.steps=2", *every]))
+    with pytest.warns(UserWarning), pytest.raises(train_module.TrainingError) as e:
+        train_module.train(load_config(TINY, ["train.steps=10", "train.lr=1e30", "train.grad_clip=0",
+                                              "train.warmup_steps=0", "train.skip_nonfinite=2",
+                                              "checkpoint.resume=auto", *every]))
+    steps = run / "checkpoints"
+    assert [p.name for p in sorted(steps.glob("step_*"))] == ["step_0000001", "step_0000002", "step_0000003"]
+    assert f"resume from this run's newest checkpoint before step 4: checkpoint.resume={steps / 'step_0000003'} " \
+           f"(should it fail the same way, the update of its own step may be what diverged: then " \
+           f"checkpoint.resume={steps / 'step_0000002'})" in str(e.value)
+
+
+def test_a_model_too_large_to_build_says_its_size_and_what_to_change(tmp_path):
+    from sixfold.config import ConfigError
+    from sixfold.mesh import ParallelContext
+    # an embedding of 281 TB: more than a process can address, so refused however the system overcommits memory
+    cfg = load_config(TINY, ["model.vocab_size=2147483647", "model.dim=32768", f"log.run_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="rank 0 ran out of memory building the model \\(140,743,965,507,584 "
+                                          "parameters, 562,975.9 GB in fp32 before any sharding\\): choose smaller"):
+        train_module.Trainer(cfg, ParallelContext.single())
 
 
 def test_layout_errors_before_any_process_starts(tmp_path):
@@ -290,7 +318,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
                   "train.skip_nonfinite=2", "checkpoint.save_final=false")
     assert proc.returncode == 2
     assert "not finite for 3 step(s) in a row (train.skip_nonfinite=2)" in proc.stderr and "train.lr" in proc.stderr
-    assert "start again: this run has no checkpoint to resume from" in proc.stderr
+    assert "start again: this run has no checkpoint from before them to resume from" in proc.stderr
     skipped = [m["skipped"] for m in read_metrics(tmp_path / "run")]
     assert skipped[-2:] == [True, True] and not skipped[0]
 
