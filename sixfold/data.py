@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import sysconfig
 import warnings
@@ -23,13 +24,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sixfold.checkpoint import file_sha256
-from sixfold.config import DataConfig
+from sixfold.checkpoint import META, META_SHA256, file_sha256
+from sixfold.config import RUN_CONFIG_HEAD, DataConfig
 
 EOT = "<|endoftext|>"
 CACHE_FORMAT = "sixfold-tokens-1"
 _READER = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # a changed reader makes new cache indexes
 STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__"}
+# the names of the files this module writes in data.cache_dir
+CACHE_FILE = re.compile(r"(bpe|tokenizer|tokens|index)-[0-9a-f]+(\.train|\.val)?\.(bin|json|sha256)(\.lock)?")
 
 
 class DataError(ValueError):
@@ -165,20 +168,46 @@ class BPETokenizer:
 
 # ---- documents ----
 
-def _walk(root: Path, skip=()) -> list[tuple[str, Path]]:
-    """(relative path, file) for every regular, non-hidden file under root, sorted; linked directories are
-    followed, each real directory once."""
-    out, seen = [], {os.path.realpath(root)}
+def _sixfold_output(d: Path) -> bool:
+    """Whether directory d is one sixfold writes: a run directory (its config.yaml opens with RUN_CONFIG_HEAD, or,
+    from before that line, metrics.jsonl lies beside it; or it holds checkpoints/latest) or a checkpoint (meta.json
+    with meta.sha256)."""
+    config = d / "config.yaml"
+    if config.is_file():
+        if (d / "metrics.jsonl").is_file():
+            return True
+        try:
+            with open(config, "rb") as f:
+                if f.read(len(RUN_CONFIG_HEAD)) == RUN_CONFIG_HEAD.encode():
+                    return True
+        except OSError:  # then corpus, and refused as unreadable when it is read
+            pass
+    return (d / "checkpoints" / "latest").is_file() or ((d / META).is_file() and (d / META_SHA256).is_file())
+
+
+def _walk(root: Path, skip=(), cache: Path | None = None) -> tuple[list[tuple[str, Path]], list[str]]:
+    """(relative path, file) for every regular, non-hidden file under root, sorted, and what was left out as
+    sixfold's own: directories below root that sixfold writes (_sixfold_output), and the token cache's files
+    (CACHE_FILE) in `cache`, not the whole directory, which may be root. Linked directories are followed, each
+    real directory once."""
+    out, own, seen = [], [], {os.path.realpath(root)}
+    cache = os.path.realpath(cache) if cache else None
     for d, dirs, names in os.walk(root, followlinks=True):
         dirs[:] = [x for x in dirs if not x.startswith(".") and x not in skip]
         real = [os.path.realpath(os.path.join(d, x)) for x in dirs]
         dirs[:] = [x for x, r in zip(dirs, real) if r not in seen]
         seen.update(real)
+        mine = [x for x in dirs if _sixfold_output(Path(d, x))]
+        own += [Path(d, x) for x in mine]
+        dirs[:] = [x for x in dirs if x not in mine]
+        in_cache = os.path.realpath(d) == cache
         for n in names:
             p = Path(d, n)
-            if not n.startswith(".") and p.is_file():
+            if in_cache and CACHE_FILE.fullmatch(n):
+                own.append(p)
+            elif not n.startswith(".") and p.is_file():
                 out.append((p.relative_to(root).as_posix(), p))
-    return sorted(out)
+    return sorted(out), sorted(p.relative_to(root).as_posix() for p in own)
 
 
 def _format(cfg: DataConfig, path: Path) -> str:
@@ -188,16 +217,21 @@ def _format(cfg: DataConfig, path: Path) -> str:
 
 
 def _corpus(cfg: DataConfig) -> tuple[str, Path, list[tuple[str, Path]]]:
-    """(kind, root, [(id, file)]) for data.source; kind is "bin" for pre-tokenized files, else "text"."""
+    """(kind, root, [(id, file)]) for data.source; kind is "bin" for pre-tokenized files, else "text". Sixfold's own
+    directories and files in a directory (_walk) are left out, with a warning."""
     if cfg.source == "stdlib":
         if cfg.format not in ("auto", "text"):
             raise DataError(f"data.source=stdlib is Python source text; set data.format=auto, not {cfg.format}")
         root = Path(sysconfig.get_paths()["stdlib"])
-        return "text", root, [(i, p) for i, p in _walk(root, STDLIB_SKIP) if i.endswith(".py")]
+        return "text", root, [(i, p) for i, p in _walk(root, STDLIB_SKIP)[0] if i.endswith(".py")]
     root = Path(cfg.source).expanduser().resolve()
     if not root.exists():
         raise DataError(f"data.source={cfg.source!r}: {root} does not exist; give a file, a directory or 'stdlib'")
-    files = [(root.name, root)] if root.is_file() else _walk(root)
+    files, own = ([(root.name, root)], []) if root.is_file() else _walk(root, cache=Path(cfg.cache_dir).expanduser())
+    if own:  # said on every load: the corpus is listed before the cache is looked in
+        warnings.warn(f"skipped {len(own)} of sixfold's own directories and files in {root} (run directories, "
+                      f"checkpoints, the token cache of data.cache_dir): {', '.join(own[:5])}"
+                      f"{' ...' if len(own) > 5 else ''}", stacklevel=3)
     if cfg.format == "bin" and root.is_dir():
         files = [f for f in files if f[1].suffix == ".bin"]
     if not files:
@@ -242,9 +276,13 @@ def _text(path: Path, limit: int, binary_if_nul: bool) -> tuple[str, bool]:
     return codecs.getincrementaldecoder("utf-8-sig")().decode(raw, final=not cut), cut
 
 
+def _unreadable(path: Path, e: OSError) -> DataError:
+    return DataError(f"{path} cannot be read ({e.strerror or e}); fix its permissions or remove it from data.source")
+
+
 def _documents(cfg: DataConfig, root: Path, files) -> list[tuple[str, str]]:
     """(id, text) of each document of the files in order, up to data.max_bytes of text (a text file read only
-    as far as that); non-UTF-8 files skipped with one warning."""
+    as far as that); non-UTF-8 files skipped with one warning, an unreadable file refused."""
     docs, taken, skipped = [], 0, []
     for doc_id, path in files:
         jsonl = _format(cfg, path) == "jsonl"
@@ -254,6 +292,8 @@ def _documents(cfg: DataConfig, root: Path, files) -> list[tuple[str, str]]:
         except UnicodeDecodeError:
             skipped.append(str(path))
             continue
+        except OSError as e:
+            raise _unreadable(path, e) from None
         for doc_id, text in _jsonl(path, doc_id, text, cfg.jsonl_field) if jsonl else [(doc_id, text)]:
             if cfg.max_bytes:
                 raw = text.encode()
@@ -377,6 +417,24 @@ def _write_cache(tok, train_docs, val_docs, train_path: Path, val_path: Path, va
                 os.truncate(train_tmp, cut * np.dtype(dtype).itemsize)
 
 
+def _check_bin(cfg: DataConfig, p: Path, dtype: np.dtype, vocab_size: int) -> None:
+    """Refuse a token file that is empty, not whole tokens of dtype, uint32 ids read as uint16, or holds an id
+    outside the vocabulary."""
+    size = p.stat().st_size
+    if size == 0:
+        raise DataError(f"{p} is empty; point data.source at token files with data")
+    if size % dtype.itemsize:
+        raise DataError(f"{p}: {size} bytes is not a whole number of {dtype} tokens; check data.bin_dtype")
+    tokens = np.memmap(p, dtype, mode="r")
+    # little-endian uint32 ids below 65536 read as uint16: each high half, at an odd position, is 0
+    if dtype == np.uint16 and size % 4 == 0 and not tokens[:1 << 20][1::2].any():
+        raise DataError(f"{p} looks like uint32 token ids (every other uint16 in it is 0); set data.bin_dtype=uint32")
+    top = int(tokens.max())
+    if top >= vocab_size:
+        raise DataError(f"{p} holds token {top}, outside the vocabulary of {vocab_size} of "
+                        f"data.tokenizer={cfg.tokenizer!r}; set data.tokenizer (or data.bin_dtype) to match")
+
+
 def _load_bin(cfg: DataConfig, root: Path, files) -> TokenData:
     if cfg.tokenizer == "bpe":
         raise DataError("data.tokenizer=bpe trains on text, but data.source holds .bin token files; "
@@ -384,15 +442,10 @@ def _load_bin(cfg: DataConfig, root: Path, files) -> TokenData:
     tok = build_tokenizer(cfg, [])
     dtype = np.dtype(cfg.bin_dtype)
     for _, p in files:
-        size = p.stat().st_size
-        if size == 0:
-            raise DataError(f"{p} is empty; point data.source at token files with data")
-        if size % dtype.itemsize:
-            raise DataError(f"{p}: {size} bytes is not a whole number of {dtype} tokens; check data.bin_dtype")
-        top = int(np.memmap(p, dtype, mode="r").max())
-        if top >= tok.vocab_size:
-            raise DataError(f"{p} holds token {top}, outside the vocabulary of {tok.vocab_size} of "
-                            f"data.tokenizer={cfg.tokenizer!r}; set data.tokenizer (or data.bin_dtype) to match")
+        try:
+            _check_bin(cfg, p, dtype, tok.vocab_size)
+        except OSError as e:
+            raise _unreadable(p, e) from None
     path = files[0][1]
     if len(files) > 1:  # concatenated once into the cache
         stats = [(i, p.stat().st_size, p.stat().st_mtime_ns) for i, p in files]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sixfold import data as data_module
-from sixfold.config import DataConfig
+from sixfold.config import RUN_CONFIG_HEAD, DataConfig
 from sixfold.data import (BatchLoader, BPETokenizer, ByteTokenizer, DataError, build_tokenizer, eval_batches,
                           iter_documents, load_data, split_documents)
 
@@ -381,3 +381,86 @@ def test_a_damaged_token_cache_is_tokenized_again(tmp_path, damage):
         index.unlink()
     train.write_bytes(b"\0" * size)
     assert np.array_equal(load_data(c).train, first[0])
+
+
+def test_an_unreadable_corpus_file_names_itself(tmp_path):
+    """A file whose read fails (here one of /proc's, which refuses reads even to root) is a DataError naming it."""
+    root = write_corpus(tmp_path / "c", 1)
+    bad = root / "bad.txt"
+    bad.symlink_to("/proc/self/clear_refs")
+    for source in (root, bad):
+        with pytest.raises(DataError, match=r"(bad\.txt|clear_refs) cannot be read \(Invalid argument\); fix its "
+                                            r"permissions or remove it from data\.source"):
+            load_data(cfg(tmp_path, source=str(source)))
+
+
+def test_an_unreadable_bin_file_names_itself(tmp_path, monkeypatch):
+    path = tmp_path / "t.bin"
+    np.arange(10, dtype=np.uint16).tofile(path)
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(np, "memmap", refused)  # as a file without read permission (root reads those all the same)
+    with pytest.raises(DataError, match=r"t\.bin cannot be read \(Permission denied\); fix its permissions"):
+        load_data(cfg(tmp_path, source=str(path)))
+
+
+def test_uint32_token_ids_read_as_uint16_are_refused(tmp_path):
+    ids = np.random.default_rng(0).integers(1, 257, 1000)
+    path = tmp_path / "t.bin"
+    ids.astype(np.uint32).tofile(path)  # little-endian: every other uint16 is a high half, 0
+    with pytest.raises(DataError, match=r"t\.bin looks like uint32 token ids \(every other uint16 in it is 0\); "
+                                        r"set data\.bin_dtype=uint32"):
+        load_data(cfg(tmp_path, source=str(path)))
+    data = load_data(cfg(tmp_path, source=str(path), bin_dtype="uint32"))
+    assert np.array_equal(np.concatenate([data.train, data.val]), ids)
+    genuine = ids.astype(np.uint16)
+    genuine[1::2][:-1] = 0  # zeros at odd positions, but not all of them
+    genuine.tofile(path)
+    data = load_data(cfg(tmp_path, source=str(path)))
+    assert np.array_equal(np.concatenate([data.train, data.val]), genuine)
+
+
+@pytest.mark.parametrize("fmt", ["auto", "text"])
+@pytest.mark.parametrize("cache", [".", "cache"])
+def test_a_token_cache_inside_the_corpus_is_not_read_as_corpus(tmp_path, monkeypatch, cache, fmt):
+    """data.cache_dir the same directory as data.source, or inside it: the cache's own files are not corpus, and
+    the corpus (and so its cache key) is the same on the second load as on the first."""
+    root = write_corpus(tmp_path / "c", 3)
+    c = DataConfig(source=str(root), cache_dir=str(root / cache), format=fmt, tokenizer="bpe", bpe_vocab_size=300)
+    first = load_data(c)
+    monkeypatch.setattr(data_module, "_documents", lambda *a: pytest.fail("the corpus was read again"))
+    with pytest.warns(UserWarning, match=r"skipped \d+ of sixfold's own .*tokens-"):
+        again = load_data(c)
+    monkeypatch.undo()
+    assert np.array_equal(again.train, first.train) and np.array_equal(again.val, first.val)
+    with pytest.warns(UserWarning, match="sixfold's own"):
+        assert [d for d, _ in iter_documents(c)] == ["doc00.txt", "doc01.txt", "doc02.txt"]
+
+
+def test_run_and_checkpoint_directories_inside_the_corpus_are_skipped(tmp_path):
+    root = write_corpus(tmp_path / "c", 2)
+    run = root / "runs" / "a"
+    (run / "checkpoints" / "step_0000002").mkdir(parents=True)
+    (run / "config.yaml").write_text(RUN_CONFIG_HEAD + "model: {}\n")
+    (run / "comm_ledger.json").write_text("{}")
+    old = root / "runs" / "old"  # a run from before config.yaml's first line said so
+    old.mkdir()
+    (old / "config.yaml").write_text("model: {}\n")
+    (old / "metrics.jsonl").write_text("{}\n")
+    (root / "runs" / "b" / "checkpoints").mkdir(parents=True)  # its config.yaml gone
+    (root / "runs" / "b" / "checkpoints" / "latest").write_text("step_0000001")
+    step = root / "copied" / "step_0000001"  # a checkpoint copied on its own
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    (step / "meta.sha256").write_text("0" * 64)
+    project = root / "project"  # corpus files that share names with a run's
+    project.mkdir()
+    for name in ("config.yaml", "meta.json", "comm_ledger.json"):
+        (project / name).write_text(f"{name}\n")
+    with pytest.warns(UserWarning, match=r"skipped 4 of sixfold's own .*: copied/step_0000001, runs/a, runs/b, "
+                                         r"runs/old$"):
+        docs = iter_documents(cfg(tmp_path, source=str(root)))
+    assert [d for d, _ in docs] == ["doc00.txt", "doc01.txt", "project/comm_ledger.json", "project/config.yaml",
+                                    "project/meta.json"]
