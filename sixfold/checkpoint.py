@@ -98,6 +98,15 @@ def complete_steps(run_dir: str | Path) -> list[Path]:
     return complete_in(Path(run_dir) / "checkpoints")
 
 
+def outside_checkpoints(out: str | Path) -> None:
+    """Refuse an output path inside a checkpoint or a run's checkpoints/ folder, whose contents later saves replace
+    and checkpoint.keep removes."""
+    for parent in Path(out).resolve().parents:
+        if (parent / META).is_file() or (parent.name == "checkpoints" and (parent / "latest").is_file()):
+            raise CheckpointError(f"{out} is inside {parent}, whose contents sixfold's checkpoint saves replace and "
+                                  f"checkpoint.keep removes; write it outside the run's checkpoints/ folder")
+
+
 def has_checkpoint(run_dir: str | Path) -> bool:
     return (Path(run_dir) / "checkpoints" / "latest").is_file() or bool(complete_steps(run_dir))
 

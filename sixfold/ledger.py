@@ -74,12 +74,59 @@ def write(path: Path, parts: list[dict], layout: str) -> dict:
     return data
 
 
+def _is_count(value) -> bool:
+    """Whether value is a byte or call count: a number, not a boolean."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_traffic(traffic) -> bool:
+    """Whether `traffic` is a Traffic: "group/op" -> {"bytes": ..., "calls": ...}."""
+    return isinstance(traffic, dict) and all(
+        key.count("/") == 1 and isinstance(t, dict) and _is_count(t.get("bytes")) and _is_count(t.get("calls"))
+        for key, t in traffic.items())
+
+
+def _is_run(run) -> bool:
+    """Whether `run` is one of a rank's runs of steps: first, last, comm."""
+    return (isinstance(run, dict) and isinstance(run.get("first"), int) and isinstance(run.get("last"), int)
+            and _is_traffic(run.get("comm")))
+
+
+def _part_problem(part) -> str | None:
+    """What one rank's part lacks that the table and pictures read, in words, or None."""
+    if not isinstance(part, dict):
+        return "is not an object"
+    if not _is_traffic(part.get("total")):
+        return "has no 'total' traffic (\"group/op\": {bytes, calls})"
+    if not isinstance(part.get("phases"), dict) or not all(map(_is_traffic, part["phases"].values())):
+        return "has no 'phases' object of traffic"
+    if not isinstance(part.get("steps"), list) or not all(map(_is_run, part["steps"])):
+        return "has no 'steps' list of {first, last, comm}"
+    return None
+
+
+def _problem(data) -> str | None:
+    """What comm_ledger.json's data lacks, in words, or None."""
+    if not isinstance(data, dict) or not isinstance(data.get("ranks"), dict):
+        return "no 'ranks' object"
+    for rank, part in data["ranks"].items():
+        if not rank.isdigit():
+            return f"rank {rank!r}, not a number"
+        if problem := _part_problem(part):
+            return f"rank {rank}'s part {problem}"
+    return None
+
+
 def read(run_dir: str | Path) -> dict:
+    """comm_ledger.json of a run directory, refused by name when it is not one that write made."""
     path = Path(run_dir) / "comm_ledger.json"
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except ValueError as e:
         raise ValueError(f"{path} is not a ledger sixfold wrote ({e}); train the run again to rewrite it") from None
+    if problem := _problem(data):
+        raise ValueError(f"{path} is not a ledger sixfold wrote ({problem}); train the run again to rewrite it")
+    return data
 
 
 def step_traffic(part: dict, step: int) -> Traffic:

@@ -190,9 +190,44 @@ def overlap_table(events: list[dict]) -> str:
     return "\n".join(rows)
 
 
+SPAN = {"name": str, "cat": str, "ts": float, "dur": float, "pid": int, "tid": int, "args": dict}
+WORDS = {str: "a string", int: "an integer", float: "a number", dict: "an object"}
+
+
+def _fits(value, kind: type) -> bool:
+    """Whether value is a `kind` (for float: any number); a boolean is none of them."""
+    return not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else kind)
+
+
+def _field_problem(fields: dict, need: dict[str, type], prefix: str = "") -> str | None:
+    """The first of `need` that `fields` lacks or holds as another type, in words, or None."""
+    for key, kind in need.items():
+        if key not in fields:
+            return f"no {prefix}{key}"
+        if not _fits(fields[key], kind):
+            return f"{prefix}{key}={fields[key]!r}, not {WORDS[kind]}"
+    return None
+
+
+def _span_problem(e: dict) -> str | None:
+    """What a span lacks that the tables and pictures read, or None: its fields, its step, the group of an
+    asynchronous collective, the micro-batch of a pipeline action."""
+    if problem := _field_problem(e, SPAN):
+        return problem
+    args = e["args"]
+    need = {"step": int, **({"group": str} if args.get("async") else {}), **({"mb": int} if "stage" in args else {})}
+    return _field_problem(args, need, "args.")
+
+
 def read_chrome_trace(path: Path) -> list[dict]:
-    """The events of a trace.json written above."""
+    """The spans of a trace.json written above, refused by name when one lacks what the readers need."""
     try:
-        return [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+        events = json.loads(path.read_text())["traceEvents"]
+        spans = [(i, e) for i, e in enumerate(events) if e["ph"] == "X"]
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path} is not a trace sixfold wrote ({e}); train again with log.trace=true") from None
+    for i, e in spans:
+        if problem := _span_problem(e):
+            raise ValueError(f"{path} is not a trace sixfold wrote (traceEvents[{i}] has {problem}); train again "
+                             f"with log.trace=true")
+    return [e for _, e in spans]

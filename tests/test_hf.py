@@ -1,6 +1,7 @@
 """Hugging Face interop: imported and exported models give the same logits as transformers."""
 import json
 import math
+import re
 import warnings
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sixfold.checkpoint import CheckpointError, write_checkpoint
-from sixfold.config import Config, ModelConfig, load_config
+from sixfold.config import Config, ConfigError, ModelConfig, load_config
 from sixfold.data import DataError
 from sixfold.generate import checkpoint_tokenizer
 from sixfold.model.hf import export_hf, hf_config_from_model, import_hf, load_model, model_config_from_hf
@@ -172,7 +173,7 @@ def test_a_malformed_hf_directory_is_refused_naming_the_file(tmp_path):
                           ("{not json", "config.json is not readable JSON"),
                           (b"{\"a\": \"\xe9\"}", "config.json is not readable JSON: 'utf-8' codec"),
                           (json.dumps({**config, "num_hidden_layers": "2"}),
-                           "HF config's num_hidden_layers='2' must be an integer")):
+                           "config.json's num_hidden_layers='2' must be an integer")):
         (hf / "config.json").write_bytes(text if isinstance(text, bytes) else text.encode())
         with pytest.raises((CheckpointError, ValueError), match=message):
             import_hf(hf, tmp_path / "ckpt")
@@ -182,6 +183,26 @@ def test_a_malformed_hf_directory_is_refused_naming_the_file(tmp_path):
     with pytest.raises(CheckpointError, match="model.safetensors.index.json has no 'weight_map' object"):
         import_hf(hf, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_config_json_numbers_of_the_wrong_type_are_refused_naming_the_file(tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for key, value, message in (("rms_norm_eps", "abc", "'s rms_norm_eps='abc' must be a number"),
+                                ("initializer_range", "x", "'s initializer_range='x' must be a number"),
+                                ("rope_theta", "big", "'s rope_theta='big' must be a number"),
+                                ("rope_theta", True, "'s rope_theta=True must be a number"),
+                                ("vocab_size", None, " has no value for vocab_size")):
+        (hf / "config.json").write_text(json.dumps({**hf_config_from_model(ModelConfig()), key: value}))
+        with pytest.raises(ConfigError, match=re.escape(f"{hf / 'config.json'}{message}")):
+            import_hf(hf, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_null_in_config_json_is_transformers_default():
+    given = hf_config_from_model(ModelConfig(norm_eps=1e-5, init_std=0.01))
+    cfg = model_config_from_hf({**given, "rms_norm_eps": None, "initializer_range": None, "rope_theta": None})
+    assert (cfg.norm_eps, cfg.init_std, cfg.rope_theta) == (1e-6, 0.02, 10000.0)  # LlamaConfig's
 
 
 def test_shape_mismatch_is_refused(tmp_path):
@@ -290,3 +311,12 @@ def test_import_and_export_write_only_new_directories(tmp_path):
         export_hf(tmp_path / "ckpt", tmp_path / "file")
     with pytest.raises(CheckpointError, match="cannot write under .*file/sub.*choose a writable directory"):
         export_hf(tmp_path / "ckpt", tmp_path / "file" / "sub")
+    for inside in (tmp_path / "ckpt" / "hf", tmp_path / "ckpt" / "a" / "b"):  # a run's rotation would remove it
+        with pytest.raises(CheckpointError, match=f"{inside} is inside {tmp_path / 'ckpt'}, whose contents sixfold's "
+                                                  f"checkpoint saves replace and checkpoint.keep removes"):
+            export_hf(tmp_path / "ckpt", inside)
+    runs = tmp_path / "run" / "checkpoints"
+    runs.mkdir(parents=True)
+    (runs / "latest").write_text("step_0000001")
+    with pytest.raises(CheckpointError, match="write it outside the run's checkpoints/ folder"):
+        import_hf(tmp_path / "hf", runs / "imported")

@@ -2,6 +2,7 @@
 trace.json is Chrome trace format with one track per rank, its pictures are drawn and `sixfold trace` redraws
 them, and every rank's ledger gives each training step the bytes of the formulas in docs/guide."""
 import json
+import re
 
 import pytest
 from PIL import Image
@@ -71,6 +72,47 @@ def test_trace_command_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
     (tmp_path / "config.yaml").write_text("model: {dim: 65}\n")  # a run's config.yaml, edited wrongly
     assert main(["trace", str(tmp_path)]) == 2
     assert f"{tmp_path / 'config.yaml'}: model.dim=65 is not divisible by model.n_heads" in capsys.readouterr().err
+
+
+def test_a_malformed_trace_is_refused_naming_the_file(tmp_path, capsys):
+    span = {"name": "F0", "cat": "compute", "ph": "X", "ts": 0.0, "dur": 5.0, "pid": 0, "tid": 0,
+            "args": {"step": 1, "mb": 0, "stage": 0}}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": [{"name": "process_name", "ph": "M", "pid": 0}, span]}))
+    assert read_chrome_trace(path) == [span]
+    comm = {**span, "cat": "comm", "args": {"step": 1, "async": True}}
+    for event, problem in (({"ph": "X"}, "no name"), ({**span, "ts": "a"}, "ts='a', not a number"),
+                           ({**span, "args": []}, "args=[], not an object"),
+                           ({**span, "args": {"mb": 0}}, "no args.step"), (comm, "no args.group"),
+                           ({**span, "args": {"step": 1, "stage": 0}}, "no args.mb")):
+        path.write_text(json.dumps({"traceEvents": [span, event]}))
+        with pytest.raises(ValueError, match=rf"trace.json is not a trace sixfold wrote \(traceEvents\[1\] has "
+                                             rf"{re.escape(problem)}\)"):
+            read_chrome_trace(path)
+    (tmp_path / "config.yaml").write_text("{}\n")
+    assert main(["trace", str(tmp_path)]) == 2
+    assert f"{path} is not a trace sixfold wrote" in capsys.readouterr().err
+
+
+def test_a_malformed_ledger_is_refused_naming_the_file(tmp_path, capsys):
+    book = ledger.Ledger()
+    book.record("tp", "all_reduce", 8)
+    book.end_step(1)
+    good = ledger.write(tmp_path / "comm_ledger.json", [book.summary()], "tp2")
+    assert ledger.read(tmp_path) == good
+    part = good["ranks"]["0"]
+    for data, problem in (({}, "no 'ranks' object"), ([], "no 'ranks' object"),
+                          ({"ranks": {"a": part}}, "rank 'a', not a number"),
+                          ({"ranks": {"0": {}}}, "rank 0's part has no 'total' traffic"),
+                          ({"ranks": {"0": {**part, "phases": {"train": {"tp": {}}}}}},
+                           "rank 0's part has no 'phases' object"),
+                          ({"ranks": {"0": {**part, "steps": [{"first": 1}]}}}, "rank 0's part has no 'steps' list")):
+        (tmp_path / "comm_ledger.json").write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=re.escape(f"comm_ledger.json is not a ledger sixfold wrote ({problem}")):
+            ledger.read(tmp_path)
+    (tmp_path / "config.yaml").write_text("{}\n")
+    assert main(["trace", str(tmp_path)]) == 2
+    assert f"{tmp_path / 'comm_ledger.json'} is not a ledger sixfold wrote" in capsys.readouterr().err
 
 
 def test_ledger_steps_match_the_formulas(run):

@@ -15,8 +15,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..checkpoint import (META, Checkpoint, CheckpointError, check_shapes, require, save_tensors, write_checkpoint,
-                          writing)
+from ..checkpoint import (META, Checkpoint, CheckpointError, check_shapes, outside_checkpoints, require, save_tensors,
+                          write_checkpoint, writing)
 from ..slices import Reader
 from ..config import DTYPES, Config, ConfigError, ModelConfig, config_from_dict, shown
 from .llama import Llama, full_shapes
@@ -82,9 +82,9 @@ def _stack_experts(out: dict[str, torch.Tensor], n_layers: int, n_experts: int) 
 # transformers' defaults for what a config.json may leave out (LlamaConfig's, MixtralConfig's)
 DEFAULTS = {
     "llama": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
-              "num_key_value_heads": None},
+              "num_key_value_heads": None, "initializer_range": 0.02},
     "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32,
-                "num_key_value_heads": 8, "router_aux_loss_coef": 0.001},
+                "num_key_value_heads": 8, "router_aux_loss_coef": 0.001, "initializer_range": 0.02},
 }
 # HF's RoPE scaling fields -> sixfold's model settings, by rope_type
 ROPE = {"default": {}, "linear": {"factor": "rope_factor"},
@@ -120,6 +120,7 @@ def _rope(hf: dict, defaults: dict) -> dict:
 
 INTEGERS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "intermediate_size", "max_position_embeddings", "num_local_experts", "num_experts_per_tok", "head_dim")
+NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range", "router_aux_loss_coef")
 
 
 def _read_json(file: Path) -> dict:
@@ -133,9 +134,18 @@ def _read_json(file: Path) -> dict:
     return data
 
 
-def model_config_from_hf(hf: dict) -> ModelConfig:
-    """A ModelConfig from a LlamaForCausalLM or MixtralForCausalLM config.json; refuses what sixfold cannot
-    represent."""
+def _check_numbers(hf: dict, source: str | Path) -> None:
+    """Refuses, naming `source`, a count that is not an integer or another number that is not a number."""
+    for key in (*INTEGERS, *NUMBERS):
+        kind, what = (int, "an integer") if key in INTEGERS else ((int, float), "a number")
+        if key in hf and (not isinstance(hf[key], kind) or isinstance(hf[key], bool)):
+            raise ConfigError(f"{source}'s {key}={hf[key]!r} must be {what}")
+
+
+def model_config_from_hf(hf: dict, source: str | Path = "config.json") -> ModelConfig:
+    """A ModelConfig from a LlamaForCausalLM or MixtralForCausalLM config.json (`source`, as messages name it);
+    refuses what sixfold cannot represent. A null setting is as if left out: transformers' default stands in."""
+    hf = {k: v for k, v in hf.items() if v is not None}
     if hf.get("model_type") not in ("llama", "mixtral"):
         raise ConfigError(f"model_type={hf.get('model_type')!r}: only 'llama' and 'mixtral' models can be imported")
     if hf.get("sliding_window"):
@@ -147,23 +157,21 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             raise ConfigError(f"{flag}=true: sixfold's linear layers have no bias")
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act={hf['hidden_act']!r}: sixfold's MLP uses silu (SwiGLU)")
-    for key in INTEGERS:
-        if key in hf and hf[key] is not None and (not isinstance(hf[key], int) or isinstance(hf[key], bool)):
-            raise ConfigError(f"HF config's {key}={hf[key]!r} must be an integer")
+    _check_numbers(hf, source)
     try:
         dim, heads = hf["hidden_size"], hf["num_attention_heads"]
-        given = {**defaults, **{k: hf[k] for k in defaults if hf.get(k) is not None}}
+        given = {**defaults, **{k: hf[k] for k in defaults if k in hf}}
         cfg = ModelConfig(
             vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
             n_kv_heads=given.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
             norm_eps=float(given["rms_norm_eps"]), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_seq_len=given["max_position_embeddings"], init_std=float(hf.get("initializer_range", 0.02)),
+            max_seq_len=given["max_position_embeddings"], init_std=float(given["initializer_range"]),
             **{"rope_theta": float(given["rope_theta"]), **rope})
         if hf["model_type"] == "mixtral":
             cfg.moe_experts, cfg.moe_top_k = hf["num_local_experts"], hf["num_experts_per_tok"]
             cfg.moe_aux_weight = float(given["router_aux_loss_coef"])
     except KeyError as e:
-        raise ConfigError(f"HF config has no {e.args[0]}") from None
+        raise ConfigError(f"{source} has no value for {e.args[0]}; set it to the model's") from None
     if hf.get("head_dim") not in (None, cfg.head_dim):
         raise ConfigError(f"head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads="
                           f"{cfg.head_dim}; sixfold derives head_dim from those")
@@ -234,8 +242,10 @@ def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _new_output(out_dir: str | Path) -> Path:
-    """out_dir, refused if something is there already: nothing of the user's is overwritten."""
+    """out_dir, refused if something is there already, or inside a checkpoint: nothing of the user's is
+    overwritten, and nothing written is removed with an old checkpoint."""
     out_dir = Path(out_dir)
+    outside_checkpoints(out_dir)
     if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir())):
         what = "is a file" if out_dir.is_file() else "exists and is not empty"
         raise CheckpointError(f"{out_dir} {what}, and writing there would replace what it holds; give a new output "
@@ -248,7 +258,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     hf_dir, out_dir = Path(hf_dir), _new_output(out_dir)
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{hf_dir} has no config.json; give a directory written by save_pretrained")
-    model_cfg = model_config_from_hf(_read_json(hf_dir / "config.json"))
+    model_cfg = model_config_from_hf(_read_json(hf_dir / "config.json"), hf_dir / "config.json")
     cfg = Config(model=model_cfg)
     cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
     config_from_dict(cfg.to_dict())  # validates the imported shape
