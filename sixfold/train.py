@@ -354,13 +354,16 @@ class Trainer:
         return heard
 
     def _stopped(self, saved: bool, signal_name: str) -> Stopped:
-        """The end of a run stopped by a signal: the step's checkpoint (unless `saved` already, or checkpoints are
-        off) written, and the error saying how to go on."""
+        """The end of a run stopped by a signal: the step's checkpoint (unless `saved` already, checkpoints are off,
+        or the step was skipped as not finite) written, and the error saying how to go on."""
         c, done = self.cfg.checkpoint, f"stopped by {signal_name} after step {self.step} of {self.cfg.train.steps}"
         self.sharded.settle()  # no weight gather left in flight
         if not (c.every or c.save_final):
             return Stopped(f"{done}; no checkpoint written (checkpoint.every=0, checkpoint.save_final=false)",
                            signal_name)
+        if self.skipped:
+            return Stopped(f"{done}; no checkpoint written: the last {self.skipped} step(s) were not finite; lower "
+                           f"train.lr or check the data, then {self._go_back()}", signal_name)
         path = ckpt.step_dir(self.run_dir, self.step) if saved else self.save()
         self.saver.wait()
         return Stopped(f"{done}; checkpoint {path}: run the same command with checkpoint.resume=auto (or "

@@ -191,6 +191,25 @@ def test_a_model_too_large_to_build_says_its_size_and_what_to_change(tmp_path):
         train_module.Trainer(cfg, ParallelContext.single())
 
 
+def test_a_stop_during_skipped_steps_writes_no_checkpoint(tmp_path):
+    """The weights may have diverged: as in the streak itself, nothing is written, and the newest checkpoint from
+    before it is named."""
+    from sixfold.mesh import ParallelContext
+    run = tmp_path / "run"
+    train_module.train(load_config(TINY, ["train.steps=2", "checkpoint.every=1", f"log.run_dir={run}"]))
+    cfg = load_config(TINY, ["train.steps=9", "checkpoint.every=1", "checkpoint.resume=auto", f"log.run_dir={run}"])
+    with pytest.warns(UserWarning):
+        trainer = train_module.Trainer(cfg, ParallelContext.single())
+    trainer.step, trainer.skipped = 4, 2  # steps 3 and 4 skipped
+    said = str(trainer._stopped(False, "SIGTERM"))
+    assert said == (f"stopped by SIGTERM after step 4 of 9; no checkpoint written: the last 2 step(s) were not "
+                    f"finite; lower train.lr or check the data, then resume from this run's newest checkpoint before "
+                    f"step 3: checkpoint.resume={run / 'checkpoints' / 'step_0000002'} (should it fail the same way, "
+                    f"the update of its own step may be what diverged: then checkpoint.resume="
+                    f"{run / 'checkpoints' / 'step_0000001'})")
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000001", "step_0000002"]
+
+
 def test_layout_errors_before_any_process_starts(tmp_path):
     proc = _train(tmp_path / "run", "parallel.dp_replicate=2", nproc=3)
     assert proc.returncode == 2 and "world size 3 does not equal" in proc.stderr
