@@ -146,6 +146,7 @@ def cmd_plan(args, argv) -> int:
     from .planner.devices import DEVICES
     from .planner.plan import plan, search
     from .planner.report import describe, ranking, refusals
+    from tqdm import tqdm
     path, overrides = _split(args.config)
     cfg = load_config(path, overrides)
     if args.gpus % args.nodes:
@@ -154,7 +155,8 @@ def cmd_plan(args, argv) -> int:
     if args.search:
         refused: dict[str, str] = {}
         try:
-            plans = search(cfg, args.gpus, device, per_node, refused)
+            plans = search(cfg, args.gpus, device, per_node, refused, lambda layouts: tqdm(
+                layouts, desc="plan", unit="layout", leave=False, disable=None))  # on a terminal only
         except ConfigError as e:  # with what the trainer refused, which may be why
             raise ConfigError("\n".join([str(e), *refusals(refused)])) from None
         print(ranking(plans, refused, len(plans) if args.top == 0 else args.top or 10))

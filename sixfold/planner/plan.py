@@ -131,11 +131,12 @@ def _fewest_micro_batches(c: Config, device: Device, per_node: int) -> Plan:
     return last
 
 
-def search(cfg: Config, world: int, device: Device, per_node: int,
-           refused: dict[str, str] | None = None) -> list[Plan]:
+def search(cfg: Config, world: int, device: Device, per_node: int, refused: dict[str, str] | None = None,
+           progress=lambda layouts: layouts) -> list[Plan]:
     """Plans of every layout that fits, fastest first; without pipelining, each with the fewest micro-batches
-    that fits. Layouts that validation refuses go into `refused` (description: reason)."""
-    plans = [_fewest_micro_batches(c, device, per_node) for c in layouts(cfg, world, per_node, refused)]
+    that fits. Layouts that validation refuses go into `refused` (description: reason). `progress` wraps the
+    list of layouts to plan (a progress bar)."""
+    plans = [_fewest_micro_batches(c, device, per_node) for c in progress(list(layouts(cfg, world, per_node, refused)))]
     if not plans:
         raise ConfigError(f"no layout of {world} GPUs divides this model and batch (tp must divide model.n_heads="
                           f"{cfg.model.n_heads}, pp be at most model.n_layers+2={cfg.model.n_layers + 2}, the "
