@@ -235,7 +235,8 @@ def function_changes(meta: dict, cfg: Config) -> dict[str, tuple]:
     """The model settings that differ from a checkpoint's and change what its weights compute: not FREE or
     OBJECTIVE ones, nor RoPE fields that the rope_scaling kind both share does not use."""
     diffs = differences(meta, cfg)
-    return {k: v for k, v in diffs.items() if k not in FREE + OBJECTIVE + _unused(diffs, cfg)}
+    same = FREE + OBJECTIVE + _unused(diffs, cfg)
+    return {k: v for k, v in diffs.items() if k not in same}
 
 
 def _unused(diffs: dict, cfg: Config) -> tuple[str, ...]:
@@ -259,7 +260,7 @@ def load(checkpoint: Checkpoint, sharded: Sharded, optim: AdamW, cfg: Config) ->
     if state is not None:
         ckpt.check_shapes({f"{n}.{k}": s for n, s in expected.items() for k in MOMENTS}, state.shapes(),
                           f"{checkpoint.path} (optim)", hint)
-    if state is not None and any(k not in FREE + _unused(diffs, cfg) for k in diffs):
+    if state is not None and set(diffs) - set(FREE + _unused(diffs, cfg)):
         raise CheckpointError(f"{checkpoint.path} is a training checkpoint of another model: {hint} to resume from it")
     sharded.settle()  # no gather reads the masters while they are written
     flats = [torch.zeros_like(u.master) for u in sharded.units]
