@@ -70,7 +70,7 @@ def find_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"{latest} points to {found}, which holds no {META}{hint}")
     done = complete_steps(path)
     if done:
-        warnings.warn(f"{latest} is missing: resuming from the newest complete checkpoint, {done[-1]}")
+        warnings.warn(f"{latest} is missing: reading the newest complete checkpoint, {done[-1]}")
         return done[-1]
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")

@@ -126,11 +126,15 @@ def cmd_check(args, argv) -> int:
 
 
 def cmd_trace(args, argv) -> int:
-    from .pictures import draw_pictures
+    from .pictures import PICTURES, draw_pictures
     run = Path(args.run)
     if not (run / "config.yaml").is_file():
         raise ConfigError(f"{run} is not a run directory (it has no config.yaml)")
-    written = draw_pictures(run)
+    try:
+        written = draw_pictures(run)
+    except OSError as e:  # a read-only run directory, a full disk, a directory where a picture goes
+        raise ConfigError(f"cannot draw {run}'s pictures: {e}; they go to {', '.join(PICTURES)} in it: make it "
+                          f"writable, or copy the run elsewhere and draw them there") from None
     if not written:
         raise ConfigError(f"{run} has no trace.json or comm_ledger.json to draw, and no pipeline (train it, with "
                           f"log.trace=true for the timeline)")

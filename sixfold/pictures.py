@@ -16,6 +16,7 @@ from .trace import read_chrome_trace
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2", "optim": "#C44E52", "comm": "#DD8452", "data": "#937860"}
 GAP = 0.6  # between blocks of the mesh grid, in rank boxes
+PICTURES = ("timeline.png", "schedule.png", "mesh.png")
 
 
 def _pyplot():
@@ -33,18 +34,18 @@ def draw_pictures(run_dir: str | Path, cfg: Config | None = None) -> list[Path]:
     events = read_chrome_trace(run_dir / "trace.json") if (run_dir / "trace.json").is_file() else []
     if events:
         steps = sorted({e["args"]["step"] for e in events})
-        written.append(draw_timeline(events, run_dir / "timeline.png",
+        written.append(draw_timeline(events, run_dir / PICTURES[0],
                                      f"sixfold {p.describe()}: steps {steps[0]}-{steps[-1]} of {cfg.train.steps}"))
     if p.pp > 1:
         s = schedules.build(p.pp_schedule, p.pp, p.pp_virtual_stages, cfg.train.micro_batches)
         stages = split_stages(cfg.model, s.stages, cfg.train.seq_len)
         plan = simulate(s, stage_costs(cfg.model, stages, cfg.train.seq_len, s.splits))
-        written.append(draw_timeline(schedule_events(plan), run_dir / "schedule.png",
+        written.append(draw_timeline(schedule_events(plan), run_dir / PICTURES[1],
                                      f"{s.name} pp={s.pp} v={s.v} m={s.m}, as planned (simulator; bubble "
                                      f"{plan.bubble:.0%} on average)",
                                      "time (1 = the mean stage's forward; each stage costs its FLOPs)", "pp rank"))
     if (run_dir / "comm_ledger.json").is_file():
-        written.append(draw_mesh(ParallelDims.from_config(p), ledger.read(run_dir), run_dir / "mesh.png",
+        written.append(draw_mesh(ParallelDims.from_config(p), ledger.read(run_dir), run_dir / PICTURES[2],
                                  f"sixfold {p.describe()}"))
     return written
 
@@ -169,7 +170,7 @@ def draw_mesh(dims: ParallelDims, data: dict, path: Path, title: str) -> Path:
                     fontsize=6, zorder=4)
         ops = sorted({key.split("/")[1] for part in per_step.values() for key in part if key.split("/")[0] == kind})
         within = f" ({' x '.join(GROUP_DIMS[kind])})" if kind in GROUP_DIMS and len(GROUP_DIMS[kind]) > 1 else ""
-        ax.set_title(f"{kind}{within}: {', '.join(ops)}", fontsize=9)
+        ax.set_title(f"{kind}{within}\n{', '.join(ops)}", fontsize=9)  # two lines: panels sit close
         ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
         ax.set_ylim(min(ys) - 0.7, max(ys) + 0.7)
         ax.set_aspect("equal")

@@ -31,7 +31,7 @@ from .parallel.pipeline.runtime import Pipeline
 from .parallel.pipeline.stages import split_stages
 from .parallel.sharding import Sharded
 from .parallel.tensor import IGNORE_INDEX, TensorParallel
-from .pictures import draw_pictures
+from .pictures import PICTURES, draw_pictures
 from .run_lock import RunLock
 from .stop import SIGNAL_NAMES, StopSignal, Stopped
 from .trace import Tracer, overlap_table, write_chrome_trace
@@ -493,27 +493,31 @@ def resumes_here(cfg: Config) -> bool:
 
 def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
     """Once the trainer is built (a checkpoint to resume from loaded, at `step`): a run that does not continue its
-    directory's own checkpoints moves them aside (an earlier run's, which its own would replace), one that
-    continues them from an earlier step moves aside those of later steps, with their lines of metrics.jsonl, and
+    directory's own checkpoints moves them aside (an earlier run's, which its own would replace), with that run's
+    metrics.jsonl and summaries (its ledger, trace and pictures, which `sixfold trace` would draw as this run's),
+    one that continues them from an earlier step moves aside those of later steps, with their lines of metrics.jsonl, and
     points `latest` at its own; then config.yaml. A resume with no step left to train changes nothing."""
     if ctx.is_main:
         run_dir, here = Path(cfg.log.run_dir), resumes_here(cfg)
         if not here:
             aside, metrics = ckpt.set_aside(run_dir), run_dir / "metrics.jsonl"
-            if aside or (metrics.is_file() and metrics.stat().st_size):
+            summaries = [run_dir / name for name in SUMMARIES if (run_dir / name).is_file()]
+            if aside or summaries or (metrics.is_file() and metrics.stat().st_size):
                 resume = cfg.checkpoint.resume
                 how = "starts over" if resume in ("", "auto") else f"goes on from {resume}"
                 if aside:
+                    for path in summaries:
+                        path.rename(aside / path.name)
                     newest = ckpt.complete_in(aside)
-                    kept = f"its checkpoints and metrics.jsonl are moved to {aside}" + (
+                    kept = f"its checkpoints, metrics.jsonl and summaries are moved to {aside}" + (
                         f"; to go on with it instead, stop this run and set checkpoint.resume={newest[-1]}"
                         if newest else "")
                 else:
-                    moved = ckpt.unused_path(run_dir, "metrics-before", ".jsonl")
-                    metrics.rename(moved)
-                    kept = f"it has no checkpoints; its metrics.jsonl is moved to {moved}"
-                warnings.warn(f"{run_dir} holds an earlier run: this one {how}, replacing its config.yaml and trace "
-                              f"({kept}); to keep both runs apart, set another log.run_dir")
+                    earlier = ([metrics] if metrics.is_file() and metrics.stat().st_size else []) + summaries
+                    kept = "it has no checkpoints; " + ", ".join(
+                        f"its {old.name} is moved to {new}" for old, new in map(_move_aside, earlier))
+                warnings.warn(f"{run_dir} holds an earlier run: this one {how}, replacing its config.yaml ({kept}); "
+                              f"to keep both runs apart, set another log.run_dir")
             start_metrics(run_dir, 0, aside)
         elif step < cfg.train.steps:
             if aside := ckpt.set_aside(run_dir, after=step):
@@ -524,6 +528,16 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
             start_metrics(run_dir, step, aside)
         (run_dir / "config.yaml").write_text(RUN_CONFIG_HEAD + cfg.to_yaml())
     ctx.barrier()
+
+
+SUMMARIES = ("comm_ledger.json", "trace.json", *PICTURES)  # what a run writes at its end
+
+
+def _move_aside(path: Path) -> tuple[Path, Path]:
+    """An earlier run's file with no checkpoints to go with, renamed to NAME-before-DATE-TIME.EXT beside it."""
+    new = ckpt.unused_path(path.parent, f"{path.stem}-before", path.suffix)
+    path.rename(new)
+    return path, new
 
 
 def _claim_run_dir(cfg: Config, ctx: ParallelContext, held: contextlib.ExitStack) -> None:

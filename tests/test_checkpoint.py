@@ -225,16 +225,18 @@ def test_a_run_that_starts_over_moves_the_earlier_runs_checkpoints_aside(tmp_pat
     common = [f"log.run_dir={run}", "checkpoint.every=1", "checkpoint.keep=2"]
     train(load_config(TINY, [*common, "train.steps=3"]))
     earlier = {p.name: (p / "model-00000.safetensors").read_bytes() for p in (run / "checkpoints").glob("step_*")}
-    with pytest.warns(UserWarning, match="holds an earlier run: this one starts over.*checkpoints and metrics.jsonl "
-                                         "are moved to .*; to go on with it instead, stop this run and set "
-                                         "checkpoint.resume=.*checkpoints-before-.*/step_0000003"):
+    ledger = (run / "comm_ledger.json").read_text()
+    with pytest.warns(UserWarning, match="holds an earlier run: this one starts over.*checkpoints, metrics.jsonl "
+                                         "and summaries are moved to .*; to go on with it instead, stop this run and "
+                                         "set checkpoint.resume=.*checkpoints-before-.*/step_0000003"):
         train(load_config(TINY, [*common, "train.steps=2", "train.seed=7"]))
     (aside,) = run.glob("checkpoints-before-*")
+    assert (aside / "comm_ledger.json").read_text() == ledger  # with its run, not replaced by this one's
     assert {p.name: (p / "model-00000.safetensors").read_bytes() for p in aside.glob("step_*")} == earlier
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000001", "step_0000002"]
     (run / "checkpoints" / "latest").unlink()
     (run / "checkpoints" / "step_0000005").mkdir()  # no meta.json: not a checkpoint, nor counted by keep
-    with pytest.warns(UserWarning, match="latest is missing: resuming from the newest complete checkpoint"):
+    with pytest.warns(UserWarning, match="latest is missing: reading the newest complete checkpoint"):
         train(load_config(TINY, [*common, "train.steps=3", "train.seed=7", "checkpoint.resume=auto"]))
     (later,) = set(run.glob("checkpoints-before-*")) - {aside}  # the unfinished later step, out of this run's way
     assert read_metrics(run)[-1]["step"] == 3 and [p.name for p in later.iterdir()] == ["step_0000005"]
@@ -260,7 +262,7 @@ def test_checkpoints_are_ordered_by_step_number(tmp_path):
 def test_a_run_directory_is_one_runs_at_a_time_and_keeps_what_it_did_not_write(tmp_path, capsys):
     """A second run in a directory another run holds is refused (before its processes start, and by its rank 0);
     a config.yaml no sixfold run wrote (the config being trained from) is not replaced; an earlier run's
-    metrics.jsonl without checkpoints is moved aside, not replaced."""
+    metrics.jsonl and summaries without checkpoints are moved aside, not replaced (nor drawn as the next run's)."""
     run = tmp_path / "run"
     run.mkdir()
     with RunLock(run):
@@ -277,13 +279,17 @@ def test_a_run_directory_is_one_runs_at_a_time_and_keeps_what_it_did_not_write(t
     assert cli.main(["train", TINY, "log.run_dir= ", "train.steps=1"]) == 2
     assert "log.run_dir is empty" in capsys.readouterr().err
     common = [f"log.run_dir={run}", "train.steps=2", "checkpoint.save_final=false"]
-    train(load_config(TINY, common))
+    train(load_config(TINY, [*common, "log.trace=true"]))
     assert (run / "config.yaml").read_text().startswith(RUN_CONFIG_HEAD)
-    before = (run / "metrics.jsonl").read_text()
-    with pytest.warns(UserWarning, match="it has no checkpoints; its metrics.jsonl is moved to .*metrics-before-"):
+    before, trace = (run / "metrics.jsonl").read_text(), (run / "trace.json").read_text()
+    with pytest.warns(UserWarning, match="it has no checkpoints; its metrics.jsonl is moved to .*metrics-before-.*"
+                                         "its trace.json is moved to .*trace-before-.*json"):
         train(load_config(TINY, common))
     (moved,) = run.glob("metrics-before-*.jsonl")
     assert moved.read_text() == before and len(read_metrics(run)) == 2
+    assert [p.read_text() for p in run.glob("trace-before-*.json")] == [trace]
+    assert not (run / "trace.json").exists() and not (run / "timeline.png").exists()
+    assert len(list(run.glob("timeline-before-*.png"))) == 1 and (run / "comm_ledger.json").is_file()
 
 
 def test_the_last_periodic_checkpoint_is_written_without_a_final_one(tmp_path):

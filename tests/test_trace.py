@@ -11,11 +11,11 @@ from sixfold import ledger
 from sixfold.cli import main
 from sixfold.config import load_config
 from sixfold.logs import read_metrics
+from sixfold.pictures import PICTURES
 from sixfold.trace import overlap, overlap_table, read_chrome_trace
 from helpers import TINY, sixfold, torchrun
 
 STEPS, MICRO, PP, TP = 3, 4, 2, 2
-PICTURES = ("timeline.png", "schedule.png", "mesh.png")
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,12 @@ def test_pictures_are_drawn_and_redrawn(run, capsys):
         assert f"wrote {run_dir / name}" in out
         with Image.open(run_dir / name) as image:
             assert image.size == sizes[name], name
+    mesh = run_dir / "mesh.png"
+    mesh.unlink()
+    mesh.mkdir()  # in a picture's way: one line, not a traceback
+    assert main(["trace", str(run_dir)]) == 2
+    assert f"cannot draw {run_dir}'s pictures: [Errno 21] Is a directory: '{mesh}'" in capsys.readouterr().err
+    mesh.rmdir()
 
 
 def test_trace_command_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
