@@ -126,6 +126,12 @@ def table(path: str | None, overrides: list[str], steps: int, write: bool, argv:
     """The layouts of TABLE, `runs` rounds over all of them (a slow spell of the machine then falls on every
     layout alike), each layout's median job reported."""
     configs = [workload_config(path, [*overrides, *layout.overrides], steps) for layout in TABLE]  # all refused first
+    mine, workload = configs[0].to_dict(), workload_config(None, [], steps).to_dict()
+    changed = [f"{s}.{k}" for s in ("model", "train", "data") for k in workload[s] if mine[s][k] != workload[s][k]]
+    if changed:
+        raise ConfigError(f"--table sets sixfold beside the peers' times on {BENCH.name}'s workload, and "
+                          f"{', '.join(changed)} differ from it: leave them as they are there, or time your own "
+                          f"config without --table, one layout at a time")
     rev, results = revision(), [[] for _ in TABLE]
     for _ in range(runs):
         for layout, cfg, done in zip(TABLE, configs, results):

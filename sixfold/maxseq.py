@@ -68,15 +68,19 @@ def predicted_peak(cfg: Config) -> int:
     return plan(cfg, DEVICES["h100"], cfg.parallel.world_size).peak
 
 
-def answer(found: tuple[int | None, int | None]) -> str:
+def answer(found: tuple[int | None, int | None], top: str) -> str:
+    """A search's result in words; `top` says what bounded it when nothing failed."""
     good, bad = found
     if good is None:
         return f"none: the shortest, {bad}, does not fit (lower --min, or add cp, recomputation or ZeRO)"
-    return f"{good} ({bad} does not)" if bad else f"{good}, the --max (raise --max to look further)"
+    return f"{good} ({bad} does not)" if bad else f"{good}, {top}"
 
 
 def max_seq(path: str, overrides: list[str], budget_gb: float | None, lo: int | None, hi: int | None) -> None:
     import torch
+
+    from .data import load_data
+    from .train import check_inputs
 
     cfg = load_config(path, overrides)
     check_available(cfg)
@@ -91,6 +95,12 @@ def max_seq(path: str, overrides: list[str], budget_gb: float | None, lo: int | 
     first = next((s for s in range(lo, hi + 1) if at_length(cfg, s)), None)
     if first is None:
         raise ConfigError(f"no train.seq_len from --min {lo} to --max {hi} suits {cfg.parallel.describe()}")
+    data = load_data(cfg.data)
+    check_inputs(at_length(cfg, first), data)  # refused here, not by a probe's ranks
+    top = "the --max (raise --max to look further)"
+    if len(data.train) - 1 < hi:  # a probe reads one sequence of seq_len + 1 tokens at least
+        hi, top = len(data.train) - 1, (f"the longest sequence the corpus's train split holds ({len(data.train):,} "
+                                        f"tokens; give more text, or a larger data.max_bytes, to look further)")
     t = cfg.train
     rule = "no rank runs out of CUDA memory" if cuda else f"every rank's resident memory grows by <= {budget_gb:g} GB"
     if cuda and budget_gb is not None:
@@ -118,5 +128,5 @@ def max_seq(path: str, overrides: list[str], budget_gb: float | None, lo: int | 
     else:
         budget, within = budget_gb * GB, f"--budget-gb {budget_gb:g}"
     planned = longest(lambda s: predicted_peak(at_length(cfg, s)) <= budget, first, hi, cfg)
-    print(f"longest train.seq_len that fits, measured in {len(device_bytes)} probes: {answer(measured)}\n"
-          f"longest train.seq_len whose planned peak fits {within}: {answer(planned)}")
+    print(f"longest train.seq_len that fits, measured in {len(device_bytes)} probes: {answer(measured, top)}\n"
+          f"longest train.seq_len whose planned peak fits {within}: {answer(planned, top)}")

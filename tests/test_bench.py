@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 from sixfold import maxseq
 from sixfold.cli import main
 from sixfold.config import load_config
+from sixfold.data import load_data
 from sixfold.maxseq import at_length, longest
 from helpers import ROOT, TINY
 
@@ -61,6 +63,25 @@ def test_max_seq_on_cpu_stops_below_a_probe_that_does_not_fit(capsys, monkeypatc
 
 
 @cpu_only
+def test_max_seq_looks_no_further_than_the_corpus_holds(capsys, monkeypatch):
+    """A probe longer than the train split would fail to read a sequence: the search stops there and says so.
+    Every probe fits here (the job is replaced: what it measures is the test above's)."""
+    probed = []
+
+    def launch(cfg):
+        probed.append(cfg.train.seq_len)
+        return SimpleNamespace(oom=False, ranks=[{"device_bytes": 0, "peak_bytes": 1, "oom": False}])
+
+    monkeypatch.setattr(maxseq, "launch", launch)
+    overrides = ["data.max_bytes=3000"]
+    holds = len(load_data(load_config(TINY, overrides).data).train) - 1
+    assert main(["bench", "--max-seq", TINY, *overrides, "--budget-gb", "1", "--min", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert probed == [1024, 2048, holds], out
+    assert f"measured in 3 probes: {holds}, the longest sequence the corpus's train split holds" in out
+
+
+@cpu_only
 def test_max_seq_on_cpu_needs_a_budget(capsys):
     assert main(["bench", "--max-seq", TINY]) == 2
     assert "sixfold bench --max-seq on CPU needs --budget-gb" in capsys.readouterr().err
@@ -72,6 +93,8 @@ def test_max_seq_on_cpu_needs_a_budget(capsys):
     (["bench", "--write"], "add --table"),
     (["bench", "--runs", "3"], "add --table"),
     (["bench", "--table", "--runs", "0"], "give at least 1"),
+    (["bench", "--table", "train.precision=bf16"], "bench.yaml's workload, and train.precision differ from it"),
+    (["bench", TINY, "--table"], "model.vocab_size, model.dim"),
     (["bench", "--budget-gb", "1"], "--budget-gb: only with --max-seq"),
     (["bench", "--steps", "0"], "--steps 0: the first 2 steps are not timed"),
     (["bench", "--max-seq", TINY, "--budget-gb", "-1"], "--budget-gb -1.0: give a positive, finite number of GB"),
@@ -79,6 +102,8 @@ def test_max_seq_on_cpu_needs_a_budget(capsys):
     (["bench", "--max-seq", TINY, "--budget-gb", "1", "--max", "16"], "--min 32 (by default, train.seq_len) is "
                                                                        "above --max 16"),
     (["bench", TINY, "model.vocab_size=200"], "model.vocab_size=200 is smaller than the tokenizer's"),
+    (["bench", "--max-seq", TINY, "data.source=/nonexistent", "--budget-gb", "1"], "/nonexistent does not exist"),
+    (["bench", "--max-seq", TINY, "model.vocab_size=200", "--budget-gb", "1"], "model.vocab_size=200 is smaller"),
 ])
 def test_bad_input_is_refused_before_any_job(capsys, argv, message):
     assert main(argv) == 2
