@@ -5,6 +5,7 @@ PEAK_OVER of the planner's. An MoE layer's routed rows reach each rank's experts
 their all-to-all bytes, saved activations and peaks are checked summed over the ranks. And `sixfold plan` prints a plan
 and a ranking."""
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +14,7 @@ from sixfold.config import load_config
 from sixfold.planner.devices import DEVICES
 from sixfold.planner.memory import activations, persistent, step
 from sixfold.planner.plan import PP_SCHEDULES, layouts, plan
+from sixfold.planner.report import ranking
 from sixfold.planner.rank import build_rank
 from sixfold.planner.traffic import step_bytes
 from helpers import TINY, torchrun
@@ -79,6 +81,17 @@ def test_overrides_may_follow_the_flags(capsys):
     assert capsys.readouterr().out.startswith("tp8, sequence-TP on 8 x h100")
     with pytest.raises(SystemExit):
         cli.main(["plan", "configs/llama3-8b.yaml", "--gpus", "8", "--bogus"])
+
+
+def test_the_ranking_keeps_its_columns_under_a_long_layout():
+    long = load_config(TINY, ["model.moe_experts=4", "model.n_layers=4", "parallel.pp=2", "parallel.dp_shard=2",
+                              "parallel.cp=2", "parallel.ep=4", "parallel.zero=1", "parallel.pp_schedule=zb-v",
+                              "parallel.pp_virtual_stages=2", "train.micro_batches=2", "train.global_batch=4"])
+    plans = [SimpleNamespace(cfg=cfg, peak=1e9, step_s=0.5, tokens_per_s=1e4, mfu=0.4)
+             for cfg in (load_config(TINY), long)]
+    head, *rows = ranking(plans).splitlines()[:3]
+    assert len(long.parallel.describe()) > 48
+    assert all(len(row) == len(head) and row.endswith("40.0%") for row in rows), [head, *rows]
 
 
 def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):

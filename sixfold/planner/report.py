@@ -40,9 +40,11 @@ def describe(p: Plan, device: str, gpus: int, nodes: int) -> str:
 
 def ranking(plans: list[Plan], refused: dict[str, str] | None = None, top: int = 10) -> str:
     """The fastest `top` plans; then the layouts left out because the trainer would refuse them (refusals)."""
-    lines = [f"{'layout':<48} {'micro':>5} {'recompute':>9} {'peak GB':>8} {'step ms':>8} {'tokens/s':>11} {'MFU':>6}"]
+    wide = max([48] + [len(p.cfg.parallel.describe()) for p in plans[:top]])  # the layout column, to its longest
+    lines = [f"{'layout':<{wide}} {'micro':>5} {'recompute':>9} {'peak GB':>8} {'step ms':>8} {'tokens/s':>11} "
+             f"{'MFU':>6}"]
     for p in plans[:top]:
-        lines.append(f"{p.cfg.parallel.describe():<48} {p.cfg.train.micro_batches:>5} {p.cfg.model.recompute:>9} "
+        lines.append(f"{p.cfg.parallel.describe():<{wide}} {p.cfg.train.micro_batches:>5} {p.cfg.model.recompute:>9} "
                      f"{num(p.peak / GB):>8} {num(p.step_s * 1e3):>8} {p.tokens_per_s:>11,.0f} {p.mfu:>6.1%}")
     lines.append(f"({len(plans)} layouts fit; fastest first" + (f", the first {top} shown: --top" if top < len(plans)
                                                                  else "") + ")")
