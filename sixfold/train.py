@@ -37,6 +37,7 @@ from .stop import SIGNAL_NAMES, StopSignal, Stopped
 from .trace import Tracer, overlap_table, write_chrome_trace
 
 TRACE_STEPS = 3
+SUMMARIES = ("comm_ledger.json", "trace.json", *PICTURES)  # what a run writes at its end
 
 
 # train.* settings of the learning-rate schedule and AdamW: a resume that changes them is told so
@@ -494,18 +495,20 @@ def resumes_here(cfg: Config) -> bool:
 def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
     """Once the trainer is built (a checkpoint to resume from loaded, at `step`): a run that does not continue its
     directory's own checkpoints moves them aside (an earlier run's, which its own would replace), with that run's
-    metrics.jsonl and summaries (its ledger, trace and pictures, which `sixfold trace` would draw as this run's),
-    one that continues them from an earlier step moves aside those of later steps, with their lines of metrics.jsonl, and
-    points `latest` at its own; then config.yaml. A resume with no step left to train changes nothing."""
+    metrics.jsonl and summaries (its ledger, trace and pictures, which `sixfold trace` would draw as this run's);
+    one that continues them from an earlier step moves aside those of later steps, with their lines of
+    metrics.jsonl, and points `latest` at its own; then config.yaml. A resume with no step left to train changes
+    nothing."""
     if ctx.is_main:
         run_dir, here = Path(cfg.log.run_dir), resumes_here(cfg)
         if not here:
             aside, metrics = ckpt.set_aside(run_dir), run_dir / "metrics.jsonl"
             summaries = [run_dir / name for name in SUMMARIES if (run_dir / name).is_file()]
-            if aside or summaries or (metrics.is_file() and metrics.stat().st_size):
+            had_metrics = metrics.is_file() and metrics.stat().st_size > 0
+            if aside or summaries or had_metrics:
                 resume = cfg.checkpoint.resume
                 how = "starts over" if resume in ("", "auto") else f"goes on from {resume}"
-                if aside:
+                if aside:  # its metrics.jsonl by start_metrics below
                     for path in summaries:
                         path.rename(aside / path.name)
                     newest = ckpt.complete_in(aside)
@@ -513,7 +516,7 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
                         f"; to go on with it instead, stop this run and set checkpoint.resume={newest[-1]}"
                         if newest else "")
                 else:
-                    earlier = ([metrics] if metrics.is_file() and metrics.stat().st_size else []) + summaries
+                    earlier = ([metrics] if had_metrics else []) + summaries
                     kept = "it has no checkpoints; " + ", ".join(
                         f"its {old.name} is moved to {new}" for old, new in map(_move_aside, earlier))
                 warnings.warn(f"{run_dir} holds an earlier run: this one {how}, replacing its config.yaml ({kept}); "
@@ -528,9 +531,6 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
             start_metrics(run_dir, step, aside)
         (run_dir / "config.yaml").write_text(RUN_CONFIG_HEAD + cfg.to_yaml())
     ctx.barrier()
-
-
-SUMMARIES = ("comm_ledger.json", "trace.json", *PICTURES)  # what a run writes at its end
 
 
 def _move_aside(path: Path) -> tuple[Path, Path]:
