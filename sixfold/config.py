@@ -135,7 +135,7 @@ class TrainConfig:
     eval_batches: int = 2
     precision: str = "fp32"
     grad_reduce: str = "fp32"
-    skip_nonfinite: int = 3  # steps with a NaN/Inf loss or gradient are skipped; stop after this many in a row
+    skip_nonfinite: int = 3  # steps with a NaN/Inf loss or gradient skipped in a row; the run stops at the next
     compile: bool = False  # torch.compile each block's forward
 
 
@@ -380,7 +380,8 @@ def make_run_dir(cfg: Config) -> Path:
                           "trace")
     directory = writable_dir(cfg.log.run_dir, "log.run_dir")
     for name, kind in (("checkpoints", "directory"), ("checkpoints/latest", "file"), ("metrics.jsonl", "file"),
-                       ("config.yaml", "file"), ("comm_ledger.json", "file"), ("trace.json", "file")):
+                       ("config.yaml", "file"), ("comm_ledger.json", "file"), ("trace.json", "file"),
+                       *([("tensorboard", "directory")] if cfg.log.tensorboard else [])):
         # what the run writes: refused now, not after its training
         path = directory / name
         if path.exists() and (path.is_dir() != (kind == "directory")):
@@ -405,6 +406,9 @@ def _run_config(directory: Path) -> bool:
 def writable_dir(path: str | Path, setting: str) -> Path:
     """Directory `path` (given as `setting`), created and checked writable."""
     directory = Path(path)
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"{setting}={path} is a file, not a directory: set {setting} to a directory (or move the "
+                          f"file away)")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f".write-test-{socket.gethostname()}-{os.getpid()}"  # ranks of other machines too
@@ -561,13 +565,15 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"train.eval_batches={t.eval_batches} at least 1 when it is set")
     if not 1 <= p.timeout_s <= MAX_TIMEOUT_S:  # NaN too
         raise ConfigError(f"parallel.timeout_s={p.timeout_s} must be a number of seconds from 1 to {MAX_TIMEOUT_S}")
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr={t.min_lr:g}, where the schedule ends, is above train.lr={t.lr:g}, where it "
+                          f"starts: set train.min_lr to at most {t.lr:g}")
     adam = {"beta1": 0 <= t.beta1 < 1, "beta2": 0 <= t.beta2 < 1, "eps": 0 < t.eps < 1,
-            "weight_decay": 0 <= t.weight_decay < math.inf, "grad_clip": 0 <= t.grad_clip < math.inf,
-            "min_lr": t.min_lr <= t.lr}
+            "weight_decay": 0 <= t.weight_decay < math.inf, "grad_clip": 0 <= t.grad_clip < math.inf}
     for key, ok in adam.items():
         if not ok:
             raise ConfigError(f"train.{key}={getattr(t, key)} is out of range: AdamW takes betas in [0, 1), eps in "
-                              f"(0, 1), weight_decay and grad_clip 0 (off) or more, min_lr at most lr")
+                              f"(0, 1), weight_decay and grad_clip 0 (off) or more")
     for key in ("norm_eps", "rope_theta", "init_std"):
         if not 0 < getattr(m, key) < math.inf:
             raise ConfigError(f"model.{key}={getattr(m, key)} must be a positive number")

@@ -35,7 +35,8 @@ class RunLog:
                             dynamic_ncols=True, leave=True)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            # a resumed run's steps replace those the earlier run logged after its checkpoint
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start + 1 if start else None)
 
     def print(self, text: str) -> None:
         if self.enabled:

@@ -88,7 +88,8 @@ def clip_grad_norm(sharded: Sharded, max_norm: float) -> float:
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
-    """Linear warmup over warmup_steps, then cosine decay to min_lr at the last step (step is 0-based)."""
+    """Linear warmup over warmup_steps, then cosine decay from lr at the first step after it to min_lr at the last
+    (a single step after warmup runs at lr); step is 0-based."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     span = max(cfg.steps - cfg.warmup_steps - 1, 1)

@@ -37,7 +37,7 @@ from .stop import SIGNAL_NAMES, StopSignal, Stopped
 from .trace import Tracer, overlap_table, write_chrome_trace
 
 TRACE_STEPS = 3
-SUMMARIES = ("comm_ledger.json", "trace.json", *PICTURES)  # what a run writes at its end
+SUMMARIES = ("comm_ledger.json", "trace.json", *PICTURES, "tensorboard")  # what a run writes besides metrics.jsonl
 
 
 # train.* settings of the learning-rate schedule and AdamW: a resume that changes them is told so
@@ -322,7 +322,11 @@ class Trainer:
                 log.end_progress()
                 self.sharded.settle()
                 again = not history and ckpt.step_dir(self.run_dir, self.step).is_dir()  # no step, nothing new
-                if cfg.checkpoint.save_final and not again:
+                if cfg.checkpoint.save_final and not again and self.skipped:
+                    if self.ctx.is_main:  # as during the streak: the weights may have diverged
+                        warnings.warn(f"no final checkpoint: the last {self.skipped} step(s) were not finite; lower "
+                                      f"train.lr or check the data, then {self._go_back()}")
+                elif cfg.checkpoint.save_final and not again:
                     log.print(f"checkpoint: {self.save()}")
                 self.saver.wait()
                 self.comm.ledger.close("other")  # the last step's stop check, the final checkpoint
@@ -495,7 +499,8 @@ def resumes_here(cfg: Config) -> bool:
 def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
     """Once the trainer is built (a checkpoint to resume from loaded, at `step`): a run that does not continue its
     directory's own checkpoints moves them aside (an earlier run's, which its own would replace), with that run's
-    metrics.jsonl and summaries (its ledger, trace and pictures, which `sixfold trace` would draw as this run's);
+    metrics.jsonl and summaries (its ledger, trace and pictures, which `sixfold trace` would draw as this run's, and
+    TensorBoard events, which TensorBoard would mix with this run's);
     one that continues them from an earlier step moves aside those of later steps, with their lines of
     metrics.jsonl, and points `latest` at its own; then config.yaml. A resume with no step left to train changes
     nothing."""
@@ -503,7 +508,7 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
         run_dir, here = Path(cfg.log.run_dir), resumes_here(cfg)
         if not here:
             aside, metrics = ckpt.set_aside(run_dir), run_dir / "metrics.jsonl"
-            summaries = [run_dir / name for name in SUMMARIES if (run_dir / name).is_file()]
+            summaries = [run_dir / name for name in SUMMARIES if (run_dir / name).exists()]
             had_metrics = metrics.is_file() and metrics.stat().st_size > 0
             if aside or summaries or had_metrics:
                 resume = cfg.checkpoint.resume

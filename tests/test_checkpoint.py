@@ -278,8 +278,13 @@ def test_a_run_directory_is_one_runs_at_a_time_and_keeps_what_it_did_not_write(t
     assert (mine / "config.yaml").read_text() == Path(TINY).read_text() and not (mine / "metrics.jsonl").exists()
     assert cli.main(["train", TINY, "log.run_dir= ", "train.steps=1"]) == 2
     assert "log.run_dir is empty" in capsys.readouterr().err
+    assert cli.main(["train", TINY, f"log.run_dir={mine / 'config.yaml'}", "train.steps=1"]) == 2
+    assert f"log.run_dir={mine / 'config.yaml'} is a file, not a directory" in capsys.readouterr().err
+    (mine / "tensorboard").write_text("")
+    assert cli.main(["train", TINY, f"log.run_dir={mine}", "log.tensorboard=true", "train.steps=1"]) == 2
+    assert f"{mine / 'tensorboard'} is not a directory, and this run writes one there" in capsys.readouterr().err
     common = [f"log.run_dir={run}", "train.steps=2", "checkpoint.save_final=false"]
-    train(load_config(TINY, [*common, "log.trace=true"]))
+    train(load_config(TINY, [*common, "log.trace=true", "log.tensorboard=true"]))
     assert (run / "config.yaml").read_text().startswith(RUN_CONFIG_HEAD)
     before, trace = (run / "metrics.jsonl").read_text(), (run / "trace.json").read_text()
     with pytest.warns(UserWarning, match="it has no checkpoints; its metrics.jsonl is moved to .*metrics-before-.*"
@@ -290,6 +295,7 @@ def test_a_run_directory_is_one_runs_at_a_time_and_keeps_what_it_did_not_write(t
     assert [p.read_text() for p in run.glob("trace-before-*.json")] == [trace]
     assert not (run / "trace.json").exists() and not (run / "timeline.png").exists()
     assert len(list(run.glob("timeline-before-*.png"))) == 1 and (run / "comm_ledger.json").is_file()
+    assert len(list(run.glob("tensorboard-before-*/events.*"))) == 1 and not (run / "tensorboard").exists()
 
 
 def test_the_last_periodic_checkpoint_is_written_without_a_final_one(tmp_path):
@@ -380,7 +386,7 @@ def test_a_bpe_run_resumes_with_its_own_tokenizer_after_the_corpus_changed(tmp_p
 
 def test_a_run_resumed_from_an_earlier_step_moves_the_later_checkpoints_aside(tmp_path):
     run = tmp_path / "run"
-    common = [f"log.run_dir={run}", "train.steps=6", "checkpoint.every=2", "checkpoint.keep=5"]
+    common = [f"log.run_dir={run}", "train.steps=6", "checkpoint.every=2", "checkpoint.keep=5", "log.tensorboard=true"]
     first = train(load_config(TINY, common))
     later = {p.name: (p / "model-00000.safetensors").read_bytes() for p in (run / "checkpoints").glob("step_*")
              if p.name > "step_0000002"}
@@ -406,6 +412,9 @@ def test_a_run_resumed_from_an_earlier_step_moves_the_later_checkpoints_aside(tm
     assert (run / "checkpoints" / "latest").read_text() == "step_0000006"
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4, 5, 6]  # steps 3 to 6 once, from the second run
     assert [m["loss"] for m in read_metrics(run)] == [m["loss"] for m in first[:2] + again]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run / "tensorboard")).Reload().Scalars("loss")  # steps 3-6 once, the second run's
+    assert [(e.step, e.value) for e in events] == [(m["step"], pytest.approx(m["loss"])) for m in read_metrics(run)]
     other = tmp_path / "other"  # resumed from another directory: this one's metrics begin anew
     train(load_config(TINY, [f"log.run_dir={other}", "train.steps=3"]))
     with pytest.warns(UserWarning, match=f"holds an earlier run: this one goes on from {run}/checkpoints/step_0000002"):

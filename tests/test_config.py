@@ -103,7 +103,9 @@ def test_bad_values(tmp_path):
     (["parallel.timeout_s=nan"], "parallel.timeout_s=nan must be"),
     (["train.beta2=-1"], "train.beta2=-1.0 is out of range: AdamW takes betas in"),
     (["train.eps=0"], "train.eps=0.0 is out of range"),
-    (["train.min_lr=1.0"], "train.min_lr=1.0 is out of range.* min_lr at most lr"),
+    (["train.min_lr=1.0"], "train.min_lr=1, where the schedule ends, is above train.lr=0.001, where it starts: "
+                           "set train.min_lr to at most 0.001"),
+    (["train.lr=5e-5"], "train.min_lr=0.0001, where the schedule ends, is above train.lr=5e-05"),
     (["model.init_std=0"], "model.init_std=0.0 must be a positive number"),
     (["model.vocab_size=99999999999999999999"], "model.vocab_size=99999999999999999999 must be from 1 to 2\\*\\*31 - 1"),
     (["data.cache_dir="], "data.cache_dir is empty: set it to the directory that keeps the tokenized corpus"),

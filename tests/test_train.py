@@ -181,6 +181,20 @@ def test_no_checkpoint_is_written_while_steps_are_skipped_so_the_good_ones_stay(
            f"checkpoint.resume={steps / 'step_0000002'})" in str(e.value)
 
 
+def test_a_run_ending_in_skipped_steps_writes_no_final_checkpoint(tmp_path):
+    """Within train.skip_nonfinite the run ends as planned, but its weights may have diverged: the final
+    checkpoint is not written (it would push a good one out of checkpoint.keep), and the newest good one is named."""
+    run = tmp_path / "run"
+    every = ["checkpoint.every=1", "checkpoint.keep=2", f"log.run_dir={run}"]
+    train_module.train(load_config(TINY, ["train.steps=2", *every]))
+    steps = run / "checkpoints"
+    with pytest.warns(UserWarning, match=f"no final checkpoint: the last 2 step\\(s\\) were not finite; .* "
+                                         f"checkpoint.resume={steps / 'step_0000003'}"):
+        train_module.train(load_config(TINY, ["train.steps=5", "train.lr=1e30", "train.grad_clip=0",
+                                              "train.warmup_steps=0", "checkpoint.resume=auto", *every]))
+    assert [p.name for p in sorted(steps.glob("step_*"))] == ["step_0000002", "step_0000003"]
+
+
 def test_a_model_too_large_to_build_says_its_size_and_what_to_change(tmp_path):
     from sixfold.config import ConfigError
     from sixfold.mesh import ParallelContext
