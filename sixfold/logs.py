@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -46,7 +47,7 @@ class RunLog:
         if not self.enabled or self.problem:
             return
         try:
-            self.file.write(json.dumps(metrics) + "\n")
+            self.file.write(json.dumps(_strict(metrics)) + "\n")
             self.file.flush()
         except OSError as e:  # the trainer stops every rank after the step (a full disk, a lost mount)
             self.problem = f"rank 0 cannot write {self.file.name} at step {metrics['step']}: {e}"
@@ -98,6 +99,13 @@ def start_metrics(run_dir: Path, up_to: int, aside: Path | None = None) -> None:
     path.write_text("".join(kept))
 
 
+def _strict(metrics: dict) -> dict:
+    """Strict JSON: a NaN or infinite number (a skipped step's loss or norm) as null, which every reader takes."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """metrics.jsonl's steps, a null number read back as NaN."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [{k: math.nan if v is None else v for k, v in m.items()} for m in lines]

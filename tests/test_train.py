@@ -1,6 +1,7 @@
 """The trainer end to end: run output, exact resume, checkpoint safety, clear errors."""
 import errno
 import json
+import math
 import os
 import shutil
 import signal
@@ -193,6 +194,9 @@ def test_a_run_ending_in_skipped_steps_writes_no_final_checkpoint(tmp_path):
         train_module.train(load_config(TINY, ["train.steps=5", "train.lr=1e30", "train.grad_clip=0",
                                               "train.warmup_steps=0", "checkpoint.resume=auto", *every]))
     assert [p.name for p in sorted(steps.glob("step_*"))] == ["step_0000002", "step_0000003"]
+    strict = [json.loads(line, parse_constant=pytest.fail) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["skipped"] for m in strict] == [False] * 3 + [True] * 2  # a NaN norm is null: strict JSON
+    assert all(m["grad_norm"] is None for m in strict[3:]) and math.isnan(read_metrics(run)[3]["grad_norm"])
 
 
 def test_a_model_too_large_to_build_says_its_size_and_what_to_change(tmp_path):
