@@ -12,7 +12,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from .benchjob import BenchError, launch
+from .benchjob import BenchError, launch, quiet
 from .config import Config, ConfigError, check_available, load_config
 from .launch import under_torchrun
 from .measure import DOC, QUIET, ROOT, machine, revision, write_doc
@@ -126,12 +126,14 @@ def table(path: str | None, overrides: list[str], steps: int, write: bool, argv:
     """The layouts of TABLE, `runs` rounds over all of them (a slow spell of the machine then falls on every
     layout alike), each layout's median job reported."""
     configs = [workload_config(path, [*overrides, *layout.overrides], steps) for layout in TABLE]  # all refused first
-    mine, workload = configs[0].to_dict(), workload_config(None, [], steps).to_dict()
-    changed = [f"{s}.{k}" for s in ("model", "train", "data") for k in workload[s] if mine[s][k] != workload[s][k]]
+    # what the jobs train (no evaluation, checkpoints, sample), where the token cache lies aside
+    mine, workload = (quiet(c).to_dict() for c in (configs[0], workload_config(None, [], steps)))
+    changed = [f"{s}.{k}={mine[s][k]} ({BENCH.name}: {workload[s][k]})" for s in ("model", "train", "data")
+               for k in workload[s] if mine[s][k] != workload[s][k] and f"{s}.{k}" != "data.cache_dir"]
     if changed:
-        raise ConfigError(f"--table sets sixfold beside the peers' times on {BENCH.name}'s workload, and "
-                          f"{', '.join(changed)} differ from it: leave them as they are there, or time your own "
-                          f"config without --table, one layout at a time")
+        raise ConfigError(f"--table sets sixfold beside the peers' times on {BENCH.name}'s workload, which this "
+                          f"config changes: {', '.join(changed)}; set them back, or time your own config without "
+                          f"--table, one layout at a time")
     rev, results = revision(), [[] for _ in TABLE]
     for _ in range(runs):
         for layout, cfg, done in zip(TABLE, configs, results):
@@ -179,6 +181,6 @@ def bench(args, path: str | None, overrides: list[str], argv: list[str]) -> None
     cfg = workload_config(path, overrides, steps)
     from .data import load_data
     from .train import check_inputs
-    check_inputs(cfg, load_data(cfg.data))  # refused here, not by the job's ranks
+    check_inputs(quiet(cfg), load_data(cfg.data))  # what the job trains, refused here, not by its ranks
     threads = os.environ.get("OMP_NUM_THREADS") or str(threads_per_rank(cfg))
     print(line(cfg.parallel.describe(), time_run(cfg, threads), steps))

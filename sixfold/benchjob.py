@@ -8,6 +8,7 @@ set just before the model is built (the corpus already loaded).
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -40,12 +41,19 @@ class Job:
         return any(r["oom"] for r in self.ranks)
 
 
+def quiet(cfg: Config) -> Config:
+    """cfg as a job trains it: QUIET's settings (no checkpoint, evaluation or sample) over its own."""
+    out = copy.deepcopy(cfg)
+    for section, values in QUIET.items():
+        for key, value in values.items():
+            setattr(getattr(out, section), key, value)
+    return out
+
+
 def launch(cfg: Config, threads: str | None = None) -> Job:
-    """Train `cfg` (quiet, no checkpoint, no evaluation) in a job of its world size."""
+    """Train quiet(cfg) in a job of its world size."""
     with tempfile.TemporaryDirectory(prefix="sixfold-bench-") as job:
-        settings = cfg.to_dict()
-        for section, values in QUIET.items():
-            settings[section].update(values)
+        settings = quiet(cfg).to_dict()
         settings["log"]["run_dir"] = str(Path(job) / "run")
         (Path(job) / "config.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
         world = cfg.parallel.world_size

@@ -37,7 +37,8 @@ class RunLog:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             # a resumed run's steps replace those the earlier run logged after its checkpoint
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start + 1 if start else None)
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
+                                    purge_step=start + 1 if 0 < start < total else None)
 
     def print(self, text: str) -> None:
         if self.enabled:

@@ -14,7 +14,7 @@ import copy
 import itertools
 from typing import Callable
 
-from .benchjob import launch
+from .benchjob import launch, quiet
 from .config import Config, ConfigError, check_available, load_config, validate
 
 PROBE_STEPS = 2
@@ -96,11 +96,12 @@ def max_seq(path: str, overrides: list[str], budget_gb: float | None, lo: int | 
     if first is None:
         raise ConfigError(f"no train.seq_len from --min {lo} to --max {hi} suits {cfg.parallel.describe()}")
     data = load_data(cfg.data)
-    check_inputs(at_length(cfg, first), data)  # refused here, not by a probe's ranks
+    check_inputs(quiet(at_length(cfg, first)), data)  # what a probe trains, refused here, not by its ranks
     top = "the --max (raise --max to look further)"
     if len(data.train) - 1 < hi:  # a probe reads one sequence of seq_len + 1 tokens at least
+        more = "more text" + (", or a larger data.max_bytes," if cfg.data.max_bytes else "")
         hi, top = len(data.train) - 1, (f"the longest sequence the corpus's train split holds ({len(data.train):,} "
-                                        f"tokens; give more text, or a larger data.max_bytes, to look further)")
+                                        f"tokens; give {more} to look further)")
     t = cfg.train
     rule = "no rank runs out of CUDA memory" if cuda else f"every rank's resident memory grows by <= {budget_gb:g} GB"
     if cuda and budget_gb is not None:

@@ -5,6 +5,7 @@ import contextlib
 import hashlib
 import math
 import os
+import shutil
 import socket
 import time
 import warnings
@@ -322,12 +323,11 @@ class Trainer:
                 log.end_progress()
                 self.sharded.settle()
                 again = not history and ckpt.step_dir(self.run_dir, self.step).is_dir()  # no step, nothing new
-                if cfg.checkpoint.save_final and not again and self.skipped:
-                    if self.ctx.is_main:  # as during the streak: the weights may have diverged
-                        warnings.warn(f"no final checkpoint: the last {self.skipped} step(s) were not finite; lower "
-                                      f"train.lr or check the data, then {self._go_back()}")
-                elif cfg.checkpoint.save_final and not again:
-                    log.print(f"checkpoint: {self.save()}")
+                if cfg.checkpoint.save_final and not again:
+                    if not self.skipped:
+                        log.print(f"checkpoint: {self.save()}")
+                    elif self.ctx.is_main:  # as during the streak: the weights may have diverged
+                        warnings.warn(f"no final checkpoint: {self._not_finite()}")
                 self.saver.wait()
                 self.comm.ledger.close("other")  # the last step's stop check, the final checkpoint
                 if cfg.log.sample_tokens:  # every rank: under ZeRO-3 each forward gathers weights from all
@@ -367,8 +367,7 @@ class Trainer:
             return Stopped(f"{done}; no checkpoint written (checkpoint.every=0, checkpoint.save_final=false)",
                            signal_name)
         if self.skipped:
-            return Stopped(f"{done}; no checkpoint written: the last {self.skipped} step(s) were not finite; lower "
-                           f"train.lr or check the data, then {self._go_back()}", signal_name)
+            return Stopped(f"{done}; no checkpoint written: {self._not_finite()}", signal_name)
         path = ckpt.step_dir(self.run_dir, self.step) if saved else self.save()
         self.saver.wait()
         return Stopped(f"{done}; checkpoint {path}: run the same command with checkpoint.resume=auto (or "
@@ -386,6 +385,11 @@ class Trainer:
                               f"{4 * n / 1e9:,.1f} GB in fp32 before any sharding): choose smaller model.* settings "
                               f"or split it over more ranks (parallel.zero=3, tp, pp); `sixfold plan` estimates a "
                               f"layout's memory") from None
+
+    def _not_finite(self) -> str:
+        """Why no checkpoint is written at the end of non-finite steps, and what to do."""
+        return (f"the last {self.skipped} step(s) were not finite; lower train.lr or check the data, then "
+                f"{self._go_back()}")
 
     def _go_back(self) -> str:
         """Where to start again after non-finite steps: the run's newest checkpoint before them (the weights in
@@ -516,8 +520,11 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
                 if aside:  # its metrics.jsonl by start_metrics below
                     for path in summaries:
                         path.rename(aside / path.name)
+                    if summaries and (run_dir / "config.yaml").is_file():  # for `sixfold trace ASIDE`
+                        shutil.copy(run_dir / "config.yaml", aside / "config.yaml")
+                    moved = ["checkpoints", *(["metrics.jsonl"] if had_metrics else []), *(p.name for p in summaries)]
                     newest = ckpt.complete_in(aside)
-                    kept = f"its checkpoints, metrics.jsonl and summaries are moved to {aside}" + (
+                    kept = f"its {', '.join(moved)} are moved to {aside}" + (
                         f"; to go on with it instead, stop this run and set checkpoint.resume={newest[-1]}"
                         if newest else "")
                 else:

@@ -93,8 +93,9 @@ def test_max_seq_on_cpu_needs_a_budget(capsys):
     (["bench", "--write"], "add --table"),
     (["bench", "--runs", "3"], "add --table"),
     (["bench", "--table", "--runs", "0"], "give at least 1"),
-    (["bench", "--table", "train.precision=bf16"], "bench.yaml's workload, and train.precision differ from it"),
-    (["bench", TINY, "--table"], "model.vocab_size, model.dim"),
+    (["bench", "--table", "train.precision=bf16"], "bench.yaml's workload, which this config changes: "
+                                                    "train.precision=bf16 (bench.yaml: fp32); set them back"),
+    (["bench", TINY, "--table"], "model.vocab_size=320 (bench.yaml: 2048), model.dim=64 (bench.yaml: 256)"),
     (["bench", "--budget-gb", "1"], "--budget-gb: only with --max-seq"),
     (["bench", "--steps", "0"], "--steps 0: the first 2 steps are not timed"),
     (["bench", "--max-seq", TINY, "--budget-gb", "-1"], "--budget-gb -1.0: give a positive, finite number of GB"),
@@ -105,7 +106,10 @@ def test_max_seq_on_cpu_needs_a_budget(capsys):
     (["bench", "--max-seq", TINY, "data.source=/nonexistent", "--budget-gb", "1"], "/nonexistent does not exist"),
     (["bench", "--max-seq", TINY, "model.vocab_size=200", "--budget-gb", "1"], "model.vocab_size=200 is smaller"),
 ])
-def test_bad_input_is_refused_before_any_job(capsys, argv, message):
+def test_bad_input_is_refused_before_any_job(capsys, monkeypatch, argv, message):
+    from sixfold import bench
+    for module in (bench, maxseq):
+        monkeypatch.setattr(module, "launch", lambda *a: pytest.fail("a job started"))
     assert main(argv) == 2
     assert message in capsys.readouterr().err
 

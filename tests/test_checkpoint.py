@@ -226,12 +226,13 @@ def test_a_run_that_starts_over_moves_the_earlier_runs_checkpoints_aside(tmp_pat
     train(load_config(TINY, [*common, "train.steps=3"]))
     earlier = {p.name: (p / "model-00000.safetensors").read_bytes() for p in (run / "checkpoints").glob("step_*")}
     ledger = (run / "comm_ledger.json").read_text()
-    with pytest.warns(UserWarning, match="holds an earlier run: this one starts over.*checkpoints, metrics.jsonl "
-                                         "and summaries are moved to .*; to go on with it instead, stop this run and "
-                                         "set checkpoint.resume=.*checkpoints-before-.*/step_0000003"):
+    with pytest.warns(UserWarning, match="holds an earlier run: this one starts over.*its checkpoints, metrics.jsonl, "
+                                         "comm_ledger.json are moved to .*; to go on with it instead, stop this run "
+                                         "and set checkpoint.resume=.*checkpoints-before-.*/step_0000003"):
         train(load_config(TINY, [*common, "train.steps=2", "train.seed=7"]))
     (aside,) = run.glob("checkpoints-before-*")
     assert (aside / "comm_ledger.json").read_text() == ledger  # with its run, not replaced by this one's
+    assert cli.main(["trace", str(aside)]) == 0 and (aside / "mesh.png").is_file()  # its config.yaml beside it
     assert {p.name: (p / "model-00000.safetensors").read_bytes() for p in aside.glob("step_*")} == earlier
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000001", "step_0000002"]
     (run / "checkpoints" / "latest").unlink()
