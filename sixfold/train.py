@@ -503,11 +503,10 @@ def resumes_here(cfg: Config) -> bool:
 def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
     """Once the trainer is built (a checkpoint to resume from loaded, at `step`): a run that does not continue its
     directory's own checkpoints moves them aside (an earlier run's, which its own would replace), with that run's
-    metrics.jsonl and summaries (its ledger, trace and pictures, which `sixfold trace` would draw as this run's, and
-    TensorBoard events, which TensorBoard would mix with this run's);
-    one that continues them from an earlier step moves aside those of later steps, with their lines of
-    metrics.jsonl, and points `latest` at its own; then config.yaml. A resume with no step left to train changes
-    nothing."""
+    metrics.jsonl and summaries (ledger, trace and pictures, which `sixfold trace` would draw as this run's;
+    TensorBoard events, which TensorBoard would mix with this run's); one that continues them from an earlier step
+    moves aside those of later steps, with their lines of metrics.jsonl, and points `latest` at its own; then
+    config.yaml. A resume with no step left to train changes nothing."""
     if ctx.is_main:
         run_dir, here = Path(cfg.log.run_dir), resumes_here(cfg)
         if not here:
