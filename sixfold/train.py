@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 import os
@@ -131,8 +132,9 @@ class Trainer:
             grad_norm = clip_grad_norm(self.sharded, t.grad_clip)
             lr = learning_rate(t, self.step)
             skip = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
-            if not skip:
-                self.optim.step(lr, self.sharded.publish)
+            if not skip:  # ZeRO-3 gathers what the next step begins with as it goes, if a step comes next
+                ahead = self.step + 1 < t.steps and not self._eval_due(self.step + 1)
+                self.optim.step(lr, functools.partial(self.sharded.publish, ahead=ahead))
             self.sharded.zero_grad()
         self.step += 1
         self.skipped = self.skipped + 1 if skip else 0
@@ -150,6 +152,11 @@ class Trainer:
         return {"step": self.step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": skip,
                 "tokens_per_s": t.global_batch * t.seq_len / elapsed, "step_s": elapsed,
                 "comm_bytes": self.comm.ledger.end_step(self.step), **expert_load}
+
+    def _eval_due(self, step: int) -> bool:
+        """Whether the validation loss is computed after step `step`."""
+        t = self.cfg.train
+        return bool(t.eval_every) and (step % t.eval_every == 0 or step == t.steps)
 
     def _expert_load(self) -> dict:
         """The step's MoE losses (balancing + z, summed over layers) and each layer's least and most loaded
@@ -303,7 +310,7 @@ class Trainer:
                     self.comm.ledger.close("other")  # since the last step: checkpoints, the stop check, loading
                     m = self.train_step()
                     m["elapsed_s"] = time.perf_counter() - began
-                    if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                    if self._eval_due(self.step):
                         val = self.evaluate(stop)
                         if val is not None:
                             m["val_loss"] = val

@@ -37,6 +37,7 @@ LAYOUTS = {
     "pp2-zb-v": ["parallel.pp=2", "parallel.pp_schedule=zb-v", "parallel.pp_virtual_stages=2", "train.micro_batches=4",
                  "model.n_layers=4"],
     "pp2xdp_shard2-zero1": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero=1", "train.micro_batches=2"],
+    "pp2xdp_shard2-zero3": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero=3", "train.micro_batches=2"],
     "moe-ep2": ["model.moe_experts=4", "parallel.dp_shard=2", "parallel.ep=2"],
     "moe-shared-tp2": ["model.moe_experts=4", "model.moe_shared_expert=true", "parallel.tp=2"],
     "moe-pp2-1f1b": ["model.moe_experts=4", "parallel.pp=2", "train.micro_batches=4"],

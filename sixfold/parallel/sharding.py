@@ -14,7 +14,9 @@ step's start) until its reduce-scatter is done, with at most REDUCING reductions
 zero where gradients are reduced through a copy in grad_reduce's dtype, and at ZeRO-1 on CPU, whose
 reduce-scatter stages the whole input). Nothing is cast where nothing is sent (a group of one). zero 3: also the
 full weights are freed outside the unit's forward and backward and gathered just ahead of use (prefetch); the
-head's unit and the one before it stay gathered through the step.
+head's unit and the one before it stay gathered through the step. The two units the next step begins with are
+gathered as soon as the optimizer has updated them, while it updates the rest, and stay gathered until that step
+(`ahead`).
 With dp_replicate > 1 (HSDP) each unit's gradient shard is all-reduced across replicas (in grad_reduce's dtype) once
 its reduce-scatter is done.
 Under tensor parallelism the units hold this tp rank's pieces, laid out alike on every tp rank; parameters
@@ -212,6 +214,7 @@ class Sharded:
                 unit.backward_reads_weights = not all(isinstance(m, VocabEmbedding) for m in unit.modules)
                 unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self.before_forward(u))
                 _free(unit.full)
+        self.ahead = [u for u in self.units if u.zero == 3][:2]  # ZeRO-3: the units a step's forward begins with
 
     # ZeRO-3: weights gathered just ahead of use -------------------------------------------------
     def _start_gather(self, unit: Unit) -> None:
@@ -442,14 +445,17 @@ class Sharded:
             self.publish(u)
         self.settle()
 
-    def publish(self, unit: Unit) -> None:
+    def publish(self, unit: Unit, ahead: bool = False) -> None:
         """A unit's updated fp32 shard into its compute weights: copied, then gathered under ZeRO-1/2, waited for by
-        its next forward (or by settle()), so that the gather overlaps what comes first (the next units' update)."""
+        its next forward (or by settle()), so that the gather overlaps what comes first (the next units' update).
+        ZeRO-3 gathers it so only if a training step comes next (`ahead`) and begins with it."""
         if unit.compute_shard is not unit.master:
             unit.compute_shard.copy_(unit.master)
         if unit.zero in (1, 2):
             unit.gather = self.comm.all_gather(unit.full, unit.compute_shard, unit.group, async_op=True,
                                                label=f"unit {unit.index}")
+        elif ahead and unit in self.ahead:
+            self._start_gather(unit)
 
     def settle(self) -> None:
         """Wait for the weight gathers in flight: the compute weights are then current."""

@@ -2,8 +2,9 @@
 
 Persistent (between steps): for each FSDP unit of `padded` elements sharded over n ranks (n = 1 without
 ZeRO), with b bytes per compute element:
-  parameters  b * padded compute weights (not under ZeRO-3, which gathers them for use), 4 * padded / n of
-              fp32 master shard when sharded or in bf16, and b * padded / n of bf16 shard to gather from
+  parameters  b * padded compute weights (under ZeRO-3, which gathers them for use, only those of the two units
+              the next step begins with), 4 * padded / n of fp32 master shard when sharded or in bf16, and
+              b * padded / n of bf16 shard to gather from
   gradients   b * padded full gradients (ZeRO-0/1; ZeRO-2/3 free them between steps), 4 * padded / n of
               fp32 reduced shard when sharded or in bf16
   optimizer   8 bytes (AdamW's two moments) per parameter element of the shard
@@ -44,7 +45,8 @@ def persistent(rank: Rank) -> dict[str, int]:
     for u in rank.sharded.units:
         n = rank.ctx.size(u.group) if u.zero else 1
         own_master = n > 1 or b == 2
-        out["parameters"] += (b * u.padded if u.zero < 3 else 0) + (4 * u.shard_size if own_master else 0) + \
+        full = u.zero < 3 or u in rank.sharded.ahead
+        out["parameters"] += (b * u.padded if full else 0) + (4 * u.shard_size if own_master else 0) + \
             (b * u.shard_size if b == 2 and n > 1 else 0)
         out["gradients"] += (b * u.padded if u.zero < 2 else 0) + (4 * u.shard_size if own_master else 0)
         out["optimizer"] += 8 * sum(end - start for _, start, end, _ in u.segments())
@@ -222,7 +224,7 @@ def _buffers(rank: Rank) -> dict[str, int]:
     pipelining or several micro-batches, every unit's from the step's start); "reducing", those and the units'
     being reduced, with their copies in the reduction's dtype; "held" through the step, ZeRO-3 gathered weights
     (all of the rank's under pipelining; else those kept through the step, and of the rest a unit and the next
-    one, prefetched) and under pipelining the most hidden states the rank's sends keep alive at once (until the
+    one, prefetched), less those gathered before the step (in persistent()), and under pipelining the most hidden states the rank's sends keep alive at once (until the
     data is known received, delivery.py)."""
     b, units = rank.compute_bytes, rank.sharded.units
     whole = rank.schedule is not None or rank.cfg.train.micro_batches > 1  # every full gradient from the start
@@ -233,6 +235,7 @@ def _buffers(rank: Rank) -> dict[str, int]:
     gathered = [b * u.padded for u in units if u.zero == 3 and (u.keep_gathered or rank.schedule is not None)]
     if rank.schedule is None:
         gathered += sorted(b * u.padded for u in units if u.zero == 3 and not u.keep_gathered)[-2:]
+    gathered += [-b * u.padded for u in rank.sharded.ahead]
     sends = held_sends(rank.schedule, rank.ctx.rank_in("pp")) if rank.schedule else 0
     pipe = sends * b * rank.hidden_tokens * rank.cfg.model.dim
     return {"early": early, "reducing": early + sum(later[-(REDUCING + 1):]) + sum(copies[-(REDUCING + 1):]),

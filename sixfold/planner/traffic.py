@@ -3,7 +3,8 @@ output, reduce-scatters their input, sends their payload), from the layout alone
 
 Per step: each unit's gradient reduction (all-reduce over the loss group, or ZeRO's reduce-scatter over fsdp,
 then across replicas under HSDP) and ZeRO-1/2's weight all-gather; ZeRO-3's gathers (once per step per unit
-kept gathered or under pipelining, otherwise before each forward and each backward that reads the weights);
+kept gathered or under pipelining, otherwise before each forward and each backward that reads the weights; a
+step gathers its first two units' during the step before, in the optimizer, and the next step's in its own);
 the tied embedding's sum over the pipeline ends; the tp sum of gradients each tp replica holds part of; the
 scalars (token count, loss, gradient norm). Per micro-batch: tensor-parallel collectives per block and at the
 ends (parallel/tensor.py), context-parallel ones per block (ContextParallel.comm_bytes), again

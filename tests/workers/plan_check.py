@@ -1,7 +1,7 @@
-"""One training step of a layout, and what it held and sent, for the planner's test to compare with its
-predictions: persistent buffer bytes, the ledger's bytes per (group, op), the peak of the tensor bytes a second
-step allocated beyond those allocated when it began (from PyTorch's profiler), and (without pipelining) the bytes
-saved for backward by one micro-batch.
+"""Two training steps of a layout, and what they held and sent, for the planner's test to compare with its
+predictions: persistent buffer bytes, the ledger's bytes per (group, op) of the second step, the peak of the
+tensor bytes it allocated beyond those allocated when it began (from PyTorch's profiler), and (without
+pipelining) the bytes saved for backward by one micro-batch.
 
     torchrun --nproc-per-node N plan_check.py OUT_DIR key=value ...
 """
@@ -37,10 +37,13 @@ held = {
     "gradients": sum(size(u.grad) + extra(u.grad_shard, u.grad) for u in units),
     "optimizer": sum(t.numel() * t.element_size() for m in trainer.optim.moments for t in m.values()),
 }
-sent = {f"{g}/{op}": b for (g, op), b in trainer.comm.ledger.total.items()}
+before = dict(trainer.comm.ledger.total)
 with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
     trainer.train_step()
     trainer.sharded.settle()  # no collective in flight when the profiler stops (it may crash otherwise)
+# the second step's: the first also gathers, under ZeRO-3, the units the step after it begins with
+sent = {f"{g}/{op}": b - before.get((g, op), 0) for (g, op), b in trainer.comm.ledger.total.items()
+        if b > before.get((g, op), 0)}
 events = out / f"profile{ctx.rank}.json"
 prof.export_chrome_trace(str(events))
 memory = [e["args"] for e in sorted(json.loads(events.read_text())["traceEvents"], key=lambda e: e["ts"])

@@ -2,7 +2,8 @@
 the ZeRO formula for this model and layout (with padding), and the collectives equal theirs. During the step,
 ZeRO-2/3 hold the full gradients of the units that need them only: the head's unit in forward, the last
 REDUCING units reduced at the end of the backward. Under ZeRO-1/2 the next step's forward waits for each unit's
-weight gather just before the unit runs."""
+weight gather just before the unit runs; ZeRO-3 starts the gathers of the next step's first two units in the
+optimizer."""
 import sys
 
 from sixfold.config import load_config
@@ -44,9 +45,11 @@ rank = ctx.rank_in("fsdp") if zero else 0
 owned = sum(max(0, min((rank + 1) * pad(x) // n, x) - rank * pad(x) // n) for x in unit_sizes)
 b = 2 if precision == "bf16" else 4
 own_master = n > 1 or precision == "bf16"
+# ZeRO-3 gathers the next step's first two units (the embedding and the first block) during the optimizer
+ahead = b * (pad(unit_sizes[0]) + pad(unit_sizes[1])) if zero == 3 else 0
 expected = {
     # bf16 sharded: a bf16 copy of the shard to gather from (unsharded, the compute weights serve)
-    "parameters": (b * padded if zero < 3 else 0) + (4 * shard if own_master else 0) + (b * shard if b == 2 and n > 1 else 0),
+    "parameters": (b * padded if zero < 3 else ahead) + (4 * shard if own_master else 0) + (b * shard if b == 2 and n > 1 else 0),
     "gradients": (b * padded if zero < 2 else 0) + (4 * shard if own_master else 0),
     "optimizer": 8 * owned,
 }
@@ -69,14 +72,15 @@ else:
     assert calls["fsdp", "reduce_scatter"] == k and ledger["fsdp", "reduce_scatter"] == 4 * padded
 if zero in (1, 2):
     assert calls["fsdp", "all_gather"] == k and ledger["fsdp", "all_gather"] == b * padded
-if zero == 3 and once:  # every unit gathered once per step; bf16 moves half the bytes
-    assert calls["fsdp", "all_gather"] == k and ledger["fsdp", "all_gather"] == b * padded
+if zero == 3 and once:  # every unit gathered once per step, and the next step's first two; bf16 moves half the bytes
+    assert calls["fsdp", "all_gather"] == k + 2 and ledger["fsdp", "all_gather"] == b * padded + ahead
 elif zero == 3:
     # each forward gathers every unit but the head's and the last block's (kept from the first forward on);
-    # each backward gathers the other blocks (the embedding's backward reads no weights); bf16 moves half the bytes
+    # each backward gathers the other blocks (the embedding's backward reads no weights); the optimizer the next
+    # step's first two units; bf16 moves half the bytes
     embed, blocks = pad(unit_sizes[0]), sum(pad(x) for x in unit_sizes[1:-2])
-    calls_expected = k + micro * (m.n_layers - 1) + (micro - 1) * (k - 2)
-    bytes_expected = b * (padded + micro * blocks + (micro - 1) * (embed + blocks))
+    calls_expected = k + micro * (m.n_layers - 1) + (micro - 1) * (k - 2) + 2
+    bytes_expected = b * (padded + micro * blocks + (micro - 1) * (embed + blocks)) + ahead
     assert calls["fsdp", "all_gather"] == calls_expected and ledger["fsdp", "all_gather"] == bytes_expected
 
 if zero in (1, 2):  # the weights gathered after a step: each unit's waited for by its next forward, in order
@@ -88,9 +92,11 @@ if zero in (1, 2):  # the weights gathered after a step: each unit's waited for 
     trainer.train_step()
     assert pending[:k] == [(i, set(range(i + 1, k))) for i in range(k)], pending
 
+if zero == 3:  # the gathers of the next step's first two units are in flight after the step, no other
+    assert [u.gather is not None for u in units] == [True, True] + [False] * (k - 2), [u.gather for u in units]
 trainer.sharded.settle()
-trainer.evaluate()  # holds no more after it than a step does
-assert holding() == held, (holding(), held)
+trainer.evaluate()  # holds no more after it than a step does (ZeRO-3: not the next step's first units)
+assert holding() == {**held, "parameters": held["parameters"] - ahead}, (holding(), held)
 
 if ctx.rank == 0:
     print(f"zero {zero} {precision} {'once ' if once else ''}buffers OK: {held}")
