@@ -132,7 +132,10 @@ def cmd_trace(args, argv) -> int:
         raise ConfigError(f"{run} is not a run directory (it has no config.yaml)")
     try:
         written = draw_pictures(run)
-    except OSError as e:  # a read-only run directory, a full disk, a directory where a picture goes
+    except OSError as e:
+        if e.filename and Path(e.filename).name in ("config.yaml", "trace.json", "comm_ledger.json"):  # read
+            raise ConfigError(f"cannot read {e.filename}: {e.strerror or e}; make it readable") from None
+        # a read-only run directory, a full disk, a directory where a picture goes
         raise ConfigError(f"cannot draw {run}'s pictures: {e}; they go to {', '.join(PICTURES)} in it: make it "
                           f"writable, or copy the run elsewhere and draw them there") from None
     if not written:

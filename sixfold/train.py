@@ -520,23 +520,24 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
             aside, metrics = ckpt.set_aside(run_dir), run_dir / "metrics.jsonl"
             summaries = [run_dir / name for name in SUMMARIES if (run_dir / name).exists()]
             had_metrics = metrics.is_file() and metrics.stat().st_size > 0
-            if aside or summaries or had_metrics:
+            checkpoints = aside is not None
+            if not checkpoints and (summaries or had_metrics):  # an earlier run with none
+                aside = ckpt.unused_path(run_dir, "run-before")
+                aside.mkdir()
+            if aside:  # its metrics.jsonl by start_metrics below
                 resume = cfg.checkpoint.resume
                 how = "starts over" if resume in ("", "auto") else f"goes on from {resume}"
-                if aside:  # its metrics.jsonl by start_metrics below
-                    for path in summaries:
-                        path.rename(aside / path.name)
-                    if summaries and (run_dir / "config.yaml").is_file():  # for `sixfold trace ASIDE`
-                        shutil.copy(run_dir / "config.yaml", aside / "config.yaml")
-                    moved = ["checkpoints", *(["metrics.jsonl"] if had_metrics else []), *(p.name for p in summaries)]
-                    newest = ckpt.complete_in(aside)
-                    kept = f"its {', '.join(moved)} are moved to {aside}" + (
+                for path in summaries:
+                    path.rename(aside / path.name)
+                if summaries and (run_dir / "config.yaml").is_file():  # for `sixfold trace ASIDE`
+                    shutil.copy(run_dir / "config.yaml", aside / "config.yaml")
+                moved = [*(["checkpoints"] if checkpoints else []), *(["metrics.jsonl"] if had_metrics else []),
+                         *(p.name for p in summaries)]
+                newest = ckpt.complete_in(aside)
+                kept = ("" if checkpoints else "it has no checkpoints; ") + \
+                    f"its {', '.join(moved)} {'are' if len(moved) > 1 else 'is'} moved to {aside}" + (
                         f"; to go on with it instead, stop this run and set checkpoint.resume={newest[-1]}"
                         if newest else "")
-                else:
-                    earlier = ([metrics] if had_metrics else []) + summaries
-                    kept = "it has no checkpoints; " + ", ".join(
-                        f"its {old.name} is moved to {new}" for old, new in map(_move_aside, earlier))
                 warnings.warn(f"{run_dir} holds an earlier run: this one {how}, replacing its config.yaml ({kept}); "
                               f"to keep both runs apart, set another log.run_dir")
             start_metrics(run_dir, 0, aside)
@@ -549,13 +550,6 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
             start_metrics(run_dir, step, aside)
         (run_dir / "config.yaml").write_text(RUN_CONFIG_HEAD + cfg.to_yaml())
     ctx.barrier()
-
-
-def _move_aside(path: Path) -> tuple[Path, Path]:
-    """An earlier run's file with no checkpoints to go with, renamed to NAME-before-DATE-TIME.EXT beside it."""
-    new = ckpt.unused_path(path.parent, f"{path.stem}-before", path.suffix)
-    path.rename(new)
-    return path, new
 
 
 def _claim_run_dir(cfg: Config, ctx: ParallelContext, held: contextlib.ExitStack) -> None:

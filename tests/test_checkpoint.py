@@ -288,15 +288,16 @@ def test_a_run_directory_is_one_runs_at_a_time_and_keeps_what_it_did_not_write(t
     train(load_config(TINY, [*common, "log.trace=true", "log.tensorboard=true"]))
     assert (run / "config.yaml").read_text().startswith(RUN_CONFIG_HEAD)
     before, trace = (run / "metrics.jsonl").read_text(), (run / "trace.json").read_text()
-    with pytest.warns(UserWarning, match="it has no checkpoints; its metrics.jsonl is moved to .*metrics-before-.*"
-                                         "its trace.json is moved to .*trace-before-.*json"):
+    with pytest.warns(UserWarning, match="it has no checkpoints; its metrics.jsonl, comm_ledger.json, trace.json, "
+                                         "timeline.png, mesh.png, tensorboard are moved to .*run-before-"):
         train(load_config(TINY, common))
-    (moved,) = run.glob("metrics-before-*.jsonl")
-    assert moved.read_text() == before and len(read_metrics(run)) == 2
-    assert [p.read_text() for p in run.glob("trace-before-*.json")] == [trace]
+    (moved,) = run.glob("run-before-*")  # all in one folder, where `sixfold trace` draws them again
+    assert (moved / "metrics.jsonl").read_text() == before and len(read_metrics(run)) == 2
+    assert (moved / "trace.json").read_text() == trace and (moved / "config.yaml").is_file()
     assert not (run / "trace.json").exists() and not (run / "timeline.png").exists()
-    assert len(list(run.glob("timeline-before-*.png"))) == 1 and (run / "comm_ledger.json").is_file()
-    assert len(list(run.glob("tensorboard-before-*/events.*"))) == 1 and not (run / "tensorboard").exists()
+    assert (moved / "timeline.png").is_file() and (run / "comm_ledger.json").is_file()
+    assert len(list(moved.glob("tensorboard/events.*"))) == 1 and not (run / "tensorboard").exists()
+    assert cli.main(["trace", str(moved)]) == 0
 
 
 def test_the_last_periodic_checkpoint_is_written_without_a_final_one(tmp_path):

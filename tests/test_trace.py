@@ -3,6 +3,7 @@ trace.json is Chrome trace format with one track per rank, its pictures are draw
 them, and every rank's ledger gives each training step the bytes of the formulas in docs/guide."""
 import json
 import re
+from unittest import mock
 
 import pytest
 from PIL import Image
@@ -70,6 +71,11 @@ def test_pictures_are_drawn_and_redrawn(run, capsys):
     assert main(["trace", str(run_dir)]) == 2
     assert f"cannot draw {run_dir}'s pictures: [Errno 21] Is a directory: '{mesh}'" in capsys.readouterr().err
     mesh.rmdir()
+    trace = run_dir / "trace.json"
+    denied = PermissionError(13, "Permission denied", str(trace))  # a file it may not read (chmod does not stop root)
+    with mock.patch("sixfold.pictures.read_chrome_trace", side_effect=denied):
+        assert main(["trace", str(run_dir)]) == 2
+    assert f"cannot read {trace}: Permission denied; make it readable" in capsys.readouterr().err
 
 
 def test_trace_command_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
