@@ -111,13 +111,13 @@ def has_checkpoint(run_dir: str | Path) -> bool:
     return (Path(run_dir) / "checkpoints" / "latest").is_file() or bool(complete_steps(run_dir))
 
 
-def unused_path(parent: Path, stem: str, suffix: str = "") -> Path:
-    """parent/STEM-DATE-TIME[-n]SUFFIX: a name nothing has yet."""
+def unused_path(parent: Path, stem: str) -> Path:
+    """parent/STEM-DATE-TIME[-n]: a name nothing has yet."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path, n = parent / f"{stem}-{stamp}{suffix}", 1
+    path, n = parent / f"{stem}-{stamp}", 1
     while path.exists():
         n += 1
-        path = parent / f"{stem}-{stamp}-{n}{suffix}"
+        path = parent / f"{stem}-{stamp}-{n}"
     return path
 
 

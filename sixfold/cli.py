@@ -126,14 +126,14 @@ def cmd_check(args, argv) -> int:
 
 
 def cmd_trace(args, argv) -> int:
-    from .pictures import PICTURES, draw_pictures
+    from .pictures import PICTURES, SOURCES, draw_pictures
     run = Path(args.run)
     if not (run / "config.yaml").is_file():
         raise ConfigError(f"{run} is not a run directory (it has no config.yaml)")
     try:
         written = draw_pictures(run)
     except OSError as e:
-        if e.filename and Path(e.filename).name in ("config.yaml", "trace.json", "comm_ledger.json"):  # read
+        if e.filename and Path(e.filename).name in SOURCES:
             raise ConfigError(f"cannot read {e.filename}: {e.strerror or e}; make it readable") from None
         # a read-only run directory, a full disk, a directory where a picture goes
         raise ConfigError(f"cannot draw {run}'s pictures: {e}; they go to {', '.join(PICTURES)} in it: make it "

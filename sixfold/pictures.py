@@ -17,6 +17,7 @@ from .trace import read_chrome_trace
 COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2", "optim": "#C44E52", "comm": "#DD8452", "data": "#937860"}
 GAP = 0.6  # between blocks of the mesh grid, in rank boxes
 PICTURES = ("timeline.png", "schedule.png", "mesh.png")
+SOURCES = ("config.yaml", "trace.json", "comm_ledger.json")  # what they are drawn from
 
 
 def _pyplot():

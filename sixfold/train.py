@@ -511,7 +511,8 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
     """Once the trainer is built (a checkpoint to resume from loaded, at `step`): a run that does not continue its
     directory's own checkpoints moves them aside (an earlier run's, which its own would replace), with that run's
     metrics.jsonl and summaries (ledger, trace and pictures, which `sixfold trace` would draw as this run's;
-    TensorBoard events, which TensorBoard would mix with this run's); one that continues them from an earlier step
+    TensorBoard events, which TensorBoard would mix with this run's), to checkpoints-before-DATE-TIME, or with no
+    checkpoints to run-before-DATE-TIME; one that continues them from an earlier step
     moves aside those of later steps, with their lines of metrics.jsonl, and points `latest` at its own; then
     config.yaml. A resume with no step left to train changes nothing."""
     if ctx.is_main:
@@ -521,9 +522,11 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
             summaries = [run_dir / name for name in SUMMARIES if (run_dir / name).exists()]
             had_metrics = metrics.is_file() and metrics.stat().st_size > 0
             checkpoints = aside is not None
-            if not checkpoints and (summaries or had_metrics):  # an earlier run with none
+            if not checkpoints and (summaries or had_metrics):  # an earlier run with none: its file as it is
                 aside = ckpt.unused_path(run_dir, "run-before")
                 aside.mkdir()
+                if had_metrics:
+                    metrics.rename(aside / metrics.name)
             if aside:  # its metrics.jsonl by start_metrics below
                 resume = cfg.checkpoint.resume
                 how = "starts over" if resume in ("", "auto") else f"goes on from {resume}"

@@ -440,7 +440,9 @@ class Sharded:
             u.grad_shard.mul_(coef)
 
     def publish_all(self) -> None:
-        """Every unit's fp32 shard into its compute weights (publish()), the gathers waited for: after a load."""
+        """Every unit's fp32 shard into its compute weights (publish()), the gathers waited for: after a load. ZeRO-3
+        first frees what it held gathered (the units gathered for the next step), which the load made stale."""
+        self.release()
         for u in self.units:
             self.publish(u)
         self.settle()

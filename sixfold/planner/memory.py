@@ -224,8 +224,8 @@ def _buffers(rank: Rank) -> dict[str, int]:
     pipelining or several micro-batches, every unit's from the step's start); "reducing", those and the units'
     being reduced, with their copies in the reduction's dtype; "held" through the step, ZeRO-3 gathered weights
     (all of the rank's under pipelining; else those kept through the step, and of the rest a unit and the next
-    one, prefetched), less those gathered before the step (in persistent()), and under pipelining the most hidden states the rank's sends keep alive at once (until the
-    data is known received, delivery.py)."""
+    one, prefetched), less those gathered before the step (in persistent()), and under pipelining the most hidden
+    states the rank's sends keep alive at once (until the data is known received, delivery.py)."""
     b, units = rank.compute_bytes, rank.sharded.units
     whole = rank.schedule is not None or rank.cfg.train.micro_batches > 1  # every full gradient from the start
     early = sum(b * u.padded for u in units if u.zero >= 2 and (u.grad_at_forward or whole))

@@ -94,6 +94,9 @@ if zero in (1, 2):  # the weights gathered after a step: each unit's waited for 
 
 if zero == 3:  # the gathers of the next step's first two units are in flight after the step, no other
     assert [u.gather is not None for u in units] == [True, True] + [False] * (k - 2), [u.gather for u in units]
+    trainer.sharded.settle()
+    trainer.sharded.publish_all()  # as after a load: those units' gathered weights are stale, freed
+    assert all(size(u.full) == 0 for u in units), [size(u.full) for u in units]
 trainer.sharded.settle()
 trainer.evaluate()  # holds no more after it than a step does (ZeRO-3: not the next step's first units)
 assert holding() == {**held, "parameters": held["parameters"] - ahead}, (holding(), held)
