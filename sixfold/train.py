@@ -512,9 +512,9 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
     directory's own checkpoints moves them aside (an earlier run's, which its own would replace), with that run's
     metrics.jsonl and summaries (ledger, trace and pictures, which `sixfold trace` would draw as this run's;
     TensorBoard events, which TensorBoard would mix with this run's), to checkpoints-before-DATE-TIME, or with no
-    checkpoints to run-before-DATE-TIME; one that continues them from an earlier step
-    moves aside those of later steps, with their lines of metrics.jsonl, and points `latest` at its own; then
-    config.yaml. A resume with no step left to train changes nothing."""
+    checkpoints to run-before-DATE-TIME; one that continues them from an earlier step moves aside those of later
+    steps, with their lines of metrics.jsonl, and points `latest` at its own; then config.yaml. A resume with no
+    step left to train changes nothing."""
     if ctx.is_main:
         run_dir, here = Path(cfg.log.run_dir), resumes_here(cfg)
         if not here:
@@ -527,7 +527,7 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
                 aside.mkdir()
                 if had_metrics:
                     metrics.rename(aside / metrics.name)
-            if aside:  # its metrics.jsonl by start_metrics below
+            if aside:  # with checkpoints, its metrics.jsonl goes by start_metrics below
                 resume = cfg.checkpoint.resume
                 how = "starts over" if resume in ("", "auto") else f"goes on from {resume}"
                 for path in summaries:

@@ -235,8 +235,8 @@ def _buffers(rank: Rank) -> dict[str, int]:
     gathered = [b * u.padded for u in units if u.zero == 3 and (u.keep_gathered or rank.schedule is not None)]
     if rank.schedule is None:
         gathered += sorted(b * u.padded for u in units if u.zero == 3 and not u.keep_gathered)[-2:]
-    gathered += [-b * u.padded for u in rank.sharded.ahead]
+    before = sum(b * u.padded for u in rank.sharded.ahead)  # gathered in the step before, in persistent()
     sends = held_sends(rank.schedule, rank.ctx.rank_in("pp")) if rank.schedule else 0
     pipe = sends * b * rank.hidden_tokens * rank.cfg.model.dim
     return {"early": early, "reducing": early + sum(later[-(REDUCING + 1):]) + sum(copies[-(REDUCING + 1):]),
-            "held": sum(gathered) + pipe}
+            "held": sum(gathered) - before + pipe}
