@@ -85,9 +85,13 @@ def _config(args):
 
 
 def cmd_train(args, argv) -> int:
-    cfg = _config(args)
-    check_tensorboard(cfg)
-    run_dir = make_run_dir(cfg)
+    try:
+        cfg = _config(args)
+        check_tensorboard(cfg)
+        run_dir = make_run_dir(cfg)
+    except ConfigError as e:  # from the command line and the machine's files: alike on each of its ranks
+        from .mesh import on_every_rank
+        raise on_every_rank(e) from None
     if not under_torchrun():  # (under torchrun, rank 0 takes the lock)
         check_free(run_dir)
     code = _relaunch(args, _without_nproc(argv), cfg)

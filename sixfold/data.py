@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import sysconfig
 import warnings
 from contextlib import contextmanager
@@ -57,7 +58,7 @@ def _docs_hash(docs) -> str:
 def _written(path: Path):
     """A temporary name beside `path`, moved onto it once the block completes; removed if the block stops part-way
     (an error, a signal, a lost peer), so that no half-written file is left."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")  # several machines may write it
     try:
         yield tmp
         os.replace(tmp, path)

@@ -63,7 +63,8 @@ class PeerStopped(RuntimeError):
 
 def on_every_rank(error: Exception) -> Exception:
     """`error`, marked as raised alike by every rank (after an exchange of problems, or from values all ranks
-    hold): the command line prints it once a machine, from its first rank, not once a rank."""
+    hold), or by every rank of a machine (from its command line and files): the command line prints it once a
+    machine, from its first rank, not once a rank."""
     error.on_every_rank = True
     return error
 
@@ -155,13 +156,33 @@ def pick_device() -> tuple[str, torch.device]:
     return "gloo", torch.device("cpu")
 
 
-def _store(timeout: timedelta, rank: int = -1, world: int | None = None) -> dist.Store:
-    """The job's rendezvous store, hosted by rank 0 unless torchrun's agent hosts it, with keys of their own for
-    each torchrun restart: a restarted job must not read the addresses that the ranks it replaces left there."""
+def _store(timeout: timedelta, rank: int = -1, world: int | None = None) -> dist.TCPStore:
+    """The job's rendezvous store: torchrun's agent hosts it (then it outlives the ranks, through restarts), or
+    rank 0."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=rank == 0 and not agent, timeout=timeout)
-    return dist.PrefixStore(f"sixfold/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                         is_master=rank == 0 and not agent, timeout=timeout)
+
+
+def _attempt_store(store: dist.TCPStore, rank: int, world: int) -> dist.Store:
+    """The store's keys for this start of the job: a restarted job must not read the addresses that the ranks it
+    replaces left in the agent's store. Each start is numbered by its rank 0, which posts the number to each other
+    rank; a rank takes its post away as it reads it. (TORCHELASTIC_RESTART_COUNT cannot number them: each machine's
+    agent counts only the restarts it began, so after another machine's rank failed the machines disagree.) By
+    then every rank of the start before has ended, and had taken its post unless it ended before reading it: such a
+    rank may read the old number once, which fails the start within parallel.timeout_s, and the next one meets."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return dist.PrefixStore("sixfold", store)  # a new store, rank 0's, each start
+    if rank == 0:
+        attempt = store.add("sixfold/attempts", 1)
+        if world > 1:
+            store.multi_set([f"sixfold/attempt_for/{r}" for r in range(1, world)], [str(attempt)] * (world - 1))
+    else:
+        post = f"sixfold/attempt_for/{rank}"
+        store.wait([post])
+        attempt = int(store.get(post))
+        store.delete_key(post)
+    return dist.PrefixStore(f"sixfold/attempt_{attempt}", store)
 
 
 def first_done(first: bool, timeout: timedelta) -> None:
@@ -170,7 +191,7 @@ def first_done(first: bool, timeout: timedelta) -> None:
     first they would stop it before it is done. The store is the agent's, which outlives the ranks."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return
-    key = f"first_done/{os.environ.get('GROUP_RANK', '0')}"
+    key = f"sixfold/first_done/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{os.environ.get('GROUP_RANK', '0')}"
     try:
         store = _store(timeout)
         if first:
@@ -187,8 +208,9 @@ def join_job(timeout: timedelta) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     with collective(f"joining the job as rank {rank}", range(world), "Check MASTER_ADDR and MASTER_PORT (torchrun's "
                     "--rdzv-endpoint), and that every rank started within parallel.timeout_s; see their logs"):
-        dist.init_process_group(backend, store=_store(timeout, rank, world), rank=rank, world_size=world,
-                                timeout=timeout, device_id=device if backend == "nccl" else None)
+        store = _attempt_store(_store(timeout, rank, world), rank, world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device if backend == "nccl" else None)
     return rank
 
 
@@ -247,7 +269,10 @@ class ParallelContext:
         """Join the torchrun job (if any) and build every named group, deduplicated."""
         dims = ParallelDims.from_config(parallel)
         world = int(os.environ.get("WORLD_SIZE", 1))
-        check_world_size(parallel, world)
+        try:
+            check_world_size(parallel, world)
+        except ConfigError as e:
+            raise on_every_rank(e) from None
         if world == 1:
             return cls.single(dims)
         timeout = timedelta(seconds=parallel.timeout_s)

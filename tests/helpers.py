@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
+LONG = ["train.steps=30", "parallel.dp_replicate=2"]  # the runs stopped mid-way, on 2 ranks
 
 
 def sixfold(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -23,3 +25,25 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 300) -> subproc
     what = [str(ROOT / "tests" / "workers" / script)] if script.endswith(".py") else ["-m", script]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *what, *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True, timeout=timeout)
+
+
+
+def start_machines(count: int, nproc: int, *args: str, restarts: int = 0) -> list[subprocess.Popen]:
+    """`sixfold ARGS` as `count` machines of `nproc` ranks each, as on a cluster: one torchrun agent per machine,
+    all meeting at one c10d rendezvous endpoint (on this host, a free port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={count}", f"--nproc-per-node={nproc}",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job-{port}",
+           f"--max-restarts={restarts}", "-m", "sixfold.cli", *args]
+    return [subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for _ in range(count)]
+
+
+def machines(count: int, nproc: int, *args: str, timeout: int = 300) -> list[subprocess.CompletedProcess]:
+    """start_machines(), waited for: each agent's exit code and output."""
+    agents = start_machines(count, nproc, *args)
+    outputs = [a.communicate(timeout=timeout) for a in agents]
+    return [subprocess.CompletedProcess(a.args, a.returncode, *out) for a, out in zip(agents, outputs)]

@@ -25,7 +25,7 @@ from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
 from sixfold.slices import Reader
 from sixfold.stop import Stopped, StopSignal
 from sixfold.train import TrainingError
-from helpers import ROOT, TINY, sixfold, torchrun
+from helpers import LONG, ROOT, TINY, sixfold, torchrun
 
 
 def _train(run_dir, *overrides, nproc=None):
@@ -370,17 +370,6 @@ def _children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             out.append(int(stat.parent.name))
     return out
-
-
-LONG = ["train.steps=30", "parallel.dp_replicate=2"]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> float:
-    """The final loss of a 30-step run on 2 ranks that nothing stops."""
-    run = tmp_path_factory.mktemp("whole")
-    assert _train(run, *LONG).returncode == 0
-    return read_metrics(run)[-1]["loss"]
 
 
 def _start(run: Path, *overrides: str, restarts: int = 0) -> tuple[subprocess.Popen, list[int]]:
