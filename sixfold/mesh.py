@@ -270,7 +270,8 @@ class ParallelContext:
         dims = ParallelDims.from_config(parallel)
         world = int(os.environ.get("WORLD_SIZE", 1))
         try:
-            check_world_size(parallel, world)
+            check_world_size(parallel, world, remedy=f"start {parallel.world_size} ranks in all (torchrun's --nnodes "
+                             f"times --nproc-per-node)" if "WORLD_SIZE" in os.environ else "")
         except ConfigError as e:
             raise on_every_rank(e) from None
         if world == 1:

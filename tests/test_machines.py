@@ -32,7 +32,7 @@ def test_a_layout_error_is_said_once_a_machine(tmp_path):
         assert proc.returncode != 0
         said = [line for line in proc.stderr.splitlines() if line.startswith("sixfold error")]
         assert said == ["sixfold error: world size 4 does not equal pp*dp_replicate*dp_shard*cp*tp = 1*1*2*1*1 = 2; "
-                        "change the parallel.* sizes or launch 2 processes (--nproc 2)"], proc.stderr[-3000:]
+                        "change the parallel.* sizes or start 2 ranks in all (torchrun's --nnodes times --nproc-per-node)"], proc.stderr[-3000:]
 
 
 
