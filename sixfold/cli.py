@@ -357,7 +357,8 @@ def _run(args, argv: list[str], rank: str) -> int:
 
 def _say(error: Exception, prefix: str, rank: str) -> None:
     """One line for `error`: from each rank that raised it, or, when every rank raised it alike, from each
-    machine's first rank with no rank named (the machine's other ranks end once it has said it)."""
+    machine's first rank with no rank named (the machine's other ranks end once it has said it, or say it
+    themselves if it has not within SAID_WITHIN_S)."""
     from .mesh import first_done
     if not getattr(error, "on_every_rank", False):
         print(f"{prefix}{rank}: {error}", file=sys.stderr)
@@ -365,7 +366,8 @@ def _say(error: Exception, prefix: str, rank: str) -> None:
     first = os.environ.get("LOCAL_RANK", "0") == "0"
     if first:
         print(f"{prefix}: {error}", file=sys.stderr, flush=True)
-    first_done(first, timedelta(seconds=SAID_WITHIN_S))
+    if not first_done(first, timedelta(seconds=SAID_WITHIN_S)):  # the first rank did not say it: this one does
+        print(f"{prefix}{rank}: {error}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cached_property
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,7 @@ from .config import ConfigError, ParallelConfig, check_world_size
 from .heartbeat import PeerFailed, PeerLost, in_turn
 
 ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")  # innermost first
+POST_EVERY_S = 0.5  # how often rank 0 posts a start's number again to the ranks that have not taken it
 
 # group name -> mesh dimensions whose ranks vary inside the group
 GROUP_DIMS = {
@@ -164,42 +167,77 @@ def _store(timeout: timedelta, rank: int = -1, world: int | None = None) -> dist
                          is_master=rank == 0 and not agent, timeout=timeout)
 
 
-def _attempt_store(store: dist.TCPStore, rank: int, world: int) -> dist.Store:
+def _attempt_store(store: dist.TCPStore, rank: int, world: int, timeout: timedelta) -> dist.Store:
     """The store's keys for this start of the job: a restarted job must not read the addresses that the ranks it
-    replaces left in the agent's store. Each start is numbered by its rank 0, which posts the number to each other
-    rank; a rank takes its post away as it reads it. (TORCHELASTIC_RESTART_COUNT cannot number them: each machine's
-    agent counts only the restarts it began, so after another machine's rank failed the machines disagree.) By
-    then every rank of the start before has ended, and had taken its post unless it ended before reading it: such a
-    rank may read the old number once, which fails the start within parallel.timeout_s, and the next one meets."""
+    replaces left in the agent's store. Each start is numbered by its rank 0 and the number posted to each other
+    rank, again every POST_EVERY_S until every rank has said it took it. A rank clears its post before it waits for
+    one: a post left by a rank of an earlier start that ended before reading it is gone then. (By then every rank of
+    the earlier start has ended: torchrun's c10d rendezvous restarts every machine's ranks before any starts again.
+    TORCHELASTIC_RESTART_COUNT cannot number the starts: each machine's agent counts only the restarts it began.)"""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return dist.PrefixStore("sixfold", store)  # a new store, rank 0's, each start
+    posts = [f"sixfold/attempt_for/{r}" for r in range(1, world)]
     if rank == 0:
         attempt = store.add("sixfold/attempts", 1)
-        if world > 1:
-            store.multi_set([f"sixfold/attempt_for/{r}" for r in range(1, world)], [str(attempt)] * (world - 1))
+        took, begun, posted = f"sixfold/attempt_{attempt}/took", time.monotonic(), -POST_EVERY_S
+        while posts and store.add(took, 0) < len(posts):
+            now = time.monotonic()
+            if now - begun > timeout.total_seconds():
+                raise RuntimeError(f"only {store.add(took, 0)} of the other {len(posts)} ranks took rank 0's number "
+                                   f"for this start within parallel.timeout_s")
+            if now - posted >= POST_EVERY_S:
+                store.multi_set(posts, [str(attempt)] * len(posts))
+                posted = now
+            time.sleep(0.01)
     else:
-        post = f"sixfold/attempt_for/{rank}"
-        store.wait([post])
-        attempt = int(store.get(post))
+        post = posts[rank - 1]
         store.delete_key(post)
+        try:
+            store.wait([post])
+        except RuntimeError:
+            raise RuntimeError("rank 0 did not number this start within parallel.timeout_s (it did not start, or "
+                               "ended before joining)") from None
+        attempt = int(store.get(post))
+        store.add(f"sixfold/attempt_{attempt}/took", 1)
     return dist.PrefixStore(f"sixfold/attempt_{attempt}", store)
 
 
-def first_done(first: bool, timeout: timedelta) -> None:
+def first_done(first: bool, timeout: timedelta) -> bool:
     """Under torchrun, the machine's first rank marks in the job's store that it is done (`first`), and its other
     ranks wait for that mark, at most `timeout`: torchrun stops a machine's ranks once one has ended, so ending
-    first they would stop it before it is done. The store is the agent's, which outlives the ranks."""
+    first they would stop it before it is done. The store is the agent's, which outlives the ranks; a mark is
+    its time, so that one left by an earlier start (made before this process) is not taken for this one's. False
+    if a rank that waited saw no mark."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return
-    key = f"sixfold/first_done/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{os.environ.get('GROUP_RANK', '0')}"
+        return True
+    key = f"sixfold/first_done/{os.environ.get('GROUP_RANK', '0')}"
     try:
         store = _store(timeout)
         if first:
-            store.set(key, "1")
-        else:
-            store.wait([key])
+            store.set(key, repr(time.time()))
+            return True
+        deadline = time.monotonic() + timeout.total_seconds()
+        while time.monotonic() < deadline:
+            if store.check([key]) and float(store.get(key)) >= _started():
+                return True
+            time.sleep(0.05)
+        return False
+    except dist.DistNetworkError:  # the agent and its store are gone: the job has ended
+        return True
     except (RuntimeError, OSError):  # DistStoreError is a RuntimeError
-        pass
+        return False
+
+
+def _started() -> float:
+    """When this process started, in seconds since the epoch (no later than it did: the boot time is whole
+    seconds); 0 where /proc does not say."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return 0.0
 
 
 def join_job(timeout: timedelta) -> int:
@@ -208,7 +246,7 @@ def join_job(timeout: timedelta) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     with collective(f"joining the job as rank {rank}", range(world), "Check MASTER_ADDR and MASTER_PORT (torchrun's "
                     "--rdzv-endpoint), and that every rank started within parallel.timeout_s; see their logs"):
-        store = _attempt_store(_store(timeout, rank, world), rank, world)
+        store = _attempt_store(_store(timeout, rank, world), rank, world, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
     return rank

@@ -1,7 +1,9 @@
 """Launch sixfold commands and torchrun workers from tests (real processes, gloo)."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +29,18 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 300) -> subproc
     return subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True, timeout=timeout)
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
 
 def start_machines(count: int, nproc: int, *args: str, restarts: int = 0) -> list[subprocess.Popen]:
     """`sixfold ARGS` as `count` machines of `nproc` ranks each, as on a cluster: one torchrun agent per machine,
@@ -45,5 +59,17 @@ def start_machines(count: int, nproc: int, *args: str, restarts: int = 0) -> lis
 def machines(count: int, nproc: int, *args: str, timeout: int = 300) -> list[subprocess.CompletedProcess]:
     """start_machines(), waited for: each agent's exit code and output."""
     agents = start_machines(count, nproc, *args)
-    outputs = [a.communicate(timeout=timeout) for a in agents]
+    try:
+        outputs = [a.communicate(timeout=timeout) for a in agents]
+    finally:
+        end_machines(agents)
     return [subprocess.CompletedProcess(a.args, a.returncode, *out) for a, out in zip(agents, outputs)]
+
+
+def end_machines(agents: list[subprocess.Popen]) -> None:
+    """Kill what is left of start_machines()' agents, their ranks first (each rank is in a session of its own)."""
+    for agent in agents:
+        for rank in children(agent.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank, signal.SIGKILL)
+        agent.kill()

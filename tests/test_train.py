@@ -25,7 +25,7 @@ from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
 from sixfold.slices import Reader
 from sixfold.stop import Stopped, StopSignal
 from sixfold.train import TrainingError
-from helpers import LONG, ROOT, TINY, sixfold, torchrun
+from helpers import LONG, ROOT, TINY, children, sixfold, torchrun
 
 
 def _train(run_dir, *overrides, nproc=None):
@@ -360,18 +360,6 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
     assert skipped[-2:] == [True, True] and not skipped[0]
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
 def _start(run: Path, *overrides: str, restarts: int = 0) -> tuple[subprocess.Popen, list[int]]:
     """LONG on 2 ranks under torchrun, resuming from the run directory's latest checkpoint if any; once it has
     logged 3 steps, its two workers' pids."""
@@ -383,7 +371,7 @@ def _start(run: Path, *overrides: str, restarts: int = 0) -> tuple[subprocess.Po
     metrics = run / "metrics.jsonl"
     while job.poll() is None and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
         time.sleep(0.05)
-    workers = _children(job.pid)
+    workers = children(job.pid)
     assert job.poll() is None and len(workers) == 2, "the run ended before a rank could be stopped"
     return job, workers
 
@@ -499,8 +487,8 @@ def test_a_rank_ended_by_a_signal_is_named_by_the_launcher(tmp_path):
     names it and says how to go on, with the shell's exit code for the signal."""
     run = tmp_path / "run"
     job = _launch(run)
-    (torchrun_pid,) = _children(job.pid)
-    worker = max(_children(torchrun_pid))
+    (torchrun_pid,) = children(job.pid)
+    worker = max(children(torchrun_pid))
     os.kill(worker, signal.SIGKILL)
     out, err = job.communicate(timeout=300)
     assert job.returncode == 128 + signal.SIGKILL, err[-3000:]
