@@ -366,7 +366,7 @@ def _say(error: Exception, prefix: str, rank: str) -> None:
     first = os.environ.get("LOCAL_RANK", "0") == "0"
     if first:
         print(f"{prefix}: {error}", file=sys.stderr, flush=True)
-    if not first_done(first, timedelta(seconds=SAID_WITHIN_S)):  # the first rank did not say it: this one does
+    if not first_done(first, timedelta(seconds=SAID_WITHIN_S)) and not first:  # its first did not say it
         print(f"{prefix}{rank}: {error}", file=sys.stderr)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,7 +25,7 @@ from .config import ConfigError, ParallelConfig, check_world_size
 from .heartbeat import PeerFailed, PeerLost, in_turn
 
 ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")  # innermost first
-POST_EVERY_S = 0.5  # how often rank 0 posts a start's number again to the ranks that have not taken it
+POST_EVERY_S = 1.0  # how often rank 0 posts a start's number again to the ranks that have not taken it
 
 # group name -> mesh dimensions whose ranks vary inside the group
 GROUP_DIMS = {
@@ -179,7 +180,7 @@ def _attempt_store(store: dist.TCPStore, rank: int, world: int, timeout: timedel
     posts = [f"sixfold/attempt_for/{r}" for r in range(1, world)]
     if rank == 0:
         attempt = store.add("sixfold/attempts", 1)
-        took, begun, posted = f"sixfold/attempt_{attempt}/took", time.monotonic(), -POST_EVERY_S
+        took, begun, posted, pause = f"sixfold/attempt_{attempt}/took", time.monotonic(), -POST_EVERY_S, 0.01
         while posts and store.add(took, 0) < len(posts):
             now = time.monotonic()
             if now - begun > timeout.total_seconds():
@@ -188,13 +189,14 @@ def _attempt_store(store: dist.TCPStore, rank: int, world: int, timeout: timedel
             if now - posted >= POST_EVERY_S:
                 store.multi_set(posts, [str(attempt)] * len(posts))
                 posted = now
-            time.sleep(0.01)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.2)  # light on the store while ranks are still starting
     else:
         post = posts[rank - 1]
         store.delete_key(post)
         try:
             store.wait([post])
-        except RuntimeError:
+        except dist.DistStoreError:
             raise RuntimeError("rank 0 did not number this start within parallel.timeout_s (it did not start, or "
                                "ended before joining)") from None
         attempt = int(store.get(post))
@@ -206,37 +208,35 @@ def first_done(first: bool, timeout: timedelta) -> bool:
     """Under torchrun, the machine's first rank marks in the job's store that it is done (`first`), and its other
     ranks wait for that mark, at most `timeout`: torchrun stops a machine's ranks once one has ended, so ending
     first they would stop it before it is done. The store is the agent's, which outlives the ranks; a mark is
-    its time, so that one left by an earlier start (made before this process) is not taken for this one's. False
-    if a rank that waited saw no mark."""
+    keyed by this machine and its agent and holds the time since boot it was made, so that one left by an earlier
+    start (made before this process) is not taken for this one's. False if a rank that waited saw no mark."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return True
-    key = f"sixfold/first_done/{os.environ.get('GROUP_RANK', '0')}"
+    key = f"sixfold/first_done/{socket.gethostname()}/{os.getppid()}"
     try:
         store = _store(timeout)
         if first:
-            store.set(key, repr(time.time()))
+            store.set(key, repr(time.clock_gettime(time.CLOCK_BOOTTIME)))
             return True
-        deadline = time.monotonic() + timeout.total_seconds()
-        while time.monotonic() < deadline:
-            if store.check([key]) and float(store.get(key)) >= _started():
-                return True
-            time.sleep(0.05)
-        return False
+        started, deadline = _started(), time.monotonic() + timeout.total_seconds()
+        store.wait([key])
+        while float(store.get(key)) < started:  # an earlier start's
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
     except dist.DistNetworkError:  # the agent and its store are gone: the job has ended
         return True
-    except (RuntimeError, OSError):  # DistStoreError is a RuntimeError
+    except (RuntimeError, OSError, ValueError):  # DistStoreError (a timeout) is a RuntimeError
         return False
 
 
 def _started() -> float:
-    """When this process started, in seconds since the epoch (no later than it did: the boot time is whole
-    seconds); 0 where /proc does not say."""
+    """When this process started, in seconds since boot; 0 where /proc does not say."""
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        return ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
         return 0.0
 
 

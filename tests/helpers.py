@@ -67,9 +67,9 @@ def machines(count: int, nproc: int, *args: str, timeout: int = 300) -> list[sub
 
 
 def end_machines(agents: list[subprocess.Popen]) -> None:
-    """Kill what is left of start_machines()' agents, their ranks first (each rank is in a session of its own)."""
+    """Kill what is left of start_machines()' agents, their ranks first (each leads a process group of its own)."""
     for agent in agents:
         for rank in children(agent.pid):
             with contextlib.suppress(ProcessLookupError):
-                os.kill(rank, signal.SIGKILL)
+                os.killpg(rank, signal.SIGKILL)
         agent.kill()

@@ -60,8 +60,9 @@ def _until(done, what: str, seconds: float = 120):
 
 
 def _restart_count(pid: int) -> str:
+    """The TORCHELASTIC_RESTART_COUNT its agent gave rank process `pid` ("" until it has exec'd)."""
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return next(v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"TORCHELASTIC_RESTART_COUNT="))
+    return next((v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"TORCHELASTIC_RESTART_COUNT=")), "")
 
 
 def test_a_rank_killed_on_one_machine_restarts_both_which_resume_as_if_never_stopped(tmp_path, uninterrupted):
@@ -84,7 +85,7 @@ def test_a_rank_killed_on_one_machine_restarts_both_which_resume_as_if_never_sto
         os.kill(paused, signal.SIGKILL)
         ranks = [_until(lambda: [r for r in children(a.pid) if r not in (paused, killed)], "a restart")[0]
                  for a in agents]
-        assert [_restart_count(r) for r in ranks] == ["0", "1"]
+        assert [_until(lambda: _restart_count(r), "a rank's start") for r in ranks] == ["0", "1"]
         outputs = [a.communicate(timeout=300) for a in agents]
     finally:
         end_machines(agents)
