@@ -23,6 +23,7 @@ import torch.distributed.nn  # noqa: F401  before any group exists: its function
 
 from .config import ConfigError, ParallelConfig, check_world_size
 from .heartbeat import PeerFailed, PeerLost, in_turn
+from .launch import under_torchrun
 
 ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")  # innermost first
 POST_EVERY_S = 1.0  # how often rank 0 posts a start's number again to the ranks that have not taken it
@@ -160,12 +161,15 @@ def pick_device() -> tuple[str, torch.device]:
     return "gloo", torch.device("cpu")
 
 
+def _agent_store() -> bool:
+    """Whether torchrun's agent hosts the job's store (then it outlives the ranks, through restarts)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def _store(timeout: timedelta, rank: int = -1, world: int | None = None) -> dist.TCPStore:
-    """The job's rendezvous store: torchrun's agent hosts it (then it outlives the ranks, through restarts), or
-    rank 0."""
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    """The job's rendezvous store: the agent's, or rank 0's."""
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                         is_master=rank == 0 and not agent, timeout=timeout)
+                         is_master=rank == 0 and not _agent_store(), timeout=timeout)
 
 
 def _attempt_store(store: dist.TCPStore, rank: int, world: int, timeout: timedelta) -> dist.Store:
@@ -175,7 +179,7 @@ def _attempt_store(store: dist.TCPStore, rank: int, world: int, timeout: timedel
     one: a post left by a rank of an earlier start that ended before reading it is gone then. (By then every rank of
     the earlier start has ended: torchrun's c10d rendezvous restarts every machine's ranks before any starts again.
     TORCHELASTIC_RESTART_COUNT cannot number the starts: each machine's agent counts only the restarts it began.)"""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if not _agent_store():
         return dist.PrefixStore("sixfold", store)  # a new store, rank 0's, each start
     posts = [f"sixfold/attempt_for/{r}" for r in range(1, world)]
     if rank == 0:
@@ -210,7 +214,7 @@ def first_done(first: bool, timeout: timedelta) -> bool:
     first they would stop it before it is done. The store is the agent's, which outlives the ranks; a mark is
     keyed by this machine and its agent and holds the time since boot it was made, so that one left by an earlier
     start (made before this process) is not taken for this one's. False if a rank that waited saw no mark."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if not _agent_store():
         return True
     key = f"sixfold/first_done/{socket.gethostname()}/{os.getppid()}"
     try:
@@ -309,7 +313,7 @@ class ParallelContext:
         world = int(os.environ.get("WORLD_SIZE", 1))
         try:
             check_world_size(parallel, world, remedy=f"start {parallel.world_size} ranks in all (torchrun's --nnodes "
-                             f"times --nproc-per-node)" if "WORLD_SIZE" in os.environ else "")
+                             f"times --nproc-per-node)" if under_torchrun() else "")
         except ConfigError as e:
             raise on_every_rank(e) from None
         if world == 1:

@@ -42,12 +42,17 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (another process may take it before it is used)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def start_machines(count: int, nproc: int, *args: str, restarts: int = 0) -> list[subprocess.Popen]:
     """`sixfold ARGS` as `count` machines of `nproc` ranks each, as on a cluster: one torchrun agent per machine,
     all meeting at one c10d rendezvous endpoint (on this host, a free port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={count}", f"--nproc-per-node={nproc}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job-{port}",

@@ -5,7 +5,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
 from sixfold.slices import Reader
 from sixfold.stop import Stopped, StopSignal
 from sixfold.train import TrainingError
-from helpers import LONG, ROOT, TINY, children, sixfold, torchrun
+from helpers import LONG, ROOT, TINY, children, free_port, sixfold, torchrun
 
 
 def _train(run_dir, *overrides, nproc=None):
@@ -293,11 +292,8 @@ def test_a_hung_peer_ends_the_collective_with_an_error_naming_its_group():
 
 def test_a_rank_that_never_joins_ends_the_others_with_an_error_naming_the_timeout(tmp_path):
     """Rank 0 of 2 started alone (as when the other machine's ranks hang at start): the rendezvous times out."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port)}
+           "MASTER_PORT": str(free_port())}
     proc = subprocess.run([sys.executable, "-m", "sixfold.cli", "train", TINY, "parallel.dp_replicate=2",
                            "parallel.timeout_s=3", f"log.run_dir={tmp_path / 'run'}"], env=env, text=True,
                           capture_output=True, timeout=120)
