@@ -25,7 +25,7 @@ from typing import Callable
 
 from sixfold.measure import QUIET, busy_jiffies, machine, mark_memory, others_while, peak_mb, revision
 from sixfold.measure import write_doc as write_into
-from sixfold.mesh import leave_job
+from sixfold.join import leave_job
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"

@@ -90,7 +90,7 @@ def cmd_train(args, argv) -> int:
         check_tensorboard(cfg)
         run_dir = make_run_dir(cfg)
     except ConfigError as e:  # from the command line and the machine's files: alike on each of its ranks
-        from .mesh import on_every_rank
+        from .errors import on_every_rank
         raise on_every_rank(e) from None
     if not under_torchrun():  # (under torchrun, rank 0 takes the lock)
         check_free(run_dir)
@@ -341,7 +341,7 @@ def _run(args, argv: list[str], rank: str) -> int:
     """The command, its known errors as one line each (torch is imported here, inside main's Ctrl-C handling)."""
     from .benchjob import BenchError
     from .checkpoint import CheckpointError
-    from .mesh import CommError, PeerStopped
+    from .errors import CommError, PeerStopped
     from .parity import ParityError
     from .stop import Stopped
     from .train import TrainingError
@@ -359,7 +359,7 @@ def _say(error: Exception, prefix: str, rank: str) -> None:
     """One line for `error`: from each rank that raised it, or, when every rank raised it alike, from each
     machine's first rank with no rank named (the machine's other ranks end once it has said it, or say it
     themselves if it has not within SAID_WITHIN_S)."""
-    from .mesh import first_done
+    from .join import first_done
     if not getattr(error, "on_every_rank", False):
         print(f"{prefix}{rank}: {error}", file=sys.stderr)
         return

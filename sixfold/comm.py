@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from .ledger import Ledger
-from .mesh import ParallelContext, collective
+from .errors import collective
+from .mesh import ParallelContext
 from .trace import Tracer, now_us
 
 # torch 2.13 renamed these; 2.11 and 2.12 have only the old names

@@ -7,26 +7,21 @@ pipeline ranks (a tied embedding and head), every other rank alone.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
-import socket
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cached_property
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  before any group exists: its functions' default group would pin the world group
 
 from .config import ConfigError, ParallelConfig, check_world_size
+from .errors import PeerStopped, collective, on_every_rank
 from .heartbeat import PeerFailed, PeerLost, in_turn
+from .join import join_job, leave_job, pick_device
 from .launch import under_torchrun
 
 ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")  # innermost first
-POST_EVERY_S = 1.0  # how often rank 0 posts a start's number again to the ranks that have not taken it
 
 # group name -> mesh dimensions whose ranks vary inside the group
 GROUP_DIMS = {
@@ -40,38 +35,6 @@ GROUP_DIMS = {
     "world": ORDER,
 }
 GROUP_NAMES = tuple(GROUP_DIMS) + ("ep", "edp", "pp_ends")
-
-
-class CommError(RuntimeError):
-    """A collective that failed or timed out; the message names its group and what to check."""
-
-    def __init__(self, name: str, ranks: tuple[int, ...], error: Exception, hint: str = ""):
-        super().__init__(f"{name} over ranks {list(ranks)} failed: {error}. " + (hint or (
-            "A rank of that group crashed or did not reach the same collective within parallel.timeout_s; see its "
-            "log")))
-
-
-@contextlib.contextmanager
-def collective(name: str, ranks, hint: str = ""):
-    """The failure of the collective inside (a rank crashed, or a timeout) as a CommError naming it."""
-    try:
-        yield
-    except CommError:
-        raise
-    except RuntimeError as e:  # torch.distributed's DistError too
-        raise CommError(name, tuple(ranks), e, hint) from None
-
-
-class PeerStopped(RuntimeError):
-    """A rank stopped while the ranks ran a step in turn, because another failed, died or did not answer."""
-
-
-def on_every_rank(error: Exception) -> Exception:
-    """`error`, marked as raised alike by every rank (after an exchange of problems, or from values all ranks
-    hold), or by every rank of a machine (from its command line and files): the command line prints it once a
-    machine, from its first rank, not once a rank."""
-    error.on_every_rank = True
-    return error
 
 
 @dataclass(frozen=True)
@@ -150,120 +113,6 @@ class ParallelDims:
         for r in range(self.world_size):
             seen.setdefault(self.group_ranks(name, r), None)
         return list(seen)
-
-
-def pick_device() -> tuple[str, torch.device]:
-    """Backend and device, chosen once: NCCL + CUDA where GPUs exist, gloo + CPU otherwise."""
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        return "nccl", torch.device("cuda", local)
-    return "gloo", torch.device("cpu")
-
-
-def _agent_store() -> bool:
-    """Whether torchrun's agent hosts the job's store (then it outlives the ranks, through restarts)."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-
-def _store(timeout: timedelta, rank: int = -1, world: int | None = None) -> dist.TCPStore:
-    """The job's rendezvous store: the agent's, or rank 0's."""
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                         is_master=rank == 0 and not _agent_store(), timeout=timeout)
-
-
-def _attempt_store(store: dist.TCPStore, rank: int, world: int, timeout: timedelta) -> dist.Store:
-    """The store's keys for this start of the job: a restarted job must not read the addresses that the ranks it
-    replaces left in the agent's store. Each start is numbered by its rank 0 and the number posted to each other
-    rank, again every POST_EVERY_S until every rank has said it took it. A rank clears its post before it waits for
-    one: a post left by a rank of an earlier start that ended before reading it is gone then. (By then every rank of
-    the earlier start has ended: torchrun's c10d rendezvous restarts every machine's ranks before any starts again.
-    TORCHELASTIC_RESTART_COUNT cannot number the starts: each machine's agent counts only the restarts it began.)"""
-    if not _agent_store():
-        return dist.PrefixStore("sixfold", store)  # a new store, rank 0's, each start
-    posts = [f"sixfold/attempt_for/{r}" for r in range(1, world)]
-    if rank == 0:
-        attempt = store.add("sixfold/attempts", 1)
-        took, begun, posted, pause = f"sixfold/attempt_{attempt}/took", time.monotonic(), -POST_EVERY_S, 0.01
-        while posts and store.add(took, 0) < len(posts):
-            now = time.monotonic()
-            if now - begun > timeout.total_seconds():
-                raise RuntimeError(f"only {store.add(took, 0)} of the other {len(posts)} ranks took rank 0's number "
-                                   f"for this start within parallel.timeout_s")
-            if now - posted >= POST_EVERY_S:
-                store.multi_set(posts, [str(attempt)] * len(posts))
-                posted = now
-            time.sleep(pause)
-            pause = min(2 * pause, 0.2)  # light on the store while ranks are still starting
-    else:
-        post = posts[rank - 1]
-        store.delete_key(post)
-        try:
-            store.wait([post])
-        except dist.DistStoreError:
-            raise RuntimeError("rank 0 did not number this start within parallel.timeout_s (it did not start, or "
-                               "ended before joining)") from None
-        attempt = int(store.get(post))
-        store.add(f"sixfold/attempt_{attempt}/took", 1)
-    return dist.PrefixStore(f"sixfold/attempt_{attempt}", store)
-
-
-def first_done(first: bool, timeout: timedelta) -> bool:
-    """Under torchrun, the machine's first rank marks in the job's store that it is done (`first`), and its other
-    ranks wait for that mark, at most `timeout`: torchrun stops a machine's ranks once one has ended, so ending
-    first they would stop it before it is done. The store is the agent's, which outlives the ranks; a mark is
-    keyed by this machine and its agent and holds the time since boot it was made, so that one left by an earlier
-    start (made before this process) is not taken for this one's. False if a rank that waited saw no mark."""
-    if not _agent_store():
-        return True
-    key = f"sixfold/first_done/{socket.gethostname()}/{os.getppid()}"
-    try:
-        store = _store(timeout)
-        if first:
-            store.set(key, repr(time.clock_gettime(time.CLOCK_BOOTTIME)))
-            return True
-        started, deadline = _started(), time.monotonic() + timeout.total_seconds()
-        store.wait([key])
-        while float(store.get(key)) < started:  # an earlier start's
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.2)
-        return True
-    except dist.DistNetworkError:  # the agent and its store are gone: the job has ended
-        return True
-    except (RuntimeError, OSError, ValueError):  # DistStoreError (a timeout) is a RuntimeError
-        return False
-
-
-def _started() -> float:
-    """When this process started, in seconds since boot; 0 where /proc does not say."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        return ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-def join_job(timeout: timedelta) -> int:
-    """Join the torchrun job (its world group); returns this process's rank."""
-    backend, device = pick_device()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    with collective(f"joining the job as rank {rank}", range(world), "Check MASTER_ADDR and MASTER_PORT (torchrun's "
-                    "--rdzv-endpoint), and that every rank started within parallel.timeout_s; see their logs"):
-        store = _attempt_store(_store(timeout, rank, world), rank, world, timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
-                                device_id=device if backend == "nccl" else None)
-    return rank
-
-
-def leave_job() -> None:
-    """Destroy every process group, and collect what still refers to one, so that each group's worker threads are
-    joined now. A gloo worker that releases a finished collective's tensors after the interpreter has begun to exit
-    needs the GIL and aborts the process ("terminate called without an active exception"); call this last, with
-    no process group left referenced."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    gc.collect()
 
 
 class Groups:

@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from .config import Config, config_from_dict
 from .data import TokenData, load_data
-from .mesh import Groups, ParallelContext, ParallelDims, join_job, leave_job
+from .join import join_job, leave_job
+from .mesh import Groups, ParallelContext, ParallelDims
 from .train import run
 
 JOB_TIMEOUT = timedelta(hours=2)  # ranks outside a run wait this long for it at the job's barrier

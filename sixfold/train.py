@@ -22,7 +22,8 @@ from .config import (DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, c
                      make_run_dir, shown)
 from .data import BatchLoader, DataError, TokenData, eval_batches, load_data, with_tokenizer
 from .logs import RunLog, start_metrics
-from .mesh import ParallelContext, on_every_rank
+from .errors import on_every_rank
+from .mesh import ParallelContext
 from .model.llama import Llama, init_weights, no_decay
 from .optim import AdamW, clip_grad_norm, learning_rate
 from .model.moe import MoE, routing_warning

@@ -23,7 +23,8 @@ from . import checkpoint as ckpt
 from .checkpoint import Checkpoint, CheckpointError
 from .comm import Comm
 from .config import Config, inert, shown
-from .mesh import ParallelContext, on_every_rank
+from .errors import on_every_rank
+from .mesh import ParallelContext
 from .model.llama import full_shapes
 from .optim import MOMENTS, AdamW
 from .parallel.sharding import Sharded

@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from sixfold.logs import read_metrics
-from sixfold.mesh import _attempt_store
+from sixfold.join import _attempt_store
 
 from helpers import LONG, TINY, children, end_machines, machines, start_machines, torchrun
 from test_train import _weights

@@ -9,7 +9,8 @@ import torch
 
 from sixfold.comm import Comm
 from sixfold.config import ParallelConfig
-from sixfold.mesh import CommError, ParallelContext
+from sixfold.errors import CommError
+from sixfold.mesh import ParallelContext
 from sixfold.trace import Tracer
 
 ctx = ParallelContext.initialize(ParallelConfig(dp_replicate=2, timeout_s=3))

@@ -4,7 +4,7 @@ import os
 import sys
 import threading
 
-from sixfold.mesh import join_job, leave_job
+from sixfold.join import join_job, leave_job
 from sixfold.multirun import JOB_TIMEOUT, run_plan
 
 run_plan(sys.argv[1], join_job(JOB_TIMEOUT))

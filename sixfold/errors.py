@@ -1,0 +1,37 @@
+"""Errors that ranks raise together: a failed collective, a rank stopped for another's failure, and the mark of an
+error that every rank raises alike (said once, not once a rank)."""
+from __future__ import annotations
+
+import contextlib
+
+
+class CommError(RuntimeError):
+    """A collective that failed or timed out; the message names its group and what to check."""
+
+    def __init__(self, name: str, ranks: tuple[int, ...], error: Exception, hint: str = ""):
+        super().__init__(f"{name} over ranks {list(ranks)} failed: {error}. " + (hint or (
+            "A rank of that group crashed or did not reach the same collective within parallel.timeout_s; see its "
+            "log")))
+
+
+@contextlib.contextmanager
+def collective(name: str, ranks, hint: str = ""):
+    """The failure of the collective inside (a rank crashed, or a timeout) as a CommError naming it."""
+    try:
+        yield
+    except CommError:
+        raise
+    except RuntimeError as e:  # torch.distributed's DistError too
+        raise CommError(name, tuple(ranks), e, hint) from None
+
+
+class PeerStopped(RuntimeError):
+    """A rank stopped while the ranks ran a step in turn, because another failed, died or did not answer."""
+
+
+def on_every_rank(error: Exception) -> Exception:
+    """`error`, marked as raised alike by every rank (after an exchange of problems, or from values all ranks
+    hold), or by every rank of a machine (from its command line and files): the command line prints it once a
+    machine, from its first rank, not once a rank."""
+    error.on_every_rank = True
+    return error
