@@ -42,9 +42,11 @@ def _attempt_store(store: dist.TCPStore, rank: int, world: int, timeout: timedel
     """The store's keys for this start of the job: a restarted job must not read the addresses that the ranks it
     replaces left in the agent's store. Each start is numbered by its rank 0 and the number posted to each other
     rank, again every POST_EVERY_S until every rank has said it took it. A rank clears its post before it waits for
-    one: a post left by a rank of an earlier start that ended before reading it is gone then. (By then every rank of
-    the earlier start has ended: torchrun's c10d rendezvous restarts every machine's ranks before any starts again.
-    TORCHELASTIC_RESTART_COUNT cannot number the starts: each machine's agent counts only the restarts it began.)"""
+    one: a post left by a rank of an earlier start that ended before reading it is gone then. (No rank of the earlier
+    start is still joining then: torchrun's c10d rendezvous restarts every machine's ranks before any starts again;
+    under a static one each agent restarts its own, once they fail in a collective with the lost rank, and the
+    ranks that start first wait for the new rank 0's number. TORCHELASTIC_RESTART_COUNT cannot number the starts:
+    each machine's agent counts only the restarts it began.)"""
     if not _agent_store():
         return dist.PrefixStore("sixfold", store)  # a new store, rank 0's, each start
     posts = [f"sixfold/attempt_for/{r}" for r in range(1, world)]

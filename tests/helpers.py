@@ -49,21 +49,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_machines(count: int, nproc: int, *args: str, restarts: int = 0) -> list[subprocess.Popen]:
+def start_machines(count: int, nproc: int, *args: str, restarts: int = 0, rdzv: str = "c10d") -> list[subprocess.Popen]:
     """`sixfold ARGS` as `count` machines of `nproc` ranks each, as on a cluster: one torchrun agent per machine,
-    all meeting at one c10d rendezvous endpoint (on this host, a free port)."""
+    all meeting at one rendezvous endpoint (on this host, a free port): c10d's, or with `rdzv="static"` the first
+    machine's (torchrun's default, given --node-rank and --master-addr)."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={count}", f"--nproc-per-node={nproc}",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job-{port}",
-           f"--max-restarts={restarts}", "-m", "sixfold.cli", *args]
-    return [subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            for _ in range(count)]
+    meet = {"c10d": lambda n: ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job-{port}"],
+            "static": lambda n: [f"--node-rank={n}", "--master-addr=127.0.0.1", f"--master-port={port}"]}[rdzv]
+    return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={count}",
+                              f"--nproc-per-node={nproc}", *meet(n), f"--max-restarts={restarts}", "-m", "sixfold.cli",
+                              *args], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for n in range(count)]
 
 
-def machines(count: int, nproc: int, *args: str, timeout: int = 300) -> list[subprocess.CompletedProcess]:
+def machines(count: int, nproc: int, *args: str, timeout: int = 300, rdzv: str = "c10d"
+             ) -> list[subprocess.CompletedProcess]:
     """start_machines(), waited for: each agent's exit code and output."""
-    agents = start_machines(count, nproc, *args)
+    agents = start_machines(count, nproc, *args, rdzv=rdzv)
     try:
         outputs = [a.communicate(timeout=timeout) for a in agents]
     finally:

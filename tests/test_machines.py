@@ -1,6 +1,6 @@
-"""Several machines, as torchrun starts them on a cluster: one agent per machine, meeting at a c10d rendezvous
-(here two agents on this host). The ranks' local ranks, each machine's first rank and its marks in the agent's
-store are what differ from one machine of as many ranks."""
+"""Several machines, as torchrun starts them on a cluster: one agent per machine, meeting at a c10d rendezvous or,
+torchrun's default, at the first machine's (static) (here two agents on this host). The ranks' local ranks, each
+machine's first rank and its marks in the agent's store are what differ from one machine of as many ranks."""
 import os
 import signal
 import threading
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from sixfold.logs import read_metrics
 from sixfold.join import _attempt_store
+from sixfold.logs import read_metrics
 
 from helpers import LONG, TINY, children, end_machines, machines, start_machines, torchrun
 from test_train import _weights
@@ -20,13 +20,21 @@ from test_train import _weights
 LAYOUT = ("parallel.pp=2", "parallel.dp_shard=2", "parallel.zero=3", "train.steps=3", "train.micro_batches=2")
 
 
-def test_two_machines_train_as_one(tmp_path):
-    """2 machines x 2 ranks: the same losses and weights, bit for bit, as 4 ranks on one machine."""
-    two, one = tmp_path / "two", tmp_path / "one"
-    for proc in machines(2, 2, "train", TINY, *LAYOUT, f"log.run_dir={two}"):
-        assert proc.returncode == 0, proc.stderr[-3000:]
+@pytest.fixture(scope="module")
+def one_machine(tmp_path_factory) -> Path:
+    """The run directory of LAYOUT on 4 ranks of one machine."""
+    one = tmp_path_factory.mktemp("one")
     proc = torchrun("sixfold.cli", 4, "train", TINY, *LAYOUT, f"log.run_dir={one}")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return one
+
+
+@pytest.mark.parametrize("rdzv", ["c10d", "static"])
+def test_two_machines_train_as_one(tmp_path, one_machine, rdzv):
+    """2 machines x 2 ranks: the same losses and weights, bit for bit, as 4 ranks on one machine."""
+    two, one = tmp_path / "two", one_machine
+    for proc in machines(2, 2, "train", TINY, *LAYOUT, f"log.run_dir={two}", rdzv=rdzv):
+        assert proc.returncode == 0, proc.stderr[-3000:]
     assert [m["loss"] for m in read_metrics(two)] == [m["loss"] for m in read_metrics(one)]
     ours, theirs = _weights(two), _weights(one)
     assert ours.keys() == theirs.keys() and all(w.equal(theirs[name]) for name, w in ours.items())
@@ -40,8 +48,6 @@ def test_a_layout_error_is_said_once_a_machine(tmp_path):
         assert said == ["sixfold error: world size 4 does not equal pp*dp_replicate*dp_shard*cp*tp = 1*1*2*1*1 = 2; "
                         "change the parallel.* sizes or start 2 ranks in all (torchrun's --nnodes times "
                         "--nproc-per-node)"], proc.stderr[-3000:]
-
-
 
 
 def _pending(pid: int) -> int:
@@ -65,6 +71,26 @@ def _restart_count(pid: int) -> str:
     return next((v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"TORCHELASTIC_RESTART_COUNT=")), "")
 
 
+def _restartable(run: Path, rdzv: str = "c10d") -> list:
+    """2 machines of 1 rank on the LONG run, resumed from its checkpoints (every 3 steps) after a restart."""
+    return start_machines(2, 1, "train", TINY, f"log.run_dir={run}", "checkpoint.resume=auto", "checkpoint.every=3",
+                          *LONG, restarts=1, rdzv=rdzv)
+
+
+def _steps_written(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def _end_as_never_stopped(agents, run: Path, uninterrupted: float) -> None:
+    """The restarted machines end well, with every step's metrics and the loss of a run that nothing stopped."""
+    outputs = [a.communicate(timeout=300) for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outputs[0][1][-3000:]
+    steps = read_metrics(run)  # steps after the last checkpoint may appear twice
+    assert sorted({m["step"] for m in steps}) == list(range(1, 31))
+    assert steps[-1]["loss"] == uninterrupted
+
+
 def test_a_rank_killed_on_one_machine_restarts_both_which_resume_as_if_never_stopped(tmp_path, uninterrupted):
     """torchrun --max-restarts on 2 machines of 1 rank: SIGKILL the second machine's rank mid-run. The first
     machine's rank is paused meanwhile, so that its agent stops it because the other machine asks to meet again
@@ -72,11 +98,9 @@ def test_a_rank_killed_on_one_machine_restarts_both_which_resume_as_if_never_sto
     differ. Both meet again, and the job resumes from the latest checkpoint and ends with the uninterrupted run's
     loss."""
     run = tmp_path / "run"
-    agents = start_machines(2, 1, "train", TINY, f"log.run_dir={run}", "checkpoint.resume=auto", "checkpoint.every=3",
-                            *LONG, restarts=1)
-    metrics = run / "metrics.jsonl"
+    agents = _restartable(run)
     try:
-        _until(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 3, "3 steps")
+        _until(lambda: _steps_written(run) >= 3, "3 steps")
         assert all(a.poll() is None for a in agents)
         (paused,), (killed,) = (children(a.pid) for a in agents)
         os.kill(paused, signal.SIGSTOP)
@@ -86,13 +110,27 @@ def test_a_rank_killed_on_one_machine_restarts_both_which_resume_as_if_never_sto
         ranks = [_until(lambda: [r for r in children(a.pid) if r not in (paused, killed)], "a restart")[0]
                  for a in agents]
         assert [_until(lambda: _restart_count(r), "a rank's start") for r in ranks] == ["0", "1"]
-        outputs = [a.communicate(timeout=300) for a in agents]
+        _end_as_never_stopped(agents, run, uninterrupted)
     finally:
         end_machines(agents)
-    assert [a.returncode for a in agents] == [0, 0], outputs[0][1][-3000:]
-    steps = read_metrics(run)  # steps after the last checkpoint may appear twice
-    assert sorted({m["step"] for m in steps}) == list(range(1, 31))
-    assert steps[-1]["loss"] == uninterrupted
+
+
+def test_static_rendezvous_a_killed_rank_restarts_both_which_resume_as_if_never_stopped(tmp_path, uninterrupted):
+    """torchrun's default rendezvous, 2 machines of 1 rank: SIGKILL the second machine's rank mid-run. No agent
+    restarts for another's ranks here: the first machine's rank fails in its next collective with the killed one,
+    then each agent restarts its own; the job resumes from the latest checkpoint, to the uninterrupted run's loss."""
+    run = tmp_path / "run"
+    agents = _restartable(run, "static")
+    try:
+        _until(lambda: _steps_written(run) >= 3, "3 steps")
+        (first,), (killed,) = (children(a.pid) for a in agents)
+        os.kill(killed, signal.SIGKILL)
+        ranks = [_until(lambda: [r for r in children(a.pid) if r not in (first, killed)], "a restart")[0]
+                 for a in agents]
+        assert [_until(lambda: _restart_count(r), "a rank's start") for r in ranks] == ["1", "1"]
+        _end_as_never_stopped(agents, run, uninterrupted)
+    finally:
+        end_machines(agents)
 
 
 @pytest.mark.parametrize("first", [0, 1])
