@@ -1,5 +1,5 @@
 """Errors that ranks raise together: a failed collective, a rank stopped for another's failure, and the mark of an
-error that every rank raises alike (said once, not once a rank)."""
+error that every rank raises alike (said once a machine, not once a rank)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,5 +1,5 @@
-"""Joining and leaving a torchrun job: the job's store, this start's keys in it, the world group; and the mark by
-which a machine's first rank tells the others it is done."""
+"""Joining and leaving a torchrun job: the backend and device, the job's store, this start's keys in it, the world
+group; and the mark by which a machine's first rank tells the others it is done."""
 from __future__ import annotations
 
 import gc
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  before any group exists: its functions' default group would pin the world group
+# before any group exists: the default group of its functions would pin the world group
+import torch.distributed.nn  # noqa: F401
 
 from .errors import collective
 
@@ -42,11 +43,13 @@ def _attempt_store(store: dist.TCPStore, rank: int, world: int, timeout: timedel
     """The store's keys for this start of the job: a restarted job must not read the addresses that the ranks it
     replaces left in the agent's store. Each start is numbered by its rank 0 and the number posted to each other
     rank, again every POST_EVERY_S until every rank has said it took it. A rank clears its post before it waits for
-    one: a post left by a rank of an earlier start that ended before reading it is gone then. (No rank of the earlier
-    start is still joining then: torchrun's c10d rendezvous restarts every machine's ranks before any starts again;
-    under a static one each agent restarts its own, once they fail in a collective with the lost rank, and the
-    ranks that start first wait for the new rank 0's number. TORCHELASTIC_RESTART_COUNT cannot number the starts:
-    each machine's agent counts only the restarts it began.)"""
+    one: a post left by a rank of an earlier start that ended before reading it is gone then. (torchrun's c10d
+    rendezvous restarts every machine's ranks before any starts again, so no rank of the earlier start is still
+    joining. Under a static one each agent restarts only its own ranks, once they fail: after the world group
+    exists, the others fail in their next collective with the lost rank, and the ranks that start first wait for the
+    new rank 0's number; a rank lost while the others are still joining is restarted alone and may join the start
+    they are in. TORCHELASTIC_RESTART_COUNT cannot number the starts: under c10d each machine's agent counts only
+    the restarts it began.)"""
     if not _agent_store():
         return dist.PrefixStore("sixfold", store)  # a new store, rank 0's, each start
     posts = [f"sixfold/attempt_for/{r}" for r in range(1, world)]

@@ -55,12 +55,15 @@ def start_machines(count: int, nproc: int, *args: str, restarts: int = 0, rdzv: 
     machine's (torchrun's default, given --node-rank and --master-addr)."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    meet = {"c10d": lambda n: ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job-{port}"],
-            "static": lambda n: [f"--node-rank={n}", "--master-addr=127.0.0.1", f"--master-port={port}"]}[rdzv]
-    return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={count}",
-                              f"--nproc-per-node={nproc}", *meet(n), f"--max-restarts={restarts}", "-m", "sixfold.cli",
-                              *args], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            for n in range(count)]
+    agents = []
+    for n in range(count):
+        meet = [f"--node-rank={n}", "--master-addr=127.0.0.1", f"--master-port={port}"] if rdzv == "static" else \
+            ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job-{port}"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={count}", f"--nproc-per-node={nproc}", *meet,
+               f"--max-restarts={restarts}", "-m", "sixfold.cli", *args]
+        agents.append(subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE))
+    return agents
 
 
 def machines(count: int, nproc: int, *args: str, timeout: int = 300, rdzv: str = "c10d"

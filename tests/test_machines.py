@@ -1,6 +1,6 @@
-"""Several machines, as torchrun starts them on a cluster: one agent per machine, meeting at a c10d rendezvous or,
-torchrun's default, at the first machine's (static) (here two agents on this host). The ranks' local ranks, each
-machine's first rank and its marks in the agent's store are what differ from one machine of as many ranks."""
+"""Several machines, as torchrun starts them on a cluster: one agent per machine, meeting at a c10d rendezvous or
+at the first machine's address (static, torchrun's default); here two agents on this host. The ranks' local ranks,
+each machine's first rank and its marks in the agent's store are what differ from one machine of as many ranks."""
 import os
 import signal
 import threading
@@ -40,9 +40,10 @@ def test_two_machines_train_as_one(tmp_path, one_machine, rdzv):
     assert ours.keys() == theirs.keys() and all(w.equal(theirs[name]) for name, w in ours.items())
 
 
-def test_a_layout_error_is_said_once_a_machine(tmp_path):
+@pytest.mark.parametrize("rdzv", ["c10d", "static"])
+def test_a_layout_error_is_said_once_a_machine(tmp_path, rdzv):
     """Every rank finds the layout impossible: each machine's first rank says so, once, naming no rank."""
-    for proc in machines(2, 2, "train", TINY, "parallel.dp_shard=2", f"log.run_dir={tmp_path / 'run'}"):
+    for proc in machines(2, 2, "train", TINY, "parallel.dp_shard=2", f"log.run_dir={tmp_path / 'run'}", rdzv=rdzv):
         assert proc.returncode != 0
         said = [line for line in proc.stderr.splitlines() if line.startswith("sixfold error")]
         assert said == ["sixfold error: world size 4 does not equal pp*dp_replicate*dp_shard*cp*tp = 1*1*2*1*1 = 2; "
@@ -72,9 +73,10 @@ def _restart_count(pid: int) -> str:
 
 
 def _restartable(run: Path, rdzv: str = "c10d") -> list:
-    """2 machines of 1 rank on the LONG run, resumed from its checkpoints (every 3 steps) after a restart."""
+    """2 machines of 1 rank on the LONG run, resumed from its checkpoints (every 3 steps) after a restart; a rank
+    that waits on a lost peer gives up within 60 s."""
     return start_machines(2, 1, "train", TINY, f"log.run_dir={run}", "checkpoint.resume=auto", "checkpoint.every=3",
-                          *LONG, restarts=1, rdzv=rdzv)
+                          "parallel.timeout_s=60", *LONG, restarts=1, rdzv=rdzv)
 
 
 def _steps_written(run: Path) -> int:
@@ -123,6 +125,7 @@ def test_static_rendezvous_a_killed_rank_restarts_both_which_resume_as_if_never_
     agents = _restartable(run, "static")
     try:
         _until(lambda: _steps_written(run) >= 3, "3 steps")
+        assert all(a.poll() is None for a in agents)
         (first,), (killed,) = (children(a.pid) for a in agents)
         os.kill(killed, signal.SIGKILL)
         ranks = [_until(lambda: [r for r in children(a.pid) if r not in (first, killed)], "a restart")[0]
