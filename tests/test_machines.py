@@ -72,6 +72,12 @@ def _restart_count(pid: int) -> str:
     return next((v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"TORCHELASTIC_RESTART_COUNT=")), "")
 
 
+def _restarted(agents, gone: tuple[int, ...]) -> list[str]:
+    """Each agent's TORCHELASTIC_RESTART_COUNT for its rank started after the `gone` ones, once it has started."""
+    ranks = [_until(lambda: [r for r in children(a.pid) if r not in gone], "a restart")[0] for a in agents]
+    return [_until(lambda: _restart_count(r), "a rank's start") for r in ranks]
+
+
 def _restartable(run: Path, rdzv: str = "c10d") -> list:
     """2 machines of 1 rank on the LONG run, resumed from its checkpoints (every 3 steps) after a restart; a rank
     that waits on a lost peer gives up within 60 s."""
@@ -109,9 +115,7 @@ def test_a_rank_killed_on_one_machine_restarts_both_which_resume_as_if_never_sto
         os.kill(killed, signal.SIGKILL)
         _until(lambda: _pending(paused) & 1 << signal.SIGTERM - 1, "the first agent stopping its rank")
         os.kill(paused, signal.SIGKILL)
-        ranks = [_until(lambda: [r for r in children(a.pid) if r not in (paused, killed)], "a restart")[0]
-                 for a in agents]
-        assert [_until(lambda: _restart_count(r), "a rank's start") for r in ranks] == ["0", "1"]
+        assert _restarted(agents, (paused, killed)) == ["0", "1"]
         _end_as_never_stopped(agents, run, uninterrupted)
     finally:
         end_machines(agents)
@@ -128,9 +132,7 @@ def test_static_rendezvous_a_killed_rank_restarts_both_which_resume_as_if_never_
         assert all(a.poll() is None for a in agents)
         (first,), (killed,) = (children(a.pid) for a in agents)
         os.kill(killed, signal.SIGKILL)
-        ranks = [_until(lambda: [r for r in children(a.pid) if r not in (first, killed)], "a restart")[0]
-                 for a in agents]
-        assert [_until(lambda: _restart_count(r), "a rank's start") for r in ranks] == ["1", "1"]
+        assert _restarted(agents, (first, killed)) == ["1", "1"]
         _end_as_never_stopped(agents, run, uninterrupted)
     finally:
         end_machines(agents)
