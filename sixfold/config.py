@@ -370,6 +370,9 @@ SEEDS = 2 ** 63  # a seed is below this (torch.Generator takes 64-bit seeds; six
 
 
 RUN_CONFIG_HEAD = "# the resolved config of the sixfold run in this directory\n"
+PICTURES = ("timeline.png", "schedule.png", "mesh.png")  # what pictures.py draws into a run directory
+# what a run writes into its directory at its end, besides metrics.jsonl and checkpoints (True: a directory)
+SUMMARIES = {"comm_ledger.json": False, "trace.json": False, **dict.fromkeys(PICTURES, False), "tensorboard": True}
 
 
 def make_run_dir(cfg: Config) -> Path:
@@ -379,14 +382,13 @@ def make_run_dir(cfg: Config) -> Path:
         raise ConfigError("log.run_dir is empty: set it to the directory for this run's checkpoints, metrics and "
                           "trace")
     directory = writable_dir(cfg.log.run_dir, "log.run_dir")
-    for name, kind in (("checkpoints", "directory"), ("checkpoints/latest", "file"), ("metrics.jsonl", "file"),
-                       ("config.yaml", "file"), ("comm_ledger.json", "file"), ("trace.json", "file"),
-                       *([("tensorboard", "directory")] if cfg.log.tensorboard else [])):
-        # what the run writes: refused now, not after its training
+    writes = {"checkpoints": True, "checkpoints/latest": False, "metrics.jsonl": False, "config.yaml": False,
+              **SUMMARIES}
+    for name, is_dir in writes.items():  # what the run writes: refused now, not after its training
         path = directory / name
-        if path.exists() and (path.is_dir() != (kind == "directory")):
-            raise ConfigError(f"{path} is not a {kind}, and this run writes one there: set log.run_dir to another "
-                              f"directory, or move it away")
+        if (name != "tensorboard" or cfg.log.tensorboard) and path.exists() and path.is_dir() != is_dir:
+            raise ConfigError(f"{path} is not a {'directory' if is_dir else 'file'}, and this run writes one there: "
+                              f"set log.run_dir to another directory, or move it away")
     own = directory / "config.yaml"
     if own.is_file() and not _run_config(directory):
         raise ConfigError(f"{own} was not written by a sixfold run, and this run would replace it with its resolved "

@@ -7,7 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from . import ledger
-from .config import Config, load_saved_config
+from .config import PICTURES, Config, load_saved_config
 from .mesh import GROUP_DIMS, GROUP_NAMES, ORDER, ParallelDims
 from .parallel.pipeline import schedules
 from .parallel.pipeline.simulate import simulate
@@ -16,7 +16,6 @@ from .trace import read_chrome_trace
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2", "optim": "#C44E52", "comm": "#DD8452", "data": "#937860"}
 GAP = 0.6  # between blocks of the mesh grid, in rank boxes
-PICTURES = ("timeline.png", "schedule.png", "mesh.png")
 SOURCES = ("config.yaml", "trace.json", "comm_ledger.json")  # what they are drawn from
 
 

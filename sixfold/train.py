@@ -19,7 +19,7 @@ from . import checkpoint as ckpt
 from . import ledger, train_state
 from .comm import Comm
 from .config import (DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, check_available, check_tensorboard,
-                     make_run_dir, shown)
+                     SUMMARIES, make_run_dir, shown)
 from .data import BatchLoader, DataError, TokenData, eval_batches, load_data, with_tokenizer
 from .logs import RunLog, start_metrics
 from .errors import on_every_rank
@@ -34,13 +34,12 @@ from .parallel.pipeline.runtime import Pipeline
 from .parallel.pipeline.stages import split_stages
 from .parallel.sharding import Sharded
 from .parallel.tensor import IGNORE_INDEX, TensorParallel
-from .pictures import PICTURES, draw_pictures
+from .pictures import draw_pictures
 from .run_lock import RunLock
 from .stop import SIGNAL_NAMES, StopSignal, Stopped
 from .trace import Tracer, overlap_table, write_chrome_trace
 
 TRACE_STEPS = 3
-SUMMARIES = ("comm_ledger.json", "trace.json", *PICTURES, "tensorboard")  # what a run writes besides metrics.jsonl
 
 
 # train.* settings of the learning-rate schedule and AdamW: a resume that changes them is told so

@@ -199,6 +199,10 @@ def test_an_unwritable_run_directory_is_refused_before_training(tmp_path, capsys
     (run / "metrics.jsonl").mkdir()
     with pytest.raises(ConfigError, match="metrics.jsonl is not a file"):
         train(cfg)
+    (run / "metrics.jsonl").rmdir()
+    (run / "timeline.png").mkdir()  # a picture drawn at the run's end
+    with pytest.raises(ConfigError, match="timeline.png is not a file"):
+        train(cfg)
 
 
 def test_an_unfinished_save_is_ignored_and_cleared_and_the_last_k_are_kept(tmp_path):
