@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 from .config import (ConfigError, check_available, check_tensorboard, check_text, check_world_size, load_config,
                      make_run_dir, validate, writable_dir)
 from .launch import run_torchrun, under_torchrun
+from .logs import mute
 from .run_lock import check_free
 
 SAID_WITHIN_S = 30  # how long a rank waits for its machine's first to say an error all of them raised
@@ -330,10 +332,17 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
     rank = f" (rank {os.environ['RANK']})" if os.environ.get("RANK") else ""
     try:
-        return _run(args, argv, rank)
+        code = _run(args, argv, rank)
+        try:
+            sys.stdout.flush()
+        except OSError:  # the command is done; what is left for a pipe whose reader has ended goes nowhere
+            mute(sys.stdout)
+        return code
+    except BrokenPipeError:  # a command's output whose reader has ended (`| head`): it ends, as a pipe's writer does
+        mute(sys.stdout)
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt:  # SIGINT outside the training steps (starting up, or after the last step)
-        print(f"sixfold{rank}: interrupted by SIGINT outside the training steps; nothing was saved for it",
-              file=sys.stderr)
+        _tell(f"sixfold{rank}: interrupted by SIGINT outside the training steps; nothing was saved for it")
         return 128 + signal.SIGINT
 
 
@@ -361,13 +370,19 @@ def _say(error: Exception, prefix: str, rank: str) -> None:
     themselves if it has not within SAID_WITHIN_S)."""
     from .join import first_done
     if not getattr(error, "on_every_rank", False):
-        print(f"{prefix}{rank}: {error}", file=sys.stderr)
+        _tell(f"{prefix}{rank}: {error}")
         return
     first = os.environ.get("LOCAL_RANK", "0") == "0"
     if first:
-        print(f"{prefix}: {error}", file=sys.stderr, flush=True)
+        _tell(f"{prefix}: {error}")
     if not first_done(first, timedelta(seconds=SAID_WITHIN_S)) and not first:  # its first did not say it
-        print(f"{prefix}{rank}: {error}", file=sys.stderr)
+        _tell(f"{prefix}{rank}: {error}")
+
+
+def _tell(text: str) -> None:
+    """On stderr, if it is there (a terminal that hung up with SIGHUP is not)."""
+    with contextlib.suppress(OSError):
+        print(text, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

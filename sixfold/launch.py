@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 
-from .stop import Stopped
+from .stop import SIGNALS, Stopped
 
 
 def under_torchrun() -> bool:
@@ -47,8 +47,8 @@ def _end_with_parent():
 
 
 def _run(cmd: list[str], env: dict[str, str], capture: bool) -> subprocess.CompletedProcess:
-    """Run a job in its own session and pass SIGTERM or SIGINT (Ctrl-C) on to it; torchrun sends the same signal
-    to its ranks: training ones finish the step, write a checkpoint and end (stop.py). Without this a scheduler's
+    """Run a job in its own session and pass SIGTERM, SIGINT (Ctrl-C) or SIGHUP on to it; torchrun sends the same
+    signal to its ranks: training ones finish the step, write a checkpoint and end (stop.py). Without this a scheduler's
     SIGTERM to this launcher alone would leave the job running; if the launcher is killed outright, the job gets
     SIGTERM all the same (_end_with_parent). A job whose output is captured (a bench or check run) ends this
     process too once it has stopped: Stopped, its temporary files removed on the way out."""
@@ -62,7 +62,7 @@ def _run(cmd: list[str], env: dict[str, str], capture: bool) -> subprocess.Compl
         job.send_signal(signum)
 
     main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
+    previous = {sig: signal.signal(sig, forward) for sig in SIGNALS} if main else {}
     try:
         out, err = job.communicate()
     finally:

@@ -1,10 +1,14 @@
 """Run output on rank 0: progress bar, a line per logging step, metrics.jsonl, TensorBoard events."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import select
 import sys
 from pathlib import Path
+from typing import Callable
 
 from tqdm import tqdm
 
@@ -42,7 +46,7 @@ class RunLog:
 
     def print(self, text: str) -> None:
         if self.enabled:
-            (self.bar.write if self.bar else print)(text)
+            console(self.bar.write if self.bar else print, text)
 
     def step(self, metrics: dict, show: bool) -> None:
         if not self.enabled or self.problem:
@@ -60,13 +64,13 @@ class RunLog:
         if show:
             self.print(fmt_line(metrics))
         if self.bar:
-            self.bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-            self.bar.update(1)
+            console(self.bar.set_postfix, {"loss": f"{metrics['loss']:.3f}"})
+            console(self.bar.update, 1)
 
     def end_progress(self) -> None:
         """Closes the bar once the steps are done, so that the summaries after it print plainly."""
         if self.bar:
-            self.bar.close()
+            console(self.bar.close)
             self.bar = None
 
     def close(self) -> None:
@@ -80,6 +84,48 @@ class RunLog:
         except OSError:  # what the failed step left in the buffer, already reported
             if not self.problem:
                 raise
+
+
+def console(write: Callable, *args) -> None:
+    """write(*args) to the terminal; where it has gone, the run goes on without it (lose_console)."""
+    try:
+        write(*args)
+    except OSError:
+        lose_console()
+
+
+def lose_console() -> None:
+    """stdout or stderr, whichever has gone (a pipe with no reader, a terminal hung up), is pointed at /dev/null
+    for the rest of the process; the other one says so, if it can. A write that failed otherwise (a full disk) is
+    dropped, and the next one tried."""
+    for stream, other in ((sys.stdout, sys.stderr), (sys.stderr, sys.stdout)):
+        if _gone(stream):
+            mute(stream)
+            with contextlib.suppress(OSError, ValueError):
+                print(f"sixfold: {'stdout' if stream is sys.stdout else 'stderr'} has gone (its reader ended or its "
+                      f"terminal hung up); the run goes on without it, its steps in metrics.jsonl", file=other,
+                      flush=True)
+
+
+def _gone(stream) -> bool:
+    """Whether the stream's file descriptor reports an error or a hang-up (a pipe whose reader has ended does)."""
+    try:
+        poll = select.poll()
+        poll.register(stream.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no descriptor (a captured stream), no poll (Windows)
+        return False
+
+
+def mute(stream) -> None:
+    """Point the stream's file descriptor at /dev/null, if it has one."""
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError):
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)
 
 
 def start_metrics(run_dir: Path, up_to: int, aside: Path | None = None) -> None:

@@ -1,5 +1,6 @@
 """Stopping early on SIGTERM, the signal of a scheduler's preemption (Slurm, Kubernetes) and of torchrun shutting
-its workers down (each gives some seconds' grace before SIGKILL), or on Ctrl-C (SIGINT). The trainer notes the
+its workers down (each gives some seconds' grace before SIGKILL), on Ctrl-C (SIGINT), or on SIGHUP (the terminal or
+the ssh session it ran in closed). The trainer notes the
 signal, finishes the step under way, and once every rank has heard of it (a rank told alone passes it on) writes a
 checkpoint and ends."""
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import signal
 import threading
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)  # a scheduler's preemption, Ctrl-C
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # a scheduler's preemption, Ctrl-C, a terminal closed
 SIGNAL_NAMES = tuple(s.name for s in SIGNALS)
 
 
@@ -20,9 +21,9 @@ class Stopped(RuntimeError):
 
 
 class StopSignal:
-    """While entered (in the main thread): SIGTERM or SIGINT is noted (`received`: the first one's name) instead of
-    ending the process at once. A second SIGINT is noted too: a torchrun that a terminal's Ctrl-C reached sends
-    its ranks the same signal again."""
+    """While entered (in the main thread): SIGTERM, SIGINT or SIGHUP is noted (`received`: the first one's name)
+    instead of ending the process at once. A second SIGINT is noted too: a torchrun that a terminal's Ctrl-C
+    reached sends its ranks the same signal again."""
 
     def __init__(self):
         self.received = ""

@@ -21,7 +21,7 @@ from .comm import Comm
 from .config import (DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, check_available, check_tensorboard,
                      SUMMARIES, make_run_dir, shown)
 from .data import BatchLoader, DataError, TokenData, eval_batches, load_data, with_tokenizer
-from .logs import RunLog, start_metrics
+from .logs import RunLog, console, start_metrics
 from .errors import on_every_rank
 from .mesh import ParallelContext
 from .model.llama import Llama, init_weights, no_decay
@@ -348,8 +348,8 @@ class Trainer:
         return history
 
     def _stop_heard(self, stop: StopSignal, problem: str = "") -> str:
-        """The signal any rank has received ("" if none; SIGTERM over SIGINT): each one's summed over the world
-        once a step, so that all stop after the same step (counted in the ledger's "other" phase, outside the
+        """The signal any rank has received ("" if none; SIGTERM over SIGINT over SIGHUP): each one's summed over the
+        world once a step, so that all stop after the same step (counted in the ledger's "other" phase, outside the
         steps). With them, whether a rank could not write the step's metrics (`problem`): then every rank raises
         that rank's TrainingError."""
         if self.ctx.world_size == 1:
@@ -606,8 +606,9 @@ def run(cfg: Config, ctx: ParallelContext, data: TokenData | None = None) -> lis
     with contextlib.ExitStack() as held:
         _claim_run_dir(cfg, ctx, held)
         if ctx.is_main and cfg.log.progress:
-            print(f"sixfold: {cfg.parallel.describe()} on {ctx.world_size} process(es), {ctx.backend}, "
-                  f"{cfg.model.num_params():,} parameters\n--- config ---\n{cfg.to_yaml()}--------------", flush=True)
+            console(functools.partial(print, flush=True), f"sixfold: {cfg.parallel.describe()} on {ctx.world_size} "
+                    f"process(es), {ctx.backend}, {cfg.model.num_params():,} parameters\n--- config ---\n"
+                    f"{cfg.to_yaml()}--------------")
         trainer = Trainer(cfg, ctx, data)
         start_run_dir(cfg, ctx, trainer.step)
         history = trainer.fit()

@@ -1,8 +1,10 @@
 """The trainer end to end: run output, exact resume, checkpoint safety, clear errors."""
+import contextlib
 import errno
 import json
 import math
 import os
+import pty
 import shutil
 import signal
 import subprocess
@@ -405,9 +407,10 @@ def test_sigterm_ends_the_run_with_a_checkpoint_and_it_goes_on_as_if_never_stopp
     assert steps[-1]["loss"] == uninterrupted
 
 
-def test_sigterm_and_sigint_are_noted_while_training_and_the_handlers_before_put_back():
-    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    for sig in (signal.SIGTERM, signal.SIGINT):
+def test_sigterm_sigint_and_sighup_are_noted_while_training_and_the_handlers_before_put_back():
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    before = [signal.getsignal(sig) for sig in signals]
+    for sig in signals:
         with StopSignal() as stop:
             assert not stop.received
             os.kill(os.getpid(), sig)
@@ -416,7 +419,7 @@ def test_sigterm_and_sigint_are_noted_while_training_and_the_handlers_before_put
                     break
                 time.sleep(0.01)
             assert stop.received == sig.name
-    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    assert [signal.getsignal(sig) for sig in signals] == before
 
 
 def test_a_signal_ends_an_evaluation_between_its_batches(tmp_path):
@@ -435,11 +438,11 @@ def test_a_signal_ends_an_evaluation_between_its_batches(tmp_path):
     assert trainer.evaluate(stop) is None and len(forwards) == 3
 
 
-def _launch(run: Path) -> subprocess.Popen:
-    """`sixfold train --nproc 2` of LONG, once it has logged 3 steps."""
-    cmd = [sys.executable, "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}", *LONG, "--nproc", "2"]
-    job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+def _launch(run: Path, *args: str) -> subprocess.Popen:
+    """`sixfold train --nproc 2` of LONG, once it has logged 3 steps; its output unbuffered."""
+    cmd = [sys.executable, "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}", *LONG, *args, "--nproc", "2"]
+    job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run / "metrics.jsonl"
     while job.poll() is None and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
         time.sleep(0.05)
@@ -457,6 +460,52 @@ def test_ctrl_c_to_the_launcher_stops_its_ranks_after_a_step_with_a_checkpoint(t
     assert job.returncode == 128 + signal.SIGINT and last < 30 and "Traceback" not in err, err[-3000:]
     assert err.count(f"stopped by SIGINT after step {last} of 30; checkpoint ") == 1, err[-3000:]
     assert (run / "checkpoints" / "latest").read_text() == f"step_{last:07d}"
+
+
+def test_a_closed_terminal_stops_the_run_after_a_step_with_a_checkpoint(tmp_path):
+    """`sixfold train --nproc 2` in a terminal that closes (an ssh session dropped): SIGHUP to the launcher, which
+    passes it on, and rank 0's writes to the terminal fail; the ranks end as under a preemption, exit code 129."""
+    run = tmp_path / "run"
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child, in the terminal
+        try:
+            os.chdir(ROOT)
+            os.execve(sys.executable, [sys.executable, "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}",
+                                       *LONG, "log.every=1", "--nproc", "2"], {**os.environ, "OMP_NUM_THREADS": "1"})
+        finally:
+            os._exit(127)
+    metrics = run / "metrics.jsonl"
+    with contextlib.suppress(OSError):  # its output read until 3 steps are logged
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3) and os.read(terminal, 65536):
+            pass
+    os.close(terminal)  # the terminal closes: SIGHUP to the session in it
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    last = read_metrics(run)[-1]["step"]
+    assert code == 128 + signal.SIGHUP and last < 30
+    assert (run / "checkpoints" / "latest").read_text() == f"step_{last:07d}"
+
+
+def test_a_closed_output_pipe_leaves_the_run_training_to_its_end(tmp_path):
+    """`sixfold train ... | head`: once the reader has gone, rank 0's output goes nowhere, said once on stderr, and
+    every step is trained and logged to metrics.jsonl."""
+    run = tmp_path / "run"
+    job = _launch(run, "log.every=1")
+    job.stdout.close()
+    err = job.stderr.read()
+    assert job.wait(timeout=300) == 0 and "Traceback" not in err, err[-3000:]
+    assert err.count("sixfold: stdout has gone (its reader ended or its terminal hung up)") == 1, err[-3000:]
+    assert [m["step"] for m in read_metrics(run)] == list(range(1, 31))
+    assert (run / "checkpoints" / "latest").read_text() == "step_0000030"
+
+
+def test_a_command_whose_output_pipe_closes_ends_as_a_pipes_writer_does():
+    job = subprocess.Popen([sys.executable, "-m", "sixfold.cli", "plan", "configs/llama3-8b.yaml", "--gpus", "8",
+                            "parallel.tp=8"],
+                           cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    job.stdout.close()
+    err = job.stderr.read()
+    assert job.wait(timeout=120) == 128 + signal.SIGPIPE and err == "", err[-3000:]
 
 
 def test_killing_the_launcher_outright_stops_its_ranks_after_a_step_with_a_checkpoint(tmp_path):
