@@ -270,6 +270,11 @@ class Trainer:
                                   for k, (a, b) in changed.items())
                 warnings.warn(f"this run has {named}: the weights of {checkpoint.path} compute another function "
                               f"with them; set those as the checkpoint has them to train on from the same model")
+            if str(meta.get("source", "")).startswith("import-hf") and self.cfg.data.tokenizer in ("byte", "bpe"):
+                warnings.warn(f"{checkpoint.path} holds weights imported from Hugging Face without their tokenizer, "
+                              f"and data.tokenizer={self.cfg.data.tokenizer} gives their token ids other meanings; "
+                              f"set data.tokenizer to the model's tokenizer.json (one with an <|endoftext|> token) "
+                              f"to train on from what it learned")
 
     def _data_identity(self) -> dict:
         """The tokenizer, and the training split's length and a digest of 4,096 tokens spread evenly over it."""

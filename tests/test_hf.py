@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from sixfold.checkpoint import CheckpointError, write_checkpoint
 from sixfold.config import Config, ConfigError, ModelConfig, load_config
-from sixfold.data import DataError
+from sixfold.data import BPETokenizer, DataError
 from sixfold.generate import checkpoint_tokenizer
 from sixfold.model.hf import export_hf, hf_config_from_model, import_hf, load_model, model_config_from_hf
 from sixfold.model.llama import Llama, init_weights, rope_frequencies
@@ -261,19 +261,26 @@ def test_mixtral_settings_left_out_of_config_json_are_mixtrals_defaults(tmp_path
         assert max_diff(model(tokens()), hf(tokens()).logits) <= TOL
 
 
-def test_fine_tuning_an_imported_model_with_other_settings_warns(tmp_path):
+def test_fine_tuning_an_imported_model_with_other_settings_or_the_byte_tokenizer_warns(tmp_path):
     """A weights-only checkpoint may be trained on with other model settings, but one that changes what the
-    weights compute (tiny.yaml's rope_theta here) is named."""
+    weights compute (tiny.yaml's rope_theta here) is named; so is a tokenizer that is not a tokenizer.json (the
+    imported model's own is not carried over)."""
     hf_model(False).save_pretrained(tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    BPETokenizer.train(["def f(x):\n    return x\n"] * 20, 300).save(tmp_path / "tokenizer.json")
     common = [f"checkpoint.resume={tmp_path / 'ckpt'}", "train.steps=1", "checkpoint.every=0",
               "checkpoint.save_final=false"]
-    with pytest.warns(UserWarning, match=r"this run has model.rope_theta=10000.0 \(the checkpoint's: 500000.0\): "
-                                         r"the weights of .*ckpt compute another function with them"):
+    with pytest.warns(UserWarning) as said:
         train(load_config(TINY, [*common, f"log.run_dir={tmp_path / 'a'}"]))
+    said = [str(w.message) for w in said]
+    assert any(re.match(r"this run has model.rope_theta=10000.0 \(the checkpoint's: 500000.0\): the weights of "
+                        r".*ckpt compute another function with them", s) for s in said), said
+    assert any(re.match(r".*ckpt holds weights imported from Hugging Face without their tokenizer, and "
+                        r"data.tokenizer=byte gives their token ids other meanings", s) for s in said), said
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        train(load_config(TINY, [*common, f"log.run_dir={tmp_path / 'b'}", "model.rope_theta=500000"]))
+        train(load_config(TINY, [*common, f"log.run_dir={tmp_path / 'b'}", "model.rope_theta=500000",
+                                 f"data.tokenizer={tmp_path / 'tokenizer.json'}", f"data.cache_dir={tmp_path / 'c'}"]))
 
 
 def test_a_bpe_model_exports_a_tokenizer_that_transformers_reads_with_its_eos(tmp_path):
