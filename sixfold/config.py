@@ -561,7 +561,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"train.global_batch={t.global_batch} must be divisible by data-parallel size "
             f"({p.dp} = dp_replicate*dp_shard) times train.micro_batches={t.micro_batches}: {fix}")
     if not (math.isfinite(t.lr) and math.isfinite(t.min_lr)) or t.warmup_steps < 0 or t.lr <= 0 or t.min_lr < 0:
-        raise ConfigError("train.lr must be positive; train.min_lr and train.warmup_steps non-negative")
+        raise ConfigError(f"train.lr={t.lr} must be a finite number above 0, train.min_lr={t.min_lr} a finite number "
+                          f"0 or more, train.warmup_steps={t.warmup_steps} 0 or more")
     if t.eval_every < 0 or (t.eval_every and t.eval_batches < 1):
         raise ConfigError(f"train.eval_every={t.eval_every} must be 0 (no evaluation) or more, and "
                           f"train.eval_batches={t.eval_batches} at least 1 when it is set")
@@ -579,9 +580,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for key in ("norm_eps", "rope_theta", "init_std"):
         if not 0 < getattr(m, key) < math.inf:
             raise ConfigError(f"model.{key}={getattr(m, key)} must be a positive number")
-    for key in ("every", "keep"):
+    for key, zero in (("every", "no periodic ones"), ("keep", "keep all")):
         if getattr(cfg.checkpoint, key) < 0:
-            raise ConfigError(f"checkpoint.{key}={getattr(cfg.checkpoint, key)} must be 0 (never / keep all) or more")
+            raise ConfigError(f"checkpoint.{key}={getattr(cfg.checkpoint, key)} must be 0 ({zero}) or more")
     if cfg.log.sample_tokens < 0 or (cfg.log.sample_tokens and not cfg.log.sample_prompt):
         raise ConfigError(f"log.sample_tokens={cfg.log.sample_tokens} must be 0 (no sample) or more, with a "
                           f"non-empty log.sample_prompt to start from")
@@ -604,6 +605,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if cfg.data.bin_dtype not in ("uint16", "uint32"):
         raise ConfigError(f"data.bin_dtype={cfg.data.bin_dtype!r}: choose uint16 or uint32")
     if not 0 < cfg.data.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be between 0 and 1")
+        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction}, the share of the tokens held out for "
+                          f"validation, must be above 0 and below 1")
     if cfg.log.every < 1:
         raise ConfigError("log.every must be at least 1")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import math
 import shutil
 import sys
@@ -175,8 +176,10 @@ def check(cfg: Config, steps: int, workdir: str | None = None) -> ParityResult:
                 raise ParityError(f"the layout run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
                                   f"\n{proc.stderr[-4000:]}")
         else:
-            train(layout_cfg)
-        train(reference_config(cfg, root / "reference", steps))
+            with contextlib.redirect_stdout(io.StringIO()):  # its output, like the torchrun job's, not shown
+                train(layout_cfg)
+        with contextlib.redirect_stdout(io.StringIO()):  # (the paths it names are removed when parity holds)
+            train(reference_config(cfg, root / "reference", steps))
         result = compare(root / "layout", root / "reference", cfg.parallel.describe())
     result.kept = settle(root, workdir, result.ok)
     return result
