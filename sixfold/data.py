@@ -28,7 +28,8 @@ import torch
 from sixfold.checkpoint import META, META_SHA256, file_sha256
 from sixfold.config import RUN_CONFIG_HEAD, DataConfig
 
-EOT = "<|endoftext|>"
+EOT = "<|endoftext|>"  # sixfold's BPE's end of text, and GPT-2's
+OTHER_ENDS = ("<|end_of_text|>", "</s>")  # as special tokens, the end of text of Llama 3's, and Llama 2's and Mistral's
 CACHE_FORMAT = "sixfold-tokens-1"
 _READER = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # a changed reader makes new cache indexes
 STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__"}
@@ -105,14 +106,19 @@ class ByteTokenizer:
 
 
 class BPETokenizer:
-    """A byte-level BPE tokenizer from HF `tokenizers`; end-of-text is the special token <|endoftext|>."""
+    """A BPE tokenizer from HF `tokenizers`; its end of text is <|endoftext|>, else the first of OTHER_ENDS that is
+    a special token (as in a Llama's tokenizer.json)."""
 
     def __init__(self, tok, where: str = "the trained tokenizer"):
-        eot = tok.token_to_id(EOT)
-        if eot is None:
-            raise DataError(f"{where} has no {EOT} special token; set data.tokenizer to one that has it, or to bpe")
+        special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+        ends = ([EOT] if tok.token_to_id(EOT) is not None else []) + [t for t in OTHER_ENDS if t in special]
+        if not ends:
+            raise DataError(f"{where} has no end-of-text token ({EOT}, or {' or '.join(OTHER_ENDS)} as a special "
+                            f"token); set data.tokenizer to one that has one, or to bpe")
+        self.eot_token = ends[0]
+        eot = tok.token_to_id(self.eot_token)
         self.name = "bpe-" + hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
-        tok.encode_special_tokens = True  # text that spells <|endoftext|> stays text
+        tok.encode_special_tokens = True  # text that spells a special token stays text
         # a tokenizer.json may leave gaps in its ids: the vocabulary must reach its largest id
         self._tok, self.eot = tok, eot
         self.path: Path | None = None  # the file it was read from

@@ -65,9 +65,9 @@ def checkpoint_tokenizer(path, cfg):
     if "tokenizer.json" in checkpoint.meta["files"]:
         return BPETokenizer.from_json(checkpoint.blob("tokenizer.json").decode(), str(path / "tokenizer.json"))
     if str(checkpoint.meta.get("source", "")).startswith("import-hf"):
-        raise DataError(f"{path} holds weights imported from Hugging Face without their tokenizer, which sixfold "
-                        f"does not carry over; generate with transformers, or train from it with data.tokenizer "
-                        f"set to a tokenizer.json and generate from that run")
+        raise DataError(f"{path} holds weights imported from Hugging Face without a tokenizer (its directory had no "
+                        f"tokenizer.json that sixfold can use); generate with transformers, or train from it with "
+                        f"data.tokenizer set to a tokenizer.json and generate from that run")
     if cfg.data.tokenizer == "byte" and cfg.model.vocab_size >= ByteTokenizer.vocab_size:
         return ByteTokenizer()
     raise DataError(f"{path} holds no tokenizer.json and was not trained with the byte tokenizer")

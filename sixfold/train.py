@@ -20,7 +20,7 @@ from . import ledger, train_state
 from .comm import Comm
 from .config import (DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, check_available, check_tensorboard,
                      SUMMARIES, make_run_dir, shown)
-from .data import BatchLoader, DataError, TokenData, eval_batches, load_data, with_tokenizer
+from .data import BatchLoader, BPETokenizer, DataError, TokenData, eval_batches, load_data, with_tokenizer
 from .logs import RunLog, console, start_metrics
 from .errors import on_every_rank
 from .mesh import ParallelContext
@@ -270,11 +270,23 @@ class Trainer:
                                   for k, (a, b) in changed.items())
                 warnings.warn(f"this run has {named}: the weights of {checkpoint.path} compute another function "
                               f"with them; set those as the checkpoint has them to train on from the same model")
-            if str(meta.get("source", "")).startswith("import-hf") and self.cfg.data.tokenizer in ("byte", "bpe"):
-                warnings.warn(f"{checkpoint.path} holds weights imported from Hugging Face without their tokenizer, "
-                              f"and data.tokenizer={self.cfg.data.tokenizer} gives their token ids other meanings; "
-                              f"set data.tokenizer to the model's tokenizer.json (one with an <|endoftext|> token) "
-                              f"to train on from what it learned")
+            if str(meta.get("source", "")).startswith("import-hf"):
+                self._check_imported_tokenizer(checkpoint)
+
+    def _check_imported_tokenizer(self, checkpoint: ckpt.Checkpoint) -> None:
+        """Warn when a model imported from Hugging Face is trained with another tokenizer than its own, which gives
+        its token ids other meanings."""
+        tokenizer = self.cfg.data.tokenizer
+        if "tokenizer.json" in checkpoint.meta["files"]:
+            own = BPETokenizer.from_json(checkpoint.blob("tokenizer.json").decode(), str(checkpoint.path)).name
+            if self.data.tokenizer.name != own:
+                warnings.warn(f"{checkpoint.path} holds the tokenizer its model was imported with, and data.tokenizer="
+                              f"{tokenizer} gives its token ids other meanings; set data.tokenizer=bpe to train "
+                              f"with the one it holds")
+        elif tokenizer in ("byte", "bpe"):
+            warnings.warn(f"{checkpoint.path} holds weights imported from Hugging Face without their tokenizer, and "
+                          f"data.tokenizer={tokenizer} gives their token ids other meanings; set data.tokenizer to "
+                          f"the model's tokenizer.json to train on from what it learned")
 
     def _data_identity(self) -> dict:
         """The tokenizer, and the training split's length and a digest of 4,096 tokens spread evenly over it."""

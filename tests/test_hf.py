@@ -56,7 +56,7 @@ def test_import_matches_transformers(tmp_path, tied, sharded):
     assert (model.head is None) == tied
     with torch.no_grad():
         assert max_diff(model(tokens()), hf(tokens()).logits) <= TOL
-    with pytest.raises(DataError, match="imported from Hugging Face without their tokenizer"):
+    with pytest.raises(DataError, match="imported from Hugging Face without a tokenizer"):
         checkpoint_tokenizer(tmp_path / "ckpt", cfg)  # not the byte tokenizer its default config names
 
 
@@ -281,6 +281,52 @@ def test_fine_tuning_an_imported_model_with_other_settings_or_the_byte_tokenizer
         warnings.simplefilter("error")
         train(load_config(TINY, [*common, f"log.run_dir={tmp_path / 'b'}", "model.rope_theta=500000",
                                  f"data.tokenizer={tmp_path / 'tokenizer.json'}", f"data.cache_dir={tmp_path / 'c'}"]))
+
+
+def llama2_style_tokenizer(specials: list[str]) -> str:
+    """A tokenizer.json whose end of text is a special token other than <|endoftext|> (as Llama 2's </s>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20, trainer)
+    return tok.to_str()
+
+
+def test_an_imported_models_tokenizer_comes_with_it_to_training_generation_and_export(tmp_path):
+    """A tokenizer.json with </s> as its end of text is carried into the checkpoint: generation reads it, training
+    with data.tokenizer=bpe uses it (another tokenizer warns), and export writes it back with </s> as the eos."""
+    from transformers import AutoTokenizer
+    hf_model(False).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text(llama2_style_tokenizer(["<s>", "</s>"]))
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    tok = checkpoint_tokenizer(tmp_path / "ckpt", load_model(tmp_path / "ckpt")[1])
+    assert tok.eot_token == "</s>" and tok.eot == 1
+    common = [f"checkpoint.resume={tmp_path / 'ckpt'}", "model.rope_theta=500000", "train.steps=1",
+              "checkpoint.every=0", f"data.cache_dir={tmp_path / 'cache'}"]
+    with pytest.warns(UserWarning, match=r"ckpt holds the tokenizer its model was imported with, and data.tokenizer="
+                                         r"byte gives its token ids other meanings; set data.tokenizer=bpe"):
+        train(load_config(TINY, [*common, f"log.run_dir={tmp_path / 'byte'}", "checkpoint.save_final=false"]))
+    run = tmp_path / "run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(load_config(TINY, [*common, f"log.run_dir={run}", "data.tokenizer=bpe", "data.bpe_vocab_size=300"]))
+    assert checkpoint_tokenizer(run, load_model(run)[1]).name == tok.name
+    export_hf(run, tmp_path / "out")
+    back = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert back.eos_token == "</s>" and back.eos_token_id == 1
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == 1
+
+
+def test_a_tokenizer_sixfold_cannot_use_is_left_out_of_an_import_with_a_warning(tmp_path):
+    hf_model(False).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text(llama2_style_tokenizer(["<unk>"]))
+    with pytest.warns(UserWarning, match=r"tokenizer.json is not carried over \(.*has no end-of-text token"):
+        import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    with pytest.raises(DataError, match="imported from Hugging Face without a tokenizer"):
+        checkpoint_tokenizer(tmp_path / "ckpt", load_model(tmp_path / "ckpt")[1])
 
 
 def test_a_bpe_model_exports_a_tokenizer_that_transformers_reads_with_its_eos(tmp_path):

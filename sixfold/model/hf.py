@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -254,7 +255,8 @@ def _new_output(out_dir: str | Path) -> Path:
 
 
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
-    """Turn a LlamaForCausalLM directory into a sixfold checkpoint (fp32) at out_dir (a new directory)."""
+    """Turn a LlamaForCausalLM directory into a sixfold checkpoint (fp32) at out_dir (a new directory), with its
+    tokenizer.json where sixfold can use it."""
     hf_dir, out_dir = Path(hf_dir), _new_output(out_dir)
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{hf_dir} has no config.json; give a directory written by save_pretrained")
@@ -274,7 +276,26 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     check_shapes(full_shapes(model_cfg), {k: v.shape for k, v in tensors.items()}, str(hf_dir),
                  "its weights do not match its config.json")
     meta = {"step": 0, "config": cfg.to_dict(), "source": f"import-hf {hf_dir}"}
-    return write_checkpoint(out_dir, {"model": tensors}, meta)
+    return write_checkpoint(out_dir, {"model": tensors}, meta, _tokenizer(hf_dir, model_cfg.vocab_size))
+
+
+def _tokenizer(hf_dir: Path, vocab_size: int) -> dict[str, bytes]:
+    """The directory's tokenizer.json as a checkpoint's blob, if it has one that sixfold can use (an end-of-text
+    token, no id beyond the model's vocabulary); else none, with a warning saying why."""
+    from ..data import BPETokenizer
+    path = hf_dir / "tokenizer.json"
+    if not path.is_file():
+        return {}
+    try:
+        text = path.read_bytes()
+        tok = BPETokenizer.from_json(text.decode(), str(path))
+        if tok.vocab_size > vocab_size:
+            raise ValueError(f"its {tok.vocab_size} tokens are more than the model's {vocab_size}")
+    except Exception as e:  # unreadable, not a tokenizers JSON file, no end-of-text token
+        warnings.warn(f"{path} is not carried over ({e}); train from the checkpoint with data.tokenizer set to a "
+                      f"tokenizer.json that fits the model")
+        return {}
+    return {"tokenizer.json": text}
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Llama, Config]:
@@ -325,13 +346,13 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str = "fp32", shard_
 
 
 def _write_hf(out_dir: Path, model: Llama, hf: dict, tok, cfg: Config, dtype: str, shard_bytes: int) -> None:
-    from ..data import EOT, BPETokenizer
+    from ..data import BPETokenizer
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
     if isinstance(tok, BPETokenizer):  # AutoTokenizer reads the pair, with the end-of-text token as its eos
         (out_dir / "tokenizer.json").write_text(tok.to_json())
         (out_dir / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT, "model_max_length": cfg.model.max_seq_len},
-            indent=2))
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eot_token,
+             "model_max_length": cfg.model.max_seq_len}, indent=2))
     tensors = {}
     for k, v in model.state_dict().items():
         layer, _, rest = k.removeprefix("layers.").partition(".")
