@@ -11,10 +11,10 @@ import warnings
 from datetime import timedelta
 from pathlib import Path
 
-from .config import (ConfigError, check_available, check_tensorboard, check_text, check_world_size, load_config,
-                     make_run_dir, validate, writable_dir)
+from .config import (PICTURES, ConfigError, check_available, check_tensorboard, check_text, check_world_size,
+                     load_config, make_run_dir, validate, writable_dir)
+from .console import gone, mute
 from .launch import run_torchrun, under_torchrun
-from .logs import mute
 from .run_lock import check_free
 
 SAID_WITHIN_S = 30  # how long a rank waits for its machine's first to say an error all of them raised
@@ -132,7 +132,7 @@ def cmd_check(args, argv) -> int:
 
 
 def cmd_trace(args, argv) -> int:
-    from .pictures import PICTURES, SOURCES, draw_pictures
+    from .pictures import SOURCES, draw_pictures
     run = Path(args.run)
     if not (run / "config.yaml").is_file():
         raise ConfigError(f"{run} is not a run directory (it has no config.yaml)")
@@ -255,7 +255,7 @@ def parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=cmd_train)
     c = sub.add_parser("check", help="compare a layout with the single-process run: parity OK / FAILED")
     c.add_argument("config", nargs="*", help="an optional YAML file, then section.key=value overrides")
-    c.add_argument("--nproc", type=_at_least(1), help="ranks for the layout's run (default: its world size)")
+    c.add_argument("--nproc", type=_at_least(1), help="the layout's world size (the default)")
     c.add_argument("--steps", type=_at_least(1), default=5)
     c.add_argument("--workdir", default=None, help="keep both runs here (default: a temporary directory)")
     c.set_defaults(fn=cmd_check)
@@ -336,11 +336,15 @@ def main(argv: list[str] | None = None) -> int:
         code = _run(args, argv, rank)
         try:
             sys.stdout.flush()
-        except OSError:  # the command is done; what is left for a pipe whose reader has ended goes nowhere
+        except OSError:  # the command's work is done: what is left for a reader that has ended goes nowhere
             mute(sys.stdout)
         return code
-    except BrokenPipeError:  # a command's output whose reader has ended (`| head`): it ends, as a pipe's writer does
-        mute(sys.stdout)
+    except BrokenPipeError:  # output whose reader has ended (`| head`): the command ends, as a pipe's writer does
+        lost = [s for s in (sys.stdout, sys.stderr) if gone(s)]
+        if not lost:  # another pipe's
+            raise
+        for stream in lost:
+            mute(stream)
         return 128 + signal.SIGPIPE
     except KeyboardInterrupt:  # SIGINT outside the training steps (starting up, or after the last step)
         _tell(f"sixfold{rank}: interrupted by SIGINT outside the training steps; nothing was saved for it")

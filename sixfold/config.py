@@ -605,7 +605,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if cfg.data.bin_dtype not in ("uint16", "uint32"):
         raise ConfigError(f"data.bin_dtype={cfg.data.bin_dtype!r}: choose uint16 or uint32")
     if not 0 < cfg.data.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction}, the share of the tokens held out for "
-                          f"validation, must be above 0 and below 1")
+        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction}, the share held out for validation, must be "
+                          f"above 0 and below 1")
     if cfg.log.every < 1:
         raise ConfigError("log.every must be at least 1")

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 
-from .stop import SIGNALS, Stopped
+from .stop import Stopped, heeded
 
 
 def under_torchrun() -> bool:
@@ -62,7 +62,7 @@ def _run(cmd: list[str], env: dict[str, str], capture: bool) -> subprocess.Compl
         job.send_signal(signum)
 
     main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, forward) for sig in SIGNALS} if main else {}
+    previous = {sig: signal.signal(sig, forward) for sig in heeded()} if main else {}
     try:
         out, err = job.communicate()
     finally:

@@ -1,16 +1,14 @@
 """Run output on rank 0: progress bar, a line per logging step, metrics.jsonl, TensorBoard events."""
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import select
 import sys
 from pathlib import Path
-from typing import Callable
 
 from tqdm import tqdm
+
+from .console import console, lose_console
 
 
 def fmt_line(m: dict) -> str:
@@ -36,8 +34,7 @@ class RunLog:
             return
         self.file = open(run_dir / "metrics.jsonl", "a")  # begun by start_metrics
         if progress:
-            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr,
-                            dynamic_ncols=True, leave=True)
+            self.bar = _progress_bar(total, start)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             # a resumed run's steps replace those the earlier run logged after its checkpoint
@@ -86,46 +83,15 @@ class RunLog:
                 raise
 
 
-def console(write: Callable, *args) -> None:
-    """write(*args) to the terminal; where it has gone, the run goes on without it (lose_console)."""
-    try:
-        write(*args)
-    except OSError:
-        lose_console()
-
-
-def lose_console() -> None:
-    """stdout or stderr, whichever has gone (a pipe with no reader, a terminal hung up), is pointed at /dev/null
-    for the rest of the process; the other one says so, if it can. A write that failed otherwise (a full disk) is
-    dropped, and the next one tried."""
-    for stream, other in ((sys.stdout, sys.stderr), (sys.stderr, sys.stdout)):
-        if _gone(stream):
-            mute(stream)
-            with contextlib.suppress(OSError, ValueError):
-                print(f"sixfold: {'stdout' if stream is sys.stdout else 'stderr'} has gone (its reader ended or its "
-                      f"terminal hung up); the run goes on without it, its steps in metrics.jsonl", file=other,
-                      flush=True)
-
-
-def _gone(stream) -> bool:
-    """Whether the stream's file descriptor reports an error or a hang-up (a pipe whose reader has ended does)."""
-    try:
-        poll = select.poll()
-        poll.register(stream.fileno(), select.POLLOUT)
-        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
-    except (OSError, ValueError, AttributeError):  # no descriptor (a captured stream), no poll (Windows)
-        return False
-
-
-def mute(stream) -> None:
-    """Point the stream's file descriptor at /dev/null, if it has one."""
-    try:
-        fd = stream.fileno()
-    except (OSError, ValueError):
-        return
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, fd)
-    os.close(null)
+def _progress_bar(total: int, start: int) -> tqdm | None:
+    """The bar on stderr, drawn at once; None if stderr has gone and is not put aside (lose_console)."""
+    for _ in range(2):
+        try:
+            return tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True,
+                        leave=True)
+        except OSError:
+            lose_console()
+    return None
 
 
 def start_metrics(run_dir: Path, up_to: int, aside: Path | None = None) -> None:

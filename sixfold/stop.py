@@ -1,15 +1,21 @@
 """Stopping early on SIGTERM, the signal of a scheduler's preemption (Slurm, Kubernetes) and of torchrun shutting
 its workers down (each gives some seconds' grace before SIGKILL), on Ctrl-C (SIGINT), or on SIGHUP (the terminal or
-the ssh session it ran in closed). The trainer notes the
-signal, finishes the step under way, and once every rank has heard of it (a rank told alone passes it on) writes a
-checkpoint and ends."""
+ssh session it ran in closed). The trainer notes the signal, finishes the step under way, and once every rank has
+heard of it (a rank told alone passes it on) writes a checkpoint and ends. A signal ignored when the process starts
+(SIGHUP under nohup, SIGINT in a shell's background job) stays ignored."""
 from __future__ import annotations
 
 import signal
 import threading
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # a scheduler's preemption, Ctrl-C, a terminal closed
+# a scheduler's preemption, Ctrl-C, a terminal closed (no SIGHUP on Windows)
+SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None)
 SIGNAL_NAMES = tuple(s.name for s in SIGNALS)
+
+
+def heeded() -> list[signal.Signals]:
+    """The SIGNALS this process does not ignore (call from the main thread)."""
+    return [sig for sig in SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
 
 
 class Stopped(RuntimeError):
@@ -31,7 +37,7 @@ class StopSignal:
 
     def __enter__(self) -> "StopSignal":
         if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._note) for sig in SIGNALS}
+            self._previous = {sig: signal.signal(sig, self._note) for sig in heeded()}
         return self
 
     def _note(self, signum, frame) -> None:

@@ -20,8 +20,9 @@ from . import ledger, train_state
 from .comm import Comm
 from .config import (DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, check_available, check_tensorboard,
                      SUMMARIES, make_run_dir, shown)
+from .console import console
 from .data import BatchLoader, BPETokenizer, DataError, TokenData, eval_batches, load_data, with_tokenizer
-from .logs import RunLog, console, start_metrics
+from .logs import RunLog, start_metrics
 from .errors import on_every_rank
 from .mesh import ParallelContext
 from .model.llama import Llama, init_weights, no_decay

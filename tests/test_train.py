@@ -1,15 +1,16 @@
 """The trainer end to end: run output, exact resume, checkpoint safety, clear errors."""
 import contextlib
 import errno
+import fcntl
 import json
 import math
 import os
-import pty
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import termios
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
 from sixfold.slices import Reader
 from sixfold.stop import Stopped, StopSignal
 from sixfold.train import TrainingError
-from helpers import LONG, ROOT, TINY, children, free_port, sixfold, torchrun
+from helpers import LONG, ROOT, TINY, children, end_machines, free_port, sixfold, torchrun
 
 
 def _train(run_dir, *overrides, nproc=None):
@@ -272,6 +273,13 @@ def test_check_removes_its_temporary_runs_when_parity_holds(tmp_path, monkeypatc
         assert said in capsys.readouterr().err and not list(tmp_path.iterdir())
 
 
+def test_nproc_0_is_refused(capsys):
+    for command in ("train", "check"):
+        with pytest.raises(SystemExit):
+            cli.main([command, TINY, "--nproc", "0"])
+        assert "argument --nproc: 0 must be at least 1" in capsys.readouterr().err
+
+
 def test_check_stopped_by_a_signal_removes_its_temporary_runs(tmp_path, monkeypatch):
     """SIGTERM or Ctrl-C to `sixfold check` (its job stopped with it, launch.py) leaves nothing to look into."""
     from sixfold import parity
@@ -408,19 +416,30 @@ def test_sigterm_ends_the_run_with_a_checkpoint_and_it_goes_on_as_if_never_stopp
     assert steps[-1]["loss"] == uninterrupted
 
 
+def _heard(sig: signal.Signals) -> str:
+    """What StopSignal notes of `sig` sent to this process."""
+    with StopSignal() as stop:
+        os.kill(os.getpid(), sig)
+        for _ in range(50):  # Python runs the handler between bytecodes, after the kill returns
+            if stop.received:
+                break
+            time.sleep(0.01)
+    return stop.received
+
+
 def test_sigterm_sigint_and_sighup_are_noted_while_training_and_the_handlers_before_put_back():
+    """Unless ignored when training starts (SIGHUP under nohup): then it stays ignored."""
     signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     before = [signal.getsignal(sig) for sig in signals]
-    for sig in signals:
-        with StopSignal() as stop:
-            assert not stop.received
-            os.kill(os.getpid(), sig)
-            for _ in range(100):  # Python runs the handler between bytecodes, after the kill returns
-                if stop.received:
-                    break
-                time.sleep(0.01)
-            assert stop.received == sig.name
-    assert [signal.getsignal(sig) for sig in signals] == before
+    try:
+        for sig in signals:
+            signal.signal(sig, signal.SIG_DFL)
+            assert _heard(sig) == sig.name and signal.getsignal(sig) is signal.SIG_DFL
+            signal.signal(sig, signal.SIG_IGN)
+            assert _heard(sig) == "" and signal.getsignal(sig) is signal.SIG_IGN
+    finally:
+        for sig, handler in zip(signals, before):
+            signal.signal(sig, handler)
 
 
 def test_a_signal_ends_an_evaluation_between_its_batches(tmp_path):
@@ -467,20 +486,25 @@ def test_a_closed_terminal_stops_the_run_after_a_step_with_a_checkpoint(tmp_path
     """`sixfold train --nproc 2` in a terminal that closes (an ssh session dropped): SIGHUP to the launcher, which
     passes it on, and rank 0's writes to the terminal fail; the ranks end as under a preemption, exit code 129."""
     run = tmp_path / "run"
-    pid, terminal = pty.fork()
-    if pid == 0:  # the child, in the terminal
-        try:
-            os.chdir(ROOT)
-            os.execve(sys.executable, [sys.executable, "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}",
-                                       *LONG, "log.every=1", "--nproc", "2"], {**os.environ, "OMP_NUM_THREADS": "1"})
-        finally:
-            os._exit(127)
+    terminal, tty = os.openpty()
+
+    def in_the_terminal():  # a session of its own, the terminal its controlling one, SIGHUP not ignored
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+    job = subprocess.Popen([sys.executable, "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}", *LONG,
+                            "log.every=1", "--nproc", "2"], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                           stdin=tty, stdout=tty, stderr=tty, start_new_session=True, preexec_fn=in_the_terminal)
+    os.close(tty)
     metrics = run / "metrics.jsonl"
     with contextlib.suppress(OSError):  # its output read until 3 steps are logged
         while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3) and os.read(terminal, 65536):
             pass
     os.close(terminal)  # the terminal closes: SIGHUP to the session in it
-    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    try:
+        code = job.wait(timeout=300)
+    finally:
+        end_machines([job])
     last = read_metrics(run)[-1]["step"]
     assert code == 128 + signal.SIGHUP and last < 30
     assert (run / "checkpoints" / "latest").read_text() == f"step_{last:07d}"
@@ -497,6 +521,17 @@ def test_a_closed_output_pipe_leaves_the_run_training_to_its_end(tmp_path):
     assert err.count("sixfold: stdout has gone (its reader ended or its terminal hung up)") == 1, err[-3000:]
     assert [m["step"] for m in read_metrics(run)] == list(range(1, 31))
     assert (run / "checkpoints" / "latest").read_text() == "step_0000030"
+
+
+def test_output_and_a_progress_bar_into_a_pipe_closed_at_the_start_leave_the_run_training_to_its_end(tmp_path):
+    """`sixfold train ... 2>&1 | head -0`: the config printed as the run begins finds no reader, nor the bar."""
+    run = tmp_path / "run"
+    job = subprocess.Popen([sys.executable, "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}", *LONG,
+                            "log.progress=true"], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    job.stdout.close()
+    assert job.wait(timeout=300) == 0
+    assert [m["step"] for m in read_metrics(run)] == list(range(1, 31))
 
 
 def test_a_command_whose_output_pipe_closes_ends_as_a_pipes_writer_does():
