@@ -161,7 +161,11 @@ class BPETokenizer:
     @classmethod
     def from_json(cls, text: str, where: str) -> BPETokenizer:
         from tokenizers import Tokenizer
-        return cls(Tokenizer.from_str(text), where)
+        try:
+            tok = Tokenizer.from_str(text)
+        except Exception as e:  # tokenizers raises its own exception types
+            raise DataError(f"{where} is not a tokenizers JSON file: {e}") from None
+        return cls(tok, where)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -50,10 +50,18 @@ def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int
 def sample_text(model: Llama | Pipeline, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
                 top_k: int = 40, seed: int = 0) -> str:
     """The prompt followed by a sampled continuation (without the end-of-text token)."""
-    ids = generate(model, tokenizer.encode(prompt), max_new_tokens, temperature, top_k, seed, tokenizer.eot)
+    prompt_ids = tokenizer.encode(prompt)
+    ids = generate(model, prompt_ids, max_new_tokens, temperature, top_k, seed, tokenizer.eot)
     if ids and ids[-1] == tokenizer.eot:
         ids = ids[:-1]
-    return prompt + tokenizer.decode(ids)
+    return continued(tokenizer, prompt, prompt_ids, ids)
+
+
+def continued(tokenizer, prompt: str, prompt_ids: list[int], ids: list[int]) -> str:
+    """The prompt and its continuation `ids`, decoded together: a tokenizer that drops a leading space when it
+    decodes (Llama 2's) keeps the one between them."""
+    both, head = tokenizer.decode(prompt_ids + ids), tokenizer.decode(prompt_ids)
+    return prompt + both[len(head):] if both.startswith(head) else both
 
 
 def checkpoint_tokenizer(path, cfg):

@@ -66,8 +66,8 @@ def _run(cmd: list[str], env: dict[str, str], capture: bool) -> subprocess.Compl
     try:
         out, err = job.communicate()
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, handler in previous.items():  # None: a handler not set from Python; the default then
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
     if heard and capture:
         raise Stopped(f"stopped by {heard[0]}, and the job it ran with it", heard[0])
     return subprocess.CompletedProcess(cmd, job.returncode, out, err)

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from sixfold.config import ModelConfig
-from sixfold.data import ByteTokenizer
-from sixfold.generate import generate, sample_text
+from sixfold.data import BPETokenizer, ByteTokenizer
+from sixfold.generate import continued, generate, sample_text
 from sixfold.model.llama import Llama, init_weights
 
 PROMPT = [5, 17, 200, 3, 64]
@@ -64,3 +64,17 @@ def test_respects_max_seq_len():
 def test_sample_text_starts_with_prompt():
     text = sample_text(tiny(), ByteTokenizer(), "def ", 10, seed=4)
     assert text.startswith("def ") and len(text) > 4
+
+
+def test_a_continuation_keeps_the_space_a_llama_2_tokenizer_drops_when_it_decodes():
+    """Sentencepiece-style tokens ("▁world") decode without their leading space on their own."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tok.train_from_iterator(["hello world and more words"] * 20,
+                            trainers.BpeTrainer(vocab_size=100, special_tokens=["<s>", "</s>"], show_progress=False))
+    tok = BPETokenizer(tok, "llama2-style")
+    prompt, ids = tok.encode("hello"), tok.encode(" world")
+    assert tok.decode(ids) == "world" and continued(tok, "hello", prompt, ids) == "hello world"
+    byte = ByteTokenizer()
+    assert continued(byte, "def ", byte.encode("def "), byte.encode("f(x)")) == "def f(x)"

@@ -264,7 +264,7 @@ def test_mixtral_settings_left_out_of_config_json_are_mixtrals_defaults(tmp_path
 def test_fine_tuning_an_imported_model_with_other_settings_or_the_byte_tokenizer_warns(tmp_path):
     """A weights-only checkpoint may be trained on with other model settings, but one that changes what the
     weights compute (tiny.yaml's rope_theta here) is named; so is a tokenizer that is not a tokenizer.json (the
-    imported model's own is not carried over)."""
+    model was imported without one)."""
     hf_model(False).save_pretrained(tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "ckpt")
     BPETokenizer.train(["def f(x):\n    return x\n"] * 20, 300).save(tmp_path / "tokenizer.json")
@@ -320,10 +320,28 @@ def test_an_imported_models_tokenizer_comes_with_it_to_training_generation_and_e
     assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == 1
 
 
-def test_a_tokenizer_sixfold_cannot_use_is_left_out_of_an_import_with_a_warning(tmp_path):
+def test_llama_3s_end_of_text_is_taken_after_its_start_token():
+    tok = BPETokenizer.from_json(llama2_style_tokenizer(["<|begin_of_text|>", "<|end_of_text|>"]), "llama3")
+    assert tok.eot_token == "<|end_of_text|>" and tok.eot == 1
+
+
+def _beyond_the_vocabulary(text: str) -> str:
+    """The tokenizer.json with its end-of-text token's id moved to 70000 (more than hf_model's 320 tokens)."""
+    spec = json.loads(text)
+    end = next(t for t in spec["added_tokens"] if t["content"] == "</s>")
+    spec["model"]["vocab"]["</s>"] = end["id"] = 70000
+    return json.dumps(spec)
+
+
+@pytest.mark.parametrize("text, why", [
+    (llama2_style_tokenizer(["<unk>"]), "has no end-of-text token"),
+    ("{not json", "is not a tokenizers JSON file"),
+    (_beyond_the_vocabulary(llama2_style_tokenizer(["<s>", "</s>"])), "its 70001 tokens are more than the model's 320"),
+], ids=["no end of text", "not a tokenizer", "ids beyond the vocabulary"])
+def test_a_tokenizer_sixfold_cannot_use_is_left_out_of_an_import_with_a_warning(tmp_path, text, why):
     hf_model(False).save_pretrained(tmp_path / "hf")
-    (tmp_path / "hf" / "tokenizer.json").write_text(llama2_style_tokenizer(["<unk>"]))
-    with pytest.warns(UserWarning, match=r"tokenizer.json is not carried over \(.*has no end-of-text token"):
+    (tmp_path / "hf" / "tokenizer.json").write_text(text)
+    with pytest.warns(UserWarning, match=rf"tokenizer.json is not carried over \(.*{why}"):
         import_hf(tmp_path / "hf", tmp_path / "ckpt")
     with pytest.raises(DataError, match="imported from Hugging Face without a tokenizer"):
         checkpoint_tokenizer(tmp_path / "ckpt", load_model(tmp_path / "ckpt")[1])

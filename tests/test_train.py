@@ -5,6 +5,7 @@ import fcntl
 import json
 import math
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -27,7 +28,7 @@ from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
 from sixfold.slices import Reader
 from sixfold.stop import Stopped, StopSignal
 from sixfold.train import TrainingError
-from helpers import LONG, ROOT, TINY, children, end_machines, free_port, sixfold, torchrun
+from helpers import LONG, ROOT, TINY, children, free_port, sixfold, torchrun
 
 
 def _train(run_dir, *overrides, nproc=None):
@@ -496,15 +497,17 @@ def test_a_closed_terminal_stops_the_run_after_a_step_with_a_checkpoint(tmp_path
                             "log.every=1", "--nproc", "2"], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                            stdin=tty, stdout=tty, stderr=tty, start_new_session=True, preexec_fn=in_the_terminal)
     os.close(tty)
-    metrics = run / "metrics.jsonl"
-    with contextlib.suppress(OSError):  # its output read until 3 steps are logged
-        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3) and os.read(terminal, 65536):
-            pass
-    os.close(terminal)  # the terminal closes: SIGHUP to the session in it
+    metrics, deadline = run / "metrics.jsonl", time.monotonic() + 300
     try:
+        with contextlib.suppress(OSError):  # its output read until 3 steps are logged
+            while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+                assert time.monotonic() < deadline, "no 3 steps within 300 s"
+                if select.select([terminal], [], [], 1)[0] and not os.read(terminal, 65536):
+                    break
+        os.close(terminal)  # the terminal closes: SIGHUP to the session in it
         code = job.wait(timeout=300)
     finally:
-        end_machines([job])
+        job.kill()  # if still there: Linux sends its torchrun SIGTERM, which stops the ranks
     last = read_metrics(run)[-1]["step"]
     assert code == 128 + signal.SIGHUP and last < 30
     assert (run / "checkpoints" / "latest").read_text() == f"step_{last:07d}"

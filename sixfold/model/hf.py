@@ -282,7 +282,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
 def _tokenizer(hf_dir: Path, vocab_size: int) -> dict[str, bytes]:
     """The directory's tokenizer.json as a checkpoint's blob, if it has one that sixfold can use (an end-of-text
     token, no id beyond the model's vocabulary); else none, with a warning saying why."""
-    from ..data import BPETokenizer
+    from ..data import BPETokenizer, DataError
     path = hf_dir / "tokenizer.json"
     if not path.is_file():
         return {}
@@ -290,8 +290,8 @@ def _tokenizer(hf_dir: Path, vocab_size: int) -> dict[str, bytes]:
         text = path.read_bytes()
         tok = BPETokenizer.from_json(text.decode(), str(path))
         if tok.vocab_size > vocab_size:
-            raise ValueError(f"its {tok.vocab_size} tokens are more than the model's {vocab_size}")
-    except Exception as e:  # unreadable, not a tokenizers JSON file, no end-of-text token
+            raise DataError(f"its {tok.vocab_size} tokens are more than the model's {vocab_size}")
+    except (OSError, UnicodeDecodeError, DataError) as e:  # unreadable, not a tokenizers file, no end of text
         warnings.warn(f"{path} is not carried over ({e}); train from the checkpoint with data.tokenizer set to a "
                       f"tokenizer.json that fits the model")
         return {}
