@@ -68,11 +68,12 @@ def checkpoint_tokenizer(path, cfg):
     """The tokenizer a checkpoint was trained with: its tokenizer.json, or the byte tokenizer."""
     from .checkpoint import Checkpoint
     from .data import BPETokenizer, ByteTokenizer, DataError
+    from .model.hf import imported
     checkpoint = Checkpoint(path)
     path = checkpoint.path
     if "tokenizer.json" in checkpoint.meta["files"]:
         return BPETokenizer.from_json(checkpoint.blob("tokenizer.json").decode(), str(path / "tokenizer.json"))
-    if str(checkpoint.meta.get("source", "")).startswith("import-hf"):
+    if imported(checkpoint.meta):
         raise DataError(f"{path} holds weights imported from Hugging Face without a tokenizer (its directory had no "
                         f"tokenizer.json that sixfold can use); generate with transformers, or train from it with "
                         f"data.tokenizer set to a tokenizer.json and generate from that run")

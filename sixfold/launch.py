@@ -6,9 +6,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 
-from .stop import Stopped, heeded
+from .stop import Stopped, put_back, take
 
 
 def under_torchrun() -> bool:
@@ -61,13 +60,11 @@ def _run(cmd: list[str], env: dict[str, str], capture: bool) -> subprocess.Compl
         heard.append(signal.Signals(signum).name)
         job.send_signal(signum)
 
-    main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, forward) for sig in heeded()} if main else {}
+    previous = take(forward)
     try:
         out, err = job.communicate()
     finally:
-        for sig, handler in previous.items():  # None: a handler not set from Python; the default then
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        put_back(previous)
     if heard and capture:
         raise Stopped(f"stopped by {heard[0]}, and the job it ran with it", heard[0])
     return subprocess.CompletedProcess(cmd, job.returncode, out, err)

@@ -170,15 +170,15 @@ def check(cfg: Config, steps: int, workdir: str | None = None) -> ParityResult:
     with runs_dir(workdir, "check") as root:
         layout_cfg = layout_config(cfg, root / "layout", steps)
         (root / "layout.yaml").write_text(layout_cfg.to_yaml())
-        if cfg.parallel.world_size > 1:
-            proc = run_torchrun(cfg.parallel.world_size, ["train", str(root / "layout.yaml")], capture=True)
-            if proc.returncode != 0:
-                raise ParityError(f"the layout run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
-                                  f"\n{proc.stderr[-4000:]}")
-        else:
-            with contextlib.redirect_stdout(io.StringIO()):  # its output, like the torchrun job's, not shown
+        # the runs' output, like the torchrun job's, is not shown (the paths it names are removed when parity holds)
+        with contextlib.redirect_stdout(io.StringIO()):
+            if cfg.parallel.world_size > 1:
+                proc = run_torchrun(cfg.parallel.world_size, ["train", str(root / "layout.yaml")], capture=True)
+                if proc.returncode != 0:
+                    raise ParityError(f"the layout run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
+                                      f"\n{proc.stderr[-4000:]}")
+            else:
                 train(layout_cfg)
-        with contextlib.redirect_stdout(io.StringIO()):  # (the paths it names are removed when parity holds)
             train(reference_config(cfg, root / "reference", steps))
         result = compare(root / "layout", root / "reference", cfg.parallel.describe())
     result.kept = settle(root, workdir, result.ok)

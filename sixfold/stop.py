@@ -13,9 +13,18 @@ SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGH
 SIGNAL_NAMES = tuple(s.name for s in SIGNALS)
 
 
-def heeded() -> list[signal.Signals]:
-    """The SIGNALS this process does not ignore (call from the main thread)."""
-    return [sig for sig in SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
+def take(handler) -> dict:
+    """`handler` for each of the SIGNALS this process does not ignore, from the main thread (elsewhere none): the
+    handlers before, for put_back."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
+
+
+def put_back(previous: dict) -> None:
+    """The handlers take() replaced; None (a handler not set from Python, which cannot be put back): the default."""
+    for sig, handler in previous.items():
+        signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 class Stopped(RuntimeError):
@@ -36,13 +45,11 @@ class StopSignal:
         self._previous: dict = {}
 
     def __enter__(self) -> "StopSignal":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._note) for sig in heeded()}
+        self._previous = take(self._note)
         return self
 
     def _note(self, signum, frame) -> None:
         self.received = self.received or signal.Signals(signum).name
 
     def __exit__(self, *exc) -> None:
-        for sig, previous in self._previous.items():  # None: a handler not set from Python, which cannot be put
-            signal.signal(sig, signal.SIG_DFL if previous is None else previous)  # back; the default then
+        put_back(self._previous)

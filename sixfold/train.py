@@ -25,6 +25,7 @@ from .data import BatchLoader, BPETokenizer, DataError, TokenData, eval_batches,
 from .logs import RunLog, start_metrics
 from .errors import on_every_rank
 from .mesh import ParallelContext
+from .model.hf import imported
 from .model.llama import Llama, init_weights, no_decay
 from .optim import AdamW, clip_grad_norm, learning_rate
 from .model.moe import MoE, routing_warning
@@ -271,7 +272,7 @@ class Trainer:
                                   for k, (a, b) in changed.items())
                 warnings.warn(f"this run has {named}: the weights of {checkpoint.path} compute another function "
                               f"with them; set those as the checkpoint has them to train on from the same model")
-            if str(meta.get("source", "")).startswith("import-hf"):
+            if imported(meta):
                 self._check_imported_tokenizer(checkpoint)
 
     def _check_imported_tokenizer(self, checkpoint: ckpt.Checkpoint) -> None:

@@ -254,6 +254,14 @@ def _new_output(out_dir: str | Path) -> Path:
     return out_dir
 
 
+IMPORTED = "import-hf"  # how an imported checkpoint's meta.json names its source
+
+
+def imported(meta: dict) -> bool:
+    """Whether the checkpoint of this meta.json was written by import_hf."""
+    return str(meta.get("source", "")).startswith(IMPORTED)
+
+
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     """Turn a LlamaForCausalLM directory into a sixfold checkpoint (fp32) at out_dir (a new directory), with its
     tokenizer.json where sixfold can use it."""
@@ -275,7 +283,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
         tensors.pop("head.weight", None)
     check_shapes(full_shapes(model_cfg), {k: v.shape for k, v in tensors.items()}, str(hf_dir),
                  "its weights do not match its config.json")
-    meta = {"step": 0, "config": cfg.to_dict(), "source": f"import-hf {hf_dir}"}
+    meta = {"step": 0, "config": cfg.to_dict(), "source": f"{IMPORTED} {hf_dir}"}
     return write_checkpoint(out_dir, {"model": tensors}, meta, _tokenizer(hf_dir, model_cfg.vocab_size))
 
 
