@@ -87,6 +87,7 @@ class ByteTokenizer:
     name = "byte"
     vocab_size = 257
     eot = 256
+    start, start_token = (), None  # no token before a text
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -107,7 +108,8 @@ class ByteTokenizer:
 
 class BPETokenizer:
     """A BPE tokenizer from HF `tokenizers`; its end of text is <|endoftext|>, else the first of OTHER_ENDS that is
-    a special token (as in a Llama's tokenizer.json)."""
+    a special token (as in a Llama's tokenizer.json). A text is encoded as its template encodes one (Llama's puts
+    its start token, <s> or <|begin_of_text|>, before it) without the tokens the template puts after it."""
 
     def __init__(self, tok, where: str = "the trained tokenizer"):
         special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
@@ -123,6 +125,10 @@ class BPETokenizer:
         self._tok, self.eot = tok, eot
         self.path: Path | None = None  # the file it was read from
         self.vocab_size = max(tok.get_vocab_size(), max(tok.get_vocab().values(), default=-1) + 1)
+        probe = tok.encode("a", add_special_tokens=True)
+        lead = next((i for i, special in enumerate(probe.special_tokens_mask) if not special), 0)
+        self.start = tuple(probe.ids[:lead])
+        self.start_token = probe.tokens[0] if lead == 1 else None  # a single start token is a model's bos
 
     @classmethod
     def from_file(cls, path) -> BPETokenizer:
@@ -168,10 +174,11 @@ class BPETokenizer:
         return cls(tok, where)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return [*self.start, *self._tok.encode(text, add_special_tokens=False).ids]
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, np.int64) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        return [np.asarray([*self.start, *e.ids], np.int64)
+                for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -549,7 +556,7 @@ def load_data(cfg: DataConfig) -> TokenData:
     tok = build_tokenizer(cfg, train_docs)
     dtype = np.uint16 if tok.vocab_size < 65536 else np.uint32
     key = _sha(CACHE_FORMAT, cfg.source == "stdlib", str(root), cfg.format, cfg.jsonl_field, _docs_hash(docs),
-               tok.name, cfg.max_bytes, cfg.val_fraction)[:32]
+               tok.name, tok.start, cfg.max_bytes, cfg.val_fraction)[:32]
     cache = Path(cfg.cache_dir).expanduser()
     train_path, val_path = cache / f"tokens-{key}.train.bin", cache / f"tokens-{key}.val.bin"
     with _lock(train_path):

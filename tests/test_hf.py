@@ -9,9 +9,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sixfold.checkpoint import CheckpointError, write_checkpoint
-from sixfold.config import Config, ConfigError, ModelConfig, load_config
-from sixfold.data import BPETokenizer, DataError
-from sixfold.generate import checkpoint_tokenizer
+from sixfold.config import Config, ConfigError, DataConfig, ModelConfig, load_config
+from sixfold.data import BPETokenizer, DataError, iter_documents, load_data, split_documents
+from sixfold.generate import checkpoint_tokenizer, continued
 from sixfold.model.hf import export_hf, hf_config_from_model, import_hf, load_model, model_config_from_hf
 from sixfold.model.llama import Llama, init_weights, rope_frequencies
 from sixfold.train import train
@@ -283,27 +283,57 @@ def test_fine_tuning_an_imported_model_with_other_settings_or_the_byte_tokenizer
                                  f"data.tokenizer={tmp_path / 'tokenizer.json'}", f"data.cache_dir={tmp_path / 'c'}"]))
 
 
-def llama2_style_tokenizer(specials: list[str]) -> str:
-    """A tokenizer.json whose end of text is a special token other than <|endoftext|> (as Llama 2's </s>)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def llama2_style_tokenizer(specials: list[str], template: str | None = None) -> str:
+    """A tokenizer.json whose end of text is a special token other than <|endoftext|> (as Llama 2's </s>); with a
+    template ("<s> $A") that encodes a text with special tokens around it, as transformers' tokenizers do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20, trainer)
+    if template:
+        tok.post_processor = processors.TemplateProcessing(
+            single=template, special_tokens=[(t, tok.token_to_id(t)) for t in specials if t in template])
     return tok.to_str()
 
 
+@pytest.mark.parametrize("template", ["<|begin_of_text|> $A", "<|begin_of_text|> $A <|end_of_text|>"])
+def test_a_start_token_begins_every_document_and_prompt_as_transformers_encodes_a_text(tmp_path, template):
+    """Llama 3's tokenizer.json puts <|begin_of_text|> before a text: so does sixfold, before each document of the
+    token stream and before a prompt, but not the end of text a template may put after it (each document is
+    followed by one already). A sample's text does not show the start token."""
+    from transformers import PreTrainedTokenizerFast
+    (tmp_path / "tok.json").write_text(llama2_style_tokenizer(["<|begin_of_text|>", "<|end_of_text|>"], template))
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tok.json"))
+    docs = {"a.txt": "def f(x):\n", "b.txt": "    return x + 1\n", "c.txt": "def g(y): return y\n"}
+    for name, text in docs.items():
+        (tmp_path / "corpus").mkdir(exist_ok=True)
+        (tmp_path / "corpus" / name).write_text(text)
+    cfg = DataConfig(source=str(tmp_path / "corpus"), tokenizer=str(tmp_path / "tok.json"),
+                     cache_dir=str(tmp_path / "cache"), val_fraction=0.5)
+    data = load_data(cfg)
+    tok = data.tokenizer
+    assert tok.start == (0,) and tok.start_token == "<|begin_of_text|>" and tok.eot == 1
+    end = [1] if template.endswith("<|end_of_text|>") else []
+    assert all(hf(text)["input_ids"] == tok.encode(text) + end for text in docs.values())
+    train_docs, val_docs = split_documents(iter_documents(cfg), 0.5)
+    for stream, part in [(data.train, train_docs), (data.val, val_docs)]:
+        assert stream.tolist() == [i for _, text in part for i in tok.encode(text) + [1]] and stream[0] == 0
+    assert continued(tok, "def f", tok.encode("def f"), tok.encode("(x)")[1:]) == "def f(x)"
+
+
 def test_an_imported_models_tokenizer_comes_with_it_to_training_generation_and_export(tmp_path):
-    """A tokenizer.json with </s> as its end of text is carried into the checkpoint: generation reads it, training
-    with data.tokenizer=bpe uses it (another tokenizer warns), and export writes it back with </s> as the eos."""
+    """A tokenizer.json with </s> as its end of text and <s> as its start is carried into the checkpoint: generation
+    reads it, training with data.tokenizer=bpe uses it (another tokenizer warns), and export writes it back with
+    </s> as the eos and <s> as the bos."""
     from transformers import AutoTokenizer
     hf_model(False).save_pretrained(tmp_path / "hf")
-    (tmp_path / "hf" / "tokenizer.json").write_text(llama2_style_tokenizer(["<s>", "</s>"]))
+    (tmp_path / "hf" / "tokenizer.json").write_text(llama2_style_tokenizer(["<s>", "</s>"], "<s> $A"))
     import_hf(tmp_path / "hf", tmp_path / "ckpt")
     tok = checkpoint_tokenizer(tmp_path / "ckpt", load_model(tmp_path / "ckpt")[1])
-    assert tok.eot_token == "</s>" and tok.eot == 1
+    assert tok.eot_token == "</s>" and tok.eot == 1 and tok.start_token == "<s>"
     common = [f"checkpoint.resume={tmp_path / 'ckpt'}", "model.rope_theta=500000", "train.steps=1",
               "checkpoint.every=0", f"data.cache_dir={tmp_path / 'cache'}"]
     with pytest.warns(UserWarning, match=r"ckpt holds the tokenizer its model was imported with, and data.tokenizer="
@@ -316,8 +346,10 @@ def test_an_imported_models_tokenizer_comes_with_it_to_training_generation_and_e
     assert checkpoint_tokenizer(run, load_model(run)[1]).name == tok.name
     export_hf(run, tmp_path / "out")
     back = AutoTokenizer.from_pretrained(tmp_path / "out")
-    assert back.eos_token == "</s>" and back.eos_token_id == 1
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == 1
+    assert (back.eos_token, back.eos_token_id, back.bos_token, back.bos_token_id) == ("</s>", 1, "<s>", 0)
+    assert back("def f(x)")["input_ids"] == tok.encode("def f(x)")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["eos_token_id"], config["bos_token_id"]) == (1, 0)
 
 
 def test_llama_3s_end_of_text_is_taken_after_its_start_token():

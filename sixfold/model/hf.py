@@ -337,8 +337,8 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str = "fp32", shard_
         tok = checkpoint_tokenizer(path, cfg)
     except DataError:
         tok = None
-    hf = {**hf_config_from_model(cfg.model), "bos_token_id": None, "eos_token_id": tok.eot if tok else None,
-          "torch_dtype": DTYPES[dtype]}
+    hf = {**hf_config_from_model(cfg.model), "bos_token_id": tok.start[0] if tok and tok.start_token else None,
+          "eos_token_id": tok.eot if tok else None, "torch_dtype": DTYPES[dtype]}
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -360,6 +360,7 @@ def _write_hf(out_dir: Path, model: Llama, hf: dict, tok, cfg: Config, dtype: st
         (out_dir / "tokenizer.json").write_text(tok.to_json())
         (out_dir / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eot_token,
+             **({"bos_token": tok.start_token} if tok.start_token else {}),
              "model_max_length": cfg.model.max_seq_len}, indent=2))
     tensors = {}
     for k, v in model.state_dict().items():
