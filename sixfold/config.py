@@ -18,6 +18,7 @@ import yaml
 
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+LR_SCHEDULES = ("cosine", "linear", "constant")  # train.schedule: the learning rate's decay after warmup
 MAX_TIMEOUT_S = 1_000_000  # 11.6 days: the heartbeat's deadlines stay within the platform's time_t
 
 
@@ -125,6 +126,8 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 2
+    schedule: str = "cosine"  # one of LR_SCHEDULES (see optim.learning_rate)
+    decay_steps: int = 0  # the decay's length at the end of the run; 0: every step after warmup
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -563,6 +566,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not (math.isfinite(t.lr) and math.isfinite(t.min_lr)) or t.warmup_steps < 0 or t.lr <= 0 or t.min_lr < 0:
         raise ConfigError(f"train.lr={t.lr} must be a finite number above 0, train.min_lr={t.min_lr} a finite number "
                           f"0 or more, train.warmup_steps={t.warmup_steps} 0 or more")
+    if t.schedule not in LR_SCHEDULES:
+        raise ConfigError(f"train.schedule={t.schedule!r}: choose {', '.join(LR_SCHEDULES[:-1])} or "
+                          f"{LR_SCHEDULES[-1]}")
+    if t.decay_steps < 0:
+        raise ConfigError(f"train.decay_steps={t.decay_steps} must be 0 (decay over every step after warmup) or more "
+                          f"(decay over that many last steps, at train.lr before them)")
     if t.eval_every < 0 or (t.eval_every and t.eval_batches < 1):
         raise ConfigError(f"train.eval_every={t.eval_every} must be 0 (no evaluation) or more, and "
                           f"train.eval_batches={t.eval_batches} at least 1 when it is set")

@@ -45,7 +45,8 @@ TRACE_STEPS = 3
 
 
 # train.* settings of the learning-rate schedule and AdamW: a resume that changes them is told so
-SCHEDULE = ("steps", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip")
+SCHEDULE = ("steps", "lr", "min_lr", "warmup_steps", "schedule", "decay_steps", "weight_decay", "beta1", "beta2",
+            "eps", "grad_clip")
 
 
 class TrainingError(RuntimeError):

@@ -355,6 +355,22 @@ def test_resuming_on_other_text_of_the_same_length_or_with_other_settings_warns(
                "learning-rate schedule and AdamW go on with the new values from step 1" in m for m in said), said
 
 
+def test_a_warmup_stable_decay_run_extended_before_its_decay_ends_as_the_longer_run(tmp_path):
+    """A run of 6 steps decaying over its last 2, resumed from step 3 with train.steps=8: the same losses as a run
+    of 8 steps from the start (its learning rate until step 6 does not depend on the run's length)."""
+    wsd = ["train.schedule=linear", "train.decay_steps=2"]
+    train(load_config(TINY, [f"log.run_dir={tmp_path / 'short'}", *wsd, "train.steps=6", "checkpoint.every=3"]))
+    train(load_config(TINY, [f"log.run_dir={tmp_path / 'long'}", *wsd, "train.steps=8"]))
+    with pytest.warns(UserWarning, match=r"with train.steps=8 \(the checkpoint's run: 6\)"):
+        train(load_config(TINY, [f"log.run_dir={tmp_path / 'more'}", *wsd, "train.steps=8",
+                                 f"checkpoint.resume={tmp_path / 'short' / 'checkpoints' / 'step_0000003'}"]))
+    short, long, more = (read_metrics(tmp_path / name) for name in ("short", "long", "more"))
+    assert [m["loss"] for m in short[:3]] == [m["loss"] for m in long[:3]]
+    assert [m["step"] for m in more] == [4, 5, 6, 7, 8]
+    assert [(m["loss"], m["lr"]) for m in more] == [(m["loss"], m["lr"]) for m in long[3:]]
+    assert short[-1]["lr"] < long[5]["lr"] == long[3]["lr"]
+
+
 def test_resuming_an_moe_model_with_other_micro_batches_warns(tmp_path):
     """Its load-balancing loss is taken per micro-batch: the run would go on with another objective."""
     run = tmp_path / "run"

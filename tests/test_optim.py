@@ -1,15 +1,17 @@
 import itertools
 import math
 
+import pytest
 import torch
 
-from sixfold.config import ModelConfig, TrainConfig
+from sixfold.config import ConfigError, ModelConfig, TrainConfig, load_config
 from sixfold.model.llama import Llama, init_weights, no_decay
 from sixfold.optim import MOMENTS, AdamW, clip_grad_norm, learning_rate
 from sixfold.comm import Comm
 from sixfold.mesh import ParallelContext
 from sixfold.parallel.sharding import Sharded
 from sixfold.trace import Tracer
+from helpers import TINY
 
 
 def _models(tie=False):
@@ -99,9 +101,33 @@ def test_clipping_matches_torch():
 def test_schedule_shape():
     t = TrainConfig(steps=10, lr=1.0, min_lr=0.1, warmup_steps=3)
     lrs = [learning_rate(t, s) for s in range(10)]
-    assert lrs[:3] == [1 / 3, 2 / 3, 1.0]
+    assert lrs[:4] == [1 / 3, 2 / 3, 1.0, 1.0]
     assert math.isclose(lrs[-1], 0.1)
-    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
+    assert all(a > b for a, b in zip(lrs[3:], lrs[4:]))
+    assert math.isclose(lrs[6], 0.55)  # half way through the decay: half way down
+
+
+@pytest.mark.parametrize("schedule, decay_steps, after_warmup", [
+    ("linear", 0, [1.0, 0.85, 0.7, 0.55, 0.4, 0.25, 0.1]),
+    ("linear", 4, [1.0, 1.0, 1.0, 1.0, 0.7, 0.4, 0.1]),  # warmup, stable, decay (WSD)
+    ("cosine", 3, [1.0, 1.0, 1.0, 1.0, 1.0, 0.55, 0.1]),
+    ("linear", 50, [1.0, 0.85, 0.7, 0.55, 0.4, 0.25, 0.1]),  # longer than the run: from the end of warmup
+    ("constant", 0, [1.0] * 7),
+])
+def test_schedules_decay_over_their_last_steps(schedule, decay_steps, after_warmup):
+    t = TrainConfig(steps=10, lr=1.0, min_lr=0.1, warmup_steps=3, schedule=schedule, decay_steps=decay_steps)
+    lrs = [learning_rate(t, s) for s in range(10)]
+    assert lrs[:3] == [1 / 3, 2 / 3, 1.0]
+    assert lrs[3:] == pytest.approx(after_warmup, abs=1e-12)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.schedule=wsd", r"train.schedule='wsd': choose cosine, linear or constant"),
+    ("train.decay_steps=-1", r"train.decay_steps=-1 must be 0 \(decay over every step after warmup\) or more"),
+])
+def test_a_schedule_sixfold_does_not_have_is_refused(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, [override])
 
 
 def test_parameters_are_views_of_unit_buffers():
