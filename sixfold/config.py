@@ -11,6 +11,7 @@ import math
 import os
 import socket
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -289,7 +290,7 @@ _UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _map
 def load_config(path: str | Path | None = None, overrides: list[str] = (), check: bool = True) -> Config:
     """Build a Config from an optional YAML file and `a.b=value` overrides, then validate it (unless not
     `check`: a layout read before the settings that depend on it are added)."""
-    cfg = Config()
+    cfg, given = Config(), set()  # given: the model.* keys the file or an override sets
     if path:
         p = Path(path)
         if p.is_dir():
@@ -306,6 +307,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
             raise ConfigError(f"config file {p} must hold a mapping of sections")
         for k, v in data.items():
             _set(cfg, [str(k)], v)
+        given |= _model_keys(["model"], data.get("model"))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like section.key=value")
@@ -316,9 +318,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
         except yaml.YAMLError:
             raise ConfigError(f"override '{item}': the value is not valid YAML") from None
         _set(cfg, path, value)
+        given |= _model_keys(path, value)
+    if cfg.checkpoint.resume:
+        _model_from_checkpoint(cfg, given)
     if check:
         validate(cfg)
     return cfg
+
+
+def _model_keys(path: list[str], value) -> set[str]:
+    """The model.* keys that setting `path` to `value` gives."""
+    if path[0] != "model":
+        return set()
+    return {path[1]} if len(path) > 1 else {str(k) for k in value} if isinstance(value, dict) else set()
+
+
+def _model_from_checkpoint(cfg: Config, given: set[str]) -> None:
+    """The model.* settings not given are those of the checkpoint the run starts from (a model imported from
+    Hugging Face is trained on without restating its shape); a checkpoint that cannot be read is left to be
+    refused where it is loaded."""
+    missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in given]
+    if not missing:
+        return
+    from .checkpoint import Checkpoint, CheckpointError
+    resume = cfg.log.run_dir if cfg.checkpoint.resume == "auto" else cfg.checkpoint.resume
+    try:
+        with warnings.catch_warnings():  # said again where it is loaded
+            warnings.simplefilter("ignore")
+            saved = Checkpoint(resume).meta["config"]["model"]
+    except (CheckpointError, KeyError, TypeError):
+        return
+    for key in missing:
+        if key in saved:  # (older checkpoints lack newer keys: their defaults)
+            _set(cfg, ["model", key], saved[key])
 
 
 def _validate_saved(cfg: Config) -> Config:

@@ -3,6 +3,7 @@ import json
 import math
 import re
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -263,15 +264,15 @@ def test_mixtral_settings_left_out_of_config_json_are_mixtrals_defaults(tmp_path
 
 def test_fine_tuning_an_imported_model_with_other_settings_or_the_byte_tokenizer_warns(tmp_path):
     """A weights-only checkpoint may be trained on with other model settings, but one that changes what the
-    weights compute (tiny.yaml's rope_theta here) is named; so is a tokenizer that is not a tokenizer.json (the
-    model was imported without one)."""
+    weights compute (rope_theta here) is named; so is a tokenizer that is not a tokenizer.json (the model was
+    imported without one). A setting not given is the checkpoint's: no warning."""
     hf_model(False).save_pretrained(tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "ckpt")
     BPETokenizer.train(["def f(x):\n    return x\n"] * 20, 300).save(tmp_path / "tokenizer.json")
     common = [f"checkpoint.resume={tmp_path / 'ckpt'}", "train.steps=1", "checkpoint.every=0",
               "checkpoint.save_final=false"]
     with pytest.warns(UserWarning) as said:
-        train(load_config(TINY, [*common, f"log.run_dir={tmp_path / 'a'}"]))
+        train(load_config(TINY, [*common, f"log.run_dir={tmp_path / 'a'}", "model.rope_theta=10000"]))
     said = [str(w.message) for w in said]
     assert any(re.match(r"this run has model.rope_theta=10000.0 \(the checkpoint's: 500000.0\): the weights of "
                         r".*ckpt compute another function with them", s) for s in said), said
@@ -279,8 +280,27 @@ def test_fine_tuning_an_imported_model_with_other_settings_or_the_byte_tokenizer
                         r"data.tokenizer=byte gives their token ids other meanings", s) for s in said), said
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        train(load_config(TINY, [*common, f"log.run_dir={tmp_path / 'b'}", "model.rope_theta=500000",
+        train(load_config(TINY, [*common, f"log.run_dir={tmp_path / 'b'}",
                                  f"data.tokenizer={tmp_path / 'tokenizer.json'}", f"data.cache_dir={tmp_path / 'c'}"]))
+
+
+def test_the_model_settings_not_given_are_those_of_the_checkpoint_a_run_starts_from(tmp_path):
+    """A model imported from Hugging Face is trained on without restating its shape: the model.* settings that
+    neither the config file nor an override gives are the checkpoint's (checkpoint.resume=auto: the run
+    directory's); those given win."""
+    hf_model(False).save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    saved = load_model(tmp_path / "ckpt")[1].model
+    assert saved != ModelConfig() and saved.rope_theta == 500000.0
+    resume = f"checkpoint.resume={tmp_path / 'ckpt'}"
+    assert load_config(None, [resume]).model == saved
+    assert load_config(None, [resume, "model.max_seq_len=64"]).model == replace(saved, max_seq_len=64)
+    (tmp_path / "tune.yaml").write_text(f"model: {{max_seq_len: 64}}\ncheckpoint: {{resume: {tmp_path / 'ckpt'}}}\n")
+    assert load_config(tmp_path / "tune.yaml").model == replace(saved, max_seq_len=64)
+    run = tmp_path / "run"
+    train(load_config(TINY, [f"log.run_dir={run}", "train.steps=1", "model.dim=32"]))
+    assert load_config(None, [f"log.run_dir={run}", "checkpoint.resume=auto"]).model.dim == 32
+    assert load_config(None, [f"log.run_dir={tmp_path / 'new'}", "checkpoint.resume=auto"]).model == ModelConfig()
 
 
 def llama2_style_tokenizer(specials: list[str], template: str | None = None) -> str:
