@@ -211,16 +211,18 @@ def cmd_matrix(args, argv) -> int:
 
 
 def cmd_generate(args, argv) -> int:
-    from .generate import checkpoint_tokenizer, sample_text
-    from .model.hf import load_model
+    from .checkpoint import Checkpoint
+    from .generate import checkpoint_tokenizer, prompt_ids, sample_text
+    from .model.hf import carried_files, end_ids, load_model
     check_text(args.prompt, "--prompt")
     model, cfg = load_model(args.checkpoint)
     tok = checkpoint_tokenizer(args.checkpoint, cfg)
-    room = cfg.model.max_seq_len - len(tok.encode(args.prompt))
+    room = cfg.model.max_seq_len - len(prompt_ids(tok, args.prompt))
     if args.max_new_tokens > room >= 0:
         warnings.warn(f"--max-new-tokens {args.max_new_tokens}: the model's max_seq_len={cfg.model.max_seq_len} "
                       f"leaves room for {room} after the prompt; at most {room} are generated")
-    print(sample_text(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+    stop = end_ids(carried_files(Checkpoint(args.checkpoint)))  # an instruct model's end of turn, say
+    print(sample_text(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, stop))
     return 0
 
 

@@ -89,8 +89,8 @@ class ByteTokenizer:
     eot = 256
     start, start_token = (), None  # no token before a text
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, specials: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))  # (no special token is spelt by text)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
@@ -173,8 +173,13 @@ class BPETokenizer:
             raise DataError(f"{where} is not a tokenizers JSON file: {e}") from None
         return cls(tok, where)
 
-    def encode(self, text: str) -> list[int]:
-        return [*self.start, *self._tok.encode(text, add_special_tokens=False).ids]
+    def encode(self, text: str, specials: bool = False) -> list[int]:
+        """With `specials`, a special token's text in `text` is that token; else it stays text."""
+        self._tok.encode_special_tokens = not specials
+        try:
+            return [*self.start, *self._tok.encode(text, add_special_tokens=False).ids]
+        finally:
+            self._tok.encode_special_tokens = True
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray([*self.start, *e.ids], np.int64)

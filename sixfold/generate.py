@@ -1,6 +1,8 @@
 """Autoregressive generation with a KV cache: greedy or temperature / top-k sampling."""
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from .config import SEEDS
@@ -22,8 +24,8 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Genera
 
 @torch.no_grad()
 def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0, eot: int | None = None) -> list[int]:
-    """New tokens after prompt_ids (ending with eot if it was drawn); the total stays within max_seq_len.
+             top_k: int = 0, seed: int = 0, stop: Collection[int] = ()) -> list[int]:
+    """New tokens after prompt_ids (ending with a stop token if one was drawn); the total stays within max_seq_len.
     `model` is the whole model, or a pipeline run on every one of its ranks."""
     limit = model.cfg.max_seq_len
     if not 0 < len(prompt_ids) <= limit:
@@ -41,20 +43,28 @@ def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int
     while len(out) < max_new_tokens and len(prompt_ids) + len(out) < limit:
         logits = model(tokens, cache)[0, -1].float().cpu()
         out.append(pick(logits, temperature, top_k, gen))
-        if out[-1] == eot:
+        if out[-1] in stop:
             break
         tokens = torch.tensor([[out[-1]]], device=device)
     return out
 
 
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """A prompt's tokens: a special token's text in it is that token (a chat template's markers), as transformers
+    encodes a text; in a document it stays text."""
+    return tokenizer.encode(prompt, specials=True)
+
+
 def sample_text(model: Llama | Pipeline, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
-                top_k: int = 40, seed: int = 0) -> str:
-    """The prompt followed by a sampled continuation (without the end-of-text token)."""
-    prompt_ids = tokenizer.encode(prompt)
-    ids = generate(model, prompt_ids, max_new_tokens, temperature, top_k, seed, tokenizer.eot)
-    if ids and ids[-1] == tokenizer.eot:
-        ids = ids[:-1]
-    return continued(tokenizer, prompt, prompt_ids, ids)
+                top_k: int = 40, seed: int = 0, stop: Collection[int] = ()) -> str:
+    """The prompt followed by a sampled continuation, which ends at the end of text or a token of `stop` (left
+    out)."""
+    ids = prompt_ids(tokenizer, prompt)
+    stop = {tokenizer.eot, *stop}
+    out = generate(model, ids, max_new_tokens, temperature, top_k, seed, stop)
+    if out and out[-1] in stop:
+        out = out[:-1]
+    return continued(tokenizer, prompt, ids, out)
 
 
 def continued(tokenizer, prompt: str, prompt_ids: list[int], ids: list[int]) -> str:

@@ -24,8 +24,9 @@ from .console import console
 from .data import BatchLoader, BPETokenizer, DataError, TokenData, eval_batches, load_data, with_tokenizer
 from .logs import RunLog, start_metrics
 from .errors import on_every_rank
+from .generate import prompt_ids, sample_text
 from .mesh import ParallelContext
-from .model.hf import imported
+from .model.hf import carried_files, end_ids, imported
 from .model.llama import Llama, init_weights, no_decay
 from .optim import AdamW, clip_grad_norm, learning_rate
 from .model.moe import MoE, routing_warning
@@ -91,6 +92,7 @@ class Trainer:
                                   ctx.batch_index, ctx.size("batch"))
         self.step = self.skipped = 0
         self.saver = train_state.Saver(ctx, self.comm, cfg)
+        self.carried: dict[str, bytes] = {}  # hf.CARRIED files of the checkpoint it started from, kept in its own
         resume = resume_path(cfg)
         if resume:
             self.load(resume)
@@ -220,7 +222,7 @@ class Trainer:
                     "optimizer_steps": self.optim.step_count, "layout": self.cfg.parallel.describe(),
                     "data": self._data_identity()}
             tok = self.data.tokenizer
-            blobs = {"tokenizer.json": tok.to_json().encode()} if hasattr(tok, "to_json") else {}
+            blobs = {"tokenizer.json": tok.to_json().encode(), **self.carried} if hasattr(tok, "to_json") else {}
         return self.saver.save(self.step, train_state.pieces(self.sharded, self.optim), meta, blobs)
 
     def load(self, where: str) -> None:
@@ -240,6 +242,9 @@ class Trainer:
     def _load(self, where: str) -> None:
         checkpoint = ckpt.Checkpoint(where)
         meta = checkpoint.meta
+        own = _tokenizer_name(checkpoint) if self.ctx.is_main else None  # (rank 0 writes the blobs)
+        if own == self.data.tokenizer.name:  # its tokenizer's and generation's settings stay with the tokenizer
+            self.carried = carried_files(checkpoint)
         where = checkpoint.path / ckpt.META
         if "optimizer_steps" in meta and not checkpoint.index("optim"):
             raise ckpt.CheckpointError(f"{where} is a training checkpoint's and its index holds no optimizer state; "
@@ -274,14 +279,13 @@ class Trainer:
                 warnings.warn(f"this run has {named}: the weights of {checkpoint.path} compute another function "
                               f"with them; set those as the checkpoint has them to train on from the same model")
             if imported(meta):
-                self._check_imported_tokenizer(checkpoint)
+                self._check_imported_tokenizer(checkpoint, own)
 
-    def _check_imported_tokenizer(self, checkpoint: ckpt.Checkpoint) -> None:
-        """Warn when a model imported from Hugging Face is trained with another tokenizer than its own, which gives
-        its token ids other meanings."""
+    def _check_imported_tokenizer(self, checkpoint: ckpt.Checkpoint, own: str | None) -> None:
+        """Warn when a model imported from Hugging Face is trained with another tokenizer than its own (named
+        `own`), which gives its token ids other meanings."""
         tokenizer = self.cfg.data.tokenizer
-        if "tokenizer.json" in checkpoint.meta["files"]:
-            own = BPETokenizer.from_json(checkpoint.blob("tokenizer.json").decode(), str(checkpoint.path)).name
+        if own:
             if self.data.tokenizer.name != own:
                 warnings.warn(f"{checkpoint.path} holds the tokenizer its model was imported with, and data.tokenizer="
                               f"{tokenizer} gives its token ids other meanings; set data.tokenizer=bpe to train "
@@ -431,10 +435,9 @@ class Trainer:
         return f"resume from this run's newest checkpoint before step {first}: checkpoint.resume={done[-1]}{earlier}"
 
     def sample(self) -> str:
-        from .generate import sample_text
         log = self.cfg.log
         return sample_text(self.pipeline or self.model, self.data.tokenizer, log.sample_prompt, log.sample_tokens,
-                           seed=self.cfg.train.seed)
+                           seed=self.cfg.train.seed, stop=end_ids(self.carried))
 
     def _write_outputs(self, log: RunLog) -> None:
         """Every rank's ledger in comm_ledger.json and its summary printed; with log.trace, every rank's events in
@@ -467,6 +470,13 @@ def _writing_outputs(run_dir: Path):
         raise TrainingError(f"cannot write the run's summaries (comm_ledger.json, trace.json, pictures) in {run_dir}: "
                             f"{e}; the training and its checkpoints are done; make room there to have them next "
                             f"time") from e
+
+
+def _tokenizer_name(checkpoint: ckpt.Checkpoint) -> str | None:
+    """The name of the tokenizer.json a checkpoint holds, if it holds one."""
+    if "tokenizer.json" not in checkpoint.meta["files"]:
+        return None
+    return BPETokenizer.from_json(checkpoint.blob("tokenizer.json").decode(), str(checkpoint.path)).name
 
 
 def resume_path(cfg: Config) -> str:
@@ -511,7 +521,7 @@ def check_inputs(cfg: Config, data: TokenData) -> None:
             warnings.warn(f"train.eval_batches={t.eval_batches} batches of {t.global_batch} sequences go round the "
                           f"val split's {windows} sequences more than once: {-(-windows // t.global_batch)} cover it, "
                           f"in less time")
-    prompt = len(data.tokenizer.encode(cfg.log.sample_prompt)) if cfg.log.sample_tokens else 1
+    prompt = len(prompt_ids(data.tokenizer, cfg.log.sample_prompt)) if cfg.log.sample_tokens else 1
     if prompt > cfg.model.max_seq_len:
         raise ConfigError(f"log.sample_prompt is {prompt} tokens, more than model.max_seq_len={cfg.model.max_seq_len} "
                           f"that the sample after training may hold; shorten it, or set log.sample_tokens=0")

@@ -49,7 +49,7 @@ def test_stops_at_eot():
     model = tiny()
     full = generate(model, PROMPT, 20)
     eot = full[5]
-    assert generate(model, PROMPT, 20, eot=eot) == full[:full.index(eot) + 1]
+    assert generate(model, PROMPT, 20, stop={eot}) == full[:full.index(eot) + 1]
 
 
 def test_respects_max_seq_len():

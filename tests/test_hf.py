@@ -9,11 +9,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from sixfold.checkpoint import CheckpointError, write_checkpoint
+from sixfold.checkpoint import Checkpoint, CheckpointError, write_checkpoint
 from sixfold.config import Config, ConfigError, DataConfig, ModelConfig, load_config
 from sixfold.data import BPETokenizer, DataError, iter_documents, load_data, split_documents
-from sixfold.generate import checkpoint_tokenizer, continued
-from sixfold.model.hf import export_hf, hf_config_from_model, import_hf, load_model, model_config_from_hf
+from sixfold.generate import checkpoint_tokenizer, continued, prompt_ids
+from sixfold.model.hf import (carried_files, end_ids, export_hf, hf_config_from_model, import_hf, load_model,
+                              model_config_from_hf)
 from sixfold.model.llama import Llama, init_weights, rope_frequencies
 from sixfold.train import train
 from helpers import TINY
@@ -267,7 +268,8 @@ def test_fine_tuning_an_imported_model_with_other_settings_or_the_byte_tokenizer
     weights compute (rope_theta here) is named; so is a tokenizer that is not a tokenizer.json (the model was
     imported without one). A setting not given is the checkpoint's: no warning."""
     hf_model(False).save_pretrained(tmp_path / "hf")
-    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    with pytest.warns(UserWarning, match=r"hf has no tokenizer.json: the checkpoint holds no tokenizer"):
+        import_hf(tmp_path / "hf", tmp_path / "ckpt")
     BPETokenizer.train(["def f(x):\n    return x\n"] * 20, 300).save(tmp_path / "tokenizer.json")
     common = [f"checkpoint.resume={tmp_path / 'ckpt'}", "train.steps=1", "checkpoint.every=0",
               "checkpoint.save_final=false"]
@@ -342,15 +344,22 @@ def test_a_start_token_begins_every_document_and_prompt_as_transformers_encodes_
     for stream, part in [(data.train, train_docs), (data.val, val_docs)]:
         assert stream.tolist() == [i for _, text in part for i in tok.encode(text) + [1]] and stream[0] == 0
     assert continued(tok, "def f", tok.encode("def f"), tok.encode("(x)")[1:]) == "def f(x)"
+    marked = "def<|end_of_text|>f"  # a special token's text: in a prompt that token, in a document text
+    assert 1 in prompt_ids(tok, marked) and hf(marked)["input_ids"] == prompt_ids(tok, marked) + end
+    assert 1 not in tok.encode(marked)
 
 
 def test_an_imported_models_tokenizer_comes_with_it_to_training_generation_and_export(tmp_path):
     """A tokenizer.json with </s> as its end of text and <s> as its start is carried into the checkpoint: generation
     reads it, training with data.tokenizer=bpe uses it (another tokenizer warns), and export writes it back with
-    </s> as the eos and <s> as the bos."""
+    </s> as the eos and <s> as the bos. The tokenizer's settings (a chat template) and generation's (two end
+    tokens, as an instruct model has) come along as they were, into the run's checkpoints and the export."""
     from transformers import AutoTokenizer
-    hf_model(False).save_pretrained(tmp_path / "hf")
+    hf_model(False, bos_token_id=0, eos_token_id=[1, 2]).save_pretrained(tmp_path / "hf")
     (tmp_path / "hf" / "tokenizer.json").write_text(llama2_style_tokenizer(["<s>", "</s>"], "<s> $A"))
+    chat = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "chat_template": chat}))
     import_hf(tmp_path / "hf", tmp_path / "ckpt")
     tok = checkpoint_tokenizer(tmp_path / "ckpt", load_model(tmp_path / "ckpt")[1])
     assert tok.eot_token == "</s>" and tok.eot == 1 and tok.start_token == "<s>"
@@ -369,7 +378,11 @@ def test_an_imported_models_tokenizer_comes_with_it_to_training_generation_and_e
     assert (back.eos_token, back.eos_token_id, back.bos_token, back.bos_token_id) == ("</s>", 1, "<s>", 0)
     assert back("def f(x)")["input_ids"] == tok.encode("def f(x)")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert (config["eos_token_id"], config["bos_token_id"]) == (1, 0)
+    assert (config["eos_token_id"], config["bos_token_id"]) == ([1, 2], 0)
+    assert end_ids(carried_files(Checkpoint(run))) == [1, 2]
+    assert back.chat_template == chat
+    assert back.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == "<s>x</s>"
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == [1, 2]
 
 
 def test_llama_3s_end_of_text_is_taken_after_its_start_token():

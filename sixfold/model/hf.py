@@ -37,6 +37,9 @@ LAYER_NAMES = {
     "mlp.router.weight": "block_sparse_moe.gate.weight",
 }
 EXPERTS = {"mlp.experts.w_gate": "w1", "mlp.experts.w_up": "w3", "mlp.experts.w_down": "w2"}
+# carried as they are from an imported directory, through training on its tokenizer, to an export: the tokenizer's
+# settings (chat template, special tokens) and generation's (its end tokens, several for an instruct model)
+CARRIED = ("tokenizer_config.json", "generation_config.json")
 HF_TOP = {v: k for k, v in TOP_NAMES.items()}
 HF_LAYER = {v: k for k, v in LAYER_NAMES.items()}
 
@@ -284,7 +287,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     check_shapes(full_shapes(model_cfg), {k: v.shape for k, v in tensors.items()}, str(hf_dir),
                  "its weights do not match its config.json")
     meta = {"step": 0, "config": cfg.to_dict(), "source": f"{IMPORTED} {hf_dir}"}
-    return write_checkpoint(out_dir, {"model": tensors}, meta, _tokenizer(hf_dir, model_cfg.vocab_size))
+    blobs = _tokenizer(hf_dir, model_cfg.vocab_size)
+    return write_checkpoint(out_dir, {"model": tensors}, meta, {**blobs, **_carried(hf_dir, blobs)})
 
 
 def _tokenizer(hf_dir: Path, vocab_size: int) -> dict[str, bytes]:
@@ -293,6 +297,8 @@ def _tokenizer(hf_dir: Path, vocab_size: int) -> dict[str, bytes]:
     from ..data import BPETokenizer, DataError
     path = hf_dir / "tokenizer.json"
     if not path.is_file():
+        warnings.warn(f"{hf_dir} has no tokenizer.json: the checkpoint holds no tokenizer; train from it with "
+                      f"data.tokenizer set to the model's tokenizer.json")
         return {}
     try:
         text = path.read_bytes()
@@ -304,6 +310,22 @@ def _tokenizer(hf_dir: Path, vocab_size: int) -> dict[str, bytes]:
                       f"tokenizer.json that fits the model")
         return {}
     return {"tokenizer.json": text}
+
+
+def _carried(hf_dir: Path, blobs: dict[str, bytes]) -> dict[str, bytes]:
+    """The directory's CARRIED files that are JSON objects (the tokenizer's settings only with its tokenizer.json)."""
+    out = {}
+    for name in CARRIED:
+        path = hf_dir / name
+        if not path.is_file() or (name == "tokenizer_config.json" and "tokenizer.json" not in blobs):
+            continue
+        try:
+            _read_json(path)
+        except CheckpointError as e:
+            warnings.warn(f"{e}: it is not carried over")
+            continue
+        out[name] = path.read_bytes()
+    return out
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Llama, Config]:
@@ -337,8 +359,9 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str = "fp32", shard_
         tok = checkpoint_tokenizer(path, cfg)
     except DataError:
         tok = None
+    carried = carried_files(Checkpoint(path))
     hf = {**hf_config_from_model(cfg.model), "bos_token_id": tok.start[0] if tok and tok.start_token else None,
-          "eos_token_id": tok.eot if tok else None, "torch_dtype": DTYPES[dtype]}
+          "eos_token_id": tok.eot if tok else None, **special_ids(carried), "torch_dtype": DTYPES[dtype]}
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -346,22 +369,45 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str = "fp32", shard_
             from None
     try:
         with writing(out_dir):
-            _write_hf(out_dir, model, hf, tok, cfg, dtype, shard_bytes)
+            _write_hf(out_dir, model, hf, tok, carried, cfg, dtype, shard_bytes)
     except CheckpointError:  # a full disk, say: nothing half written is left
         shutil.rmtree(out_dir, ignore_errors=True)
         raise
     return out_dir
 
 
-def _write_hf(out_dir: Path, model: Llama, hf: dict, tok, cfg: Config, dtype: str, shard_bytes: int) -> None:
+def carried_files(checkpoint: Checkpoint) -> dict[str, bytes]:
+    """The CARRIED files a checkpoint holds, by name."""
+    return {name: checkpoint.blob(name) for name in CARRIED if name in checkpoint.meta["files"]}
+
+
+def end_ids(carried: dict[str, bytes]) -> list[int]:
+    """The end tokens of a carried generation_config.json (an instruct model's end of turn among them)."""
+    eos = special_ids(carried).get("eos_token_id")
+    return [] if eos is None else eos if isinstance(eos, list) else [eos]
+
+
+def special_ids(carried: dict[str, bytes]) -> dict:
+    """The bos_token_id and eos_token_id (an id, or a list of them) of a carried generation_config.json."""
+    if "generation_config.json" not in carried:
+        return {}
+    generation = json.loads(carried["generation_config.json"])
+    return {k: generation[k] for k in ("bos_token_id", "eos_token_id") if k in generation}
+
+
+def _write_hf(out_dir: Path, model: Llama, hf: dict, tok, carried: dict[str, bytes], cfg: Config, dtype: str,
+              shard_bytes: int) -> None:
     from ..data import BPETokenizer
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
     if isinstance(tok, BPETokenizer):  # AutoTokenizer reads the pair, with the end-of-text token as its eos
         (out_dir / "tokenizer.json").write_text(tok.to_json())
+    if isinstance(tok, BPETokenizer) and "tokenizer_config.json" not in carried:
         (out_dir / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eot_token,
              **({"bos_token": tok.start_token} if tok.start_token else {}),
              "model_max_length": cfg.model.max_seq_len}, indent=2))
+    for name, data in carried.items():  # as the imported directory had them
+        (out_dir / name).write_bytes(data)
     tensors = {}
     for k, v in model.state_dict().items():
         layer, _, rest = k.removeprefix("layers.").partition(".")
