@@ -74,6 +74,9 @@ def find_checkpoint(path: str | Path) -> Path:
         return done[-1]
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        raise CheckpointError(f"{path} is a Hugging Face model directory, not a checkpoint: turn it into one with "
+                              f"`sixfold import-hf {path} OUT` and give OUT")
     raise CheckpointError(f"{path} is neither a checkpoint (no {META}) nor a run directory with checkpoints")
 
 

@@ -10,6 +10,7 @@ import shutil
 import socket
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -263,8 +264,12 @@ class Trainer:
             if changed and self.ctx.is_main:  # allowed (a lower lr after a divergence, more steps), but said
                 named = ", ".join(f"train.{k}={shown(b)} (the checkpoint's run: {shown(a)})"
                                   for k, (a, b) in changed.items())
+                before = learning_rate(replace(self.cfg.train, **{k: a for k, (a, _) in changed.items()}), self.step)
+                now = learning_rate(self.cfg.train, self.step)
+                lr = f"; the learning rate of step {self.step + 1} is {now:.3g} ({before:.3g} in the checkpoint's run)" \
+                    if now != before else ""
                 warnings.warn(f"resuming {checkpoint.path} with {named}: the learning-rate schedule and AdamW go "
-                              f"on with the new values from step {self.step}")
+                              f"on with the new values from step {self.step}{lr}")
             micro = diffs.get("micro_batches")
             if micro and self.cfg.model.moe_experts and self.cfg.model.moe_aux_weight and self.ctx.is_main:
                 warnings.warn(f"resuming {checkpoint.path} with train.micro_batches={micro[1]} (the checkpoint's run: "

@@ -352,7 +352,8 @@ def test_resuming_on_other_text_of_the_same_length_or_with_other_settings_warns(
     said = [str(w.message) for w in caught]
     assert any("the training data differ from the checkpoint's (as many tokens, but other ones)" in m for m in said)
     assert any("with train.steps=2 (the checkpoint's run: 1), train.lr=0.001 (the checkpoint's run: 0.003): the "
-               "learning-rate schedule and AdamW go on with the new values from step 1" in m for m in said), said
+               "learning-rate schedule and AdamW go on with the new values from step 1; the learning rate of step 2 "
+               "is 0.001 (0.003 in the checkpoint's run)" in m for m in said), said
 
 
 def test_a_warmup_stable_decay_run_extended_before_its_decay_ends_as_the_longer_run(tmp_path):

@@ -385,6 +385,15 @@ def test_an_imported_models_tokenizer_comes_with_it_to_training_generation_and_e
     assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == [1, 2]
 
 
+def test_a_missing_directory_or_a_hugging_face_one_given_as_a_checkpoint_is_named(tmp_path):
+    with pytest.raises(CheckpointError, match=r"nowhere does not exist; give a directory written by save_pretrained"):
+        import_hf(tmp_path / "nowhere", tmp_path / "ckpt")
+    hf_model(False).save_pretrained(tmp_path / "hf")
+    with pytest.raises(CheckpointError, match=r"hf is a Hugging Face model directory, not a checkpoint: turn it into "
+                                              r"one with `sixfold import-hf .*hf OUT` and give OUT"):
+        Checkpoint(tmp_path / "hf")
+
+
 def test_llama_3s_end_of_text_is_taken_after_its_start_token():
     tok = BPETokenizer.from_json(llama2_style_tokenizer(["<|begin_of_text|>", "<|end_of_text|>"]), "llama3")
     assert tok.eot_token == "<|end_of_text|>" and tok.eot == 1

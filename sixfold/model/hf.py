@@ -269,6 +269,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     """Turn a LlamaForCausalLM directory into a sixfold checkpoint (fp32) at out_dir (a new directory), with its
     tokenizer.json where sixfold can use it."""
     hf_dir, out_dir = Path(hf_dir), _new_output(out_dir)
+    if not hf_dir.is_dir():
+        raise CheckpointError(f"{hf_dir} does not exist; give a directory written by save_pretrained")
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{hf_dir} has no config.json; give a directory written by save_pretrained")
     model_cfg = model_config_from_hf(_read_json(hf_dir / "config.json"), hf_dir / "config.json")
