@@ -132,7 +132,7 @@ def torch_worker(cfg, wrap, grads_to_none: bool, build=None, data_parallel=True,
     optim = adamw(t, list(model.named_parameters()))
     group = batch_group(data_parallel)
     batch_ranks = (dist.get_rank(group), dist.get_world_size(group)) if group else (0, 1)
-    loader = BatchLoader(data.train, t.seq_len, t.global_batch, t.seed, *batch_ranks)
+    loader = BatchLoader(data.train, t.seq_len, t.global_batch, t.seed, *batch_ranks, data.shift)
     out = {"step_s": [], "loss": []}
     for step in range(t.steps):
         start = time.perf_counter()
@@ -208,7 +208,7 @@ def pipeline_worker(cfg, build: Callable, schedule: str, loss_context=contextlib
     params = [q for _, q in named]
     optim = adamw(t, named)
     dp = (dist.get_rank(pipe.dp_group), dist.get_world_size(pipe.dp_group)) if pipe.dp_group else (0, 1)
-    loader = BatchLoader(data.train, t.seq_len, t.global_batch, t.seed, *dp)
+    loader = BatchLoader(data.train, t.seq_len, t.global_batch, t.seed, *dp, data.shift)
     # pp is the outermost dimension, the data-parallel one next: the first rank of a stage's ranks adds the stage's
     # squared gradient norm, the first of each data-parallel rank's replicas (its tp ranks) adds its losses
     per_stage = world // cfg.parallel.pp

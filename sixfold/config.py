@@ -148,6 +148,7 @@ class DataConfig:
     source: str = "stdlib"
     format: str = "auto"
     jsonl_field: str = "text"
+    jsonl_prompt_field: str = ""  # a field of text before jsonl_field's whose tokens the loss does not count
     bin_dtype: str = "uint16"
     tokenizer: str = "byte"
     bpe_vocab_size: int = 2048
@@ -643,6 +644,14 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             raise ConfigError(f"train.{key}={getattr(t, key)!r}: choose fp32 or bf16")
     if cfg.data.format not in ("auto", "text", "jsonl", "bin"):
         raise ConfigError(f"data.format={cfg.data.format!r}: choose auto, text, jsonl or bin")
+    d = cfg.data
+    if d.jsonl_prompt_field and (d.source == "stdlib" or d.format in ("text", "bin")):
+        raise ConfigError(f"data.jsonl_prompt_field={d.jsonl_prompt_field!r} reads prompts from JSON lines, and "
+                          f"data.source={d.source!r} with data.format={d.format} is not; point data.source at .jsonl "
+                          f"files, or leave it unset")
+    if d.jsonl_prompt_field == d.jsonl_field:
+        raise ConfigError(f"data.jsonl_prompt_field={d.jsonl_prompt_field!r} is data.jsonl_field too; name the field "
+                          f"of the prompt and the field of the text that follows it")
     if cfg.data.bin_dtype not in ("uint16", "uint32"):
         raise ConfigError(f"data.bin_dtype={cfg.data.bin_dtype!r}: choose uint16 or uint32")
     if not 0 < cfg.data.val_fraction < 1:

@@ -5,6 +5,10 @@ JSON lines, or pre-tokenized .bin files. Documents go to train or val by a hash 
 tokenized once and cached in data.cache_dir as flat token streams with an end-of-text token after
 each document. BatchLoader draws windows from a stream in an order set by (seed, step) alone, so
 every data-parallel layout sees the same global batches.
+
+JSON lines with a prompt (data.jsonl_prompt_field) are (id, text, prompt_chars) documents whose first
+prompt_chars characters are the prompt: the loss does not count its tokens, which the stream holds as
+id + vocabulary size (TokenData.shift).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import torch
 
 from sixfold.checkpoint import META, META_SHA256, file_sha256
 from sixfold.config import RUN_CONFIG_HEAD, DataConfig
+from sixfold.parallel.tensor import IGNORE_INDEX
 
 EOT = "<|endoftext|>"  # sixfold's BPE's end of text, and GPT-2's
 OTHER_ENDS = ("<|end_of_text|>", "</s>")  # as special tokens, the end of text of Llama 3's, and Llama 2's and Mistral's
@@ -47,8 +52,8 @@ def _sha(*parts) -> str:
 
 def _docs_hash(docs) -> str:
     h = hashlib.sha256()
-    for doc_id, text in docs:
-        for s in (doc_id, text):
+    for doc in docs:
+        for s in (doc[0], doc[1], *map(str, doc[2:])):
             b = s.encode()
             h.update(len(b).to_bytes(8, "little"))
             h.update(b)
@@ -92,7 +97,7 @@ class ByteTokenizer:
     def encode(self, text: str, specials: bool = False) -> list[int]:
         return list(text.encode("utf-8"))  # (no special token is spelt by text)
 
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+    def encode_batch(self, texts: list[str], start: bool = True) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
 
     def decode(self, ids) -> str:
@@ -181,9 +186,10 @@ class BPETokenizer:
         finally:
             self._tok.encode_special_tokens = True
 
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray([*self.start, *e.ids], np.int64)
-                for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+    def encode_batch(self, texts: list[str], start: bool = True) -> list[np.ndarray]:
+        """Each text's tokens, after the start token unless not `start` (a text that goes on another)."""
+        head = self.start if start else ()
+        return [np.asarray([*head, *e.ids], np.int64) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -266,22 +272,34 @@ def _corpus(cfg: DataConfig) -> tuple[str, Path, list[tuple[str, Path]]]:
     return ("bin" if True in kinds else "text"), root, files
 
 
-def _jsonl(path: Path, doc_id: str, text: str, field: str) -> list[tuple[str, str]]:
+def _utf8(value: str) -> str:
+    """JSON may escape a lone surrogate, which UTF-8 cannot hold: U+FFFD in its place (the length kept)."""
+    return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _jsonl(path: Path, doc_id: str, text: str, field: str, prompt_field: str) -> list[tuple]:
+    """A JSONL file's documents: (id, text), or with a prompt field (id, prompt + text, characters of prompt)."""
     docs, bad = [], []
+    fields = [prompt_field, field] if prompt_field else [field]
     for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
-            value = json.loads(line)[field]
+            obj = json.loads(line)
+            values = [obj[f] for f in fields]
         except (ValueError, KeyError, TypeError):
-            value = None
-        if isinstance(value, str):  # JSON may escape a lone surrogate, which UTF-8 cannot hold: U+FFFD
-            docs.append((f"{doc_id}:{n}", value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")))
+            values = [None]
+        if all(isinstance(v, str) for v in values):
+            values = [_utf8(v) for v in values]
+            doc = (f"{doc_id}:{n}", "".join(values))
+            docs.append(doc + (len(values[0]),) if prompt_field else doc)
         else:
             bad.append(n)
     if bad:
-        warnings.warn(f"{path}:{bad[0]}: skipped {len(bad)} line(s) that are not JSON objects with a string "
-                      f"field {field!r} (data.jsonl_field); lines {bad[:10]}", stacklevel=3)
+        named = " and ".join(f"{f!r}" for f in fields)
+        keys = "data.jsonl_prompt_field and data.jsonl_field" if prompt_field else "data.jsonl_field"
+        warnings.warn(f"{path}:{bad[0]}: skipped {len(bad)} line(s) that are not JSON objects with string "
+                      f"field(s) {named} ({keys}); lines {bad[:10]}", stacklevel=3)
     return docs
 
 
@@ -303,12 +321,16 @@ def _unreadable(path: Path, e: OSError) -> DataError:
     return DataError(f"{path} cannot be read ({e.strerror or e}); fix its permissions or remove it from data.source")
 
 
-def _documents(cfg: DataConfig, root: Path, files) -> list[tuple[str, str]]:
-    """(id, text) of each document of the files in order, up to data.max_bytes of text (a text file read only
-    as far as that); non-UTF-8 files skipped with one warning, an unreadable file refused."""
+def _documents(cfg: DataConfig, root: Path, files) -> list[tuple]:
+    """(id, text) of each document of the files in order (with data.jsonl_prompt_field, (id, text, prompt_chars)),
+    up to data.max_bytes of text (a text file read only as far as that); non-UTF-8 files skipped with one warning,
+    an unreadable file refused."""
     docs, taken, skipped = [], 0, []
     for doc_id, path in files:
         jsonl = _format(cfg, path) == "jsonl"
+        if cfg.jsonl_prompt_field and not jsonl:
+            raise DataError(f"{path} is not JSON lines, and data.jsonl_prompt_field={cfg.jsonl_prompt_field!r} reads "
+                            f"prompts from JSON lines; point data.source at .jsonl files, or leave it unset")
         left = cfg.max_bytes - taken if cfg.max_bytes else 0
         try:
             text, cut = _text(path, 0 if jsonl else left, binary_if_nul=not jsonl)  # a JSONL line: refused alone
@@ -317,13 +339,14 @@ def _documents(cfg: DataConfig, root: Path, files) -> list[tuple[str, str]]:
             continue
         except OSError as e:
             raise _unreadable(path, e) from None
-        for doc_id, text in _jsonl(path, doc_id, text, cfg.jsonl_field) if jsonl else [(doc_id, text)]:
+        found = _jsonl(path, doc_id, text, cfg.jsonl_field, cfg.jsonl_prompt_field) if jsonl else [(doc_id, text)]
+        for doc_id, text, *prompt in found:
             if cfg.max_bytes:
                 raw = text.encode()
                 text = raw[:cfg.max_bytes - taken].decode("utf-8", errors="ignore")
                 taken += len(raw)
             if text:
-                docs.append((doc_id, text))
+                docs.append((doc_id, text, *[min(k, len(text)) for k in prompt]))
             if cfg.max_bytes and taken >= cfg.max_bytes:
                 break
         if cut or (cfg.max_bytes and taken >= cfg.max_bytes):
@@ -341,8 +364,9 @@ def _documents(cfg: DataConfig, root: Path, files) -> list[tuple[str, str]]:
     return docs
 
 
-def iter_documents(cfg: DataConfig) -> list[tuple[str, str]]:
-    """(document id, text) of the corpus in a deterministic order, at most data.max_bytes of text if set."""
+def iter_documents(cfg: DataConfig) -> list[tuple]:
+    """(document id, text) of the corpus in a deterministic order, at most data.max_bytes of text if set (with
+    data.jsonl_prompt_field, (id, text, prompt_chars))."""
     kind, root, files = _corpus(cfg)
     if kind == "bin":
         raise DataError(f"data.source={cfg.source!r} holds pre-tokenized .bin files, not documents")
@@ -354,7 +378,7 @@ def split_documents(docs, val_fraction: float):
     document is train, its tokens split later)."""
     if len(docs) == 1:
         return list(docs), []
-    keys = [int.from_bytes(hashlib.sha256(d.encode()).digest()[:8], "big") / 2 ** 64 for d, _ in docs]
+    keys = [int.from_bytes(hashlib.sha256(d.encode()).digest()[:8], "big") / 2 ** 64 for d, *_ in docs]
     is_val = [k < val_fraction for k in keys]
     if not any(is_val):
         is_val[min(range(len(keys)), key=keys.__getitem__)] = True
@@ -375,7 +399,7 @@ def build_tokenizer(cfg: DataConfig, train_docs):
     path = Path(cfg.cache_dir).expanduser() / f"bpe-{key}.json"
     with _lock(path):
         if not path.exists():
-            BPETokenizer.train((t for _, t in train_docs), cfg.bpe_vocab_size).save(path)
+            BPETokenizer.train((doc[1] for doc in train_docs), cfg.bpe_vocab_size).save(path)
     return BPETokenizer.from_file(path)  # every process uses the file on disk
 
 
@@ -396,6 +420,7 @@ class TokenData:
     train: np.ndarray
     val: np.ndarray
     tokenizer: ByteTokenizer | BPETokenizer
+    shift: int = 0  # a prompt's token, which the loss does not count, is held as id + shift (0: none is)
 
 
 def _val_count(n: int, val_fraction: float) -> int:
@@ -405,11 +430,11 @@ def _val_count(n: int, val_fraction: float) -> int:
 
 
 def _chunks(docs, size: int = 1 << 23):
-    """Texts in groups of about `size` characters: encoded in parallel, with bounded memory."""
+    """Documents in groups of about `size` characters: encoded in parallel, with bounded memory."""
     chunk, n = [], 0
-    for _, text in docs:
-        chunk.append(text)
-        n += len(text)
+    for doc in docs:
+        chunk.append(doc)
+        n += len(doc[1])
         if n >= size:
             yield chunk
             chunk, n = [], 0
@@ -417,21 +442,27 @@ def _chunks(docs, size: int = 1 << 23):
         yield chunk
 
 
-def _write_stream(tmp: Path, tok, docs, dtype) -> None:
+def _write_stream(tmp: Path, tok, docs, dtype, shift: int) -> None:
+    """Each document's tokens and an end of text; with `shift`, its prompt's tokens (the start token among them)
+    as id + shift."""
+    eot = np.array([tok.eot], dtype)
     with open(tmp, "wb") as f:
-        for texts in _chunks(docs):
-            parts, eot = [], np.array([tok.eot], dtype)
-            for ids in tok.encode_batch(texts):
-                parts += [ids.astype(dtype, copy=False), eot]
-            f.write(np.concatenate(parts).tobytes())
+        for chunk in _chunks(docs):
+            if shift:
+                heads = tok.encode_batch([text[:k] for _, text, k in chunk])
+                tails = tok.encode_batch([text[k:] for _, text, k in chunk], start=False)
+                parts = [(h.astype(dtype) + shift, t.astype(dtype, copy=False), eot) for h, t in zip(heads, tails)]
+            else:
+                parts = [(ids.astype(dtype, copy=False), eot) for ids in tok.encode_batch([d[1] for d in chunk])]
+            f.write(np.concatenate([a for part in parts for a in part]).tobytes())
 
 
-def _write_cache(tok, train_docs, val_docs, train_path: Path, val_path: Path, val_fraction, dtype) -> None:
+def _write_cache(tok, train_docs, val_docs, train_path: Path, val_path: Path, val_fraction, dtype, shift) -> None:
     with _written(train_path) as train_tmp:  # moved in last: its presence means both are complete
         with _written(val_path) as val_tmp:
-            _write_stream(train_tmp, tok, train_docs, dtype)
+            _write_stream(train_tmp, tok, train_docs, dtype, shift)
             if val_docs:
-                _write_stream(val_tmp, tok, val_docs, dtype)
+                _write_stream(val_tmp, tok, val_docs, dtype, shift)
             else:  # a single document: its last val_fraction of tokens is the val split
                 tokens = np.memmap(train_tmp, dtype, mode="r")
                 cut = len(tokens) - _val_count(len(tokens), val_fraction)
@@ -492,7 +523,8 @@ def _index_path(cfg: DataConfig, root: Path, files) -> Path:
         return str(p), *_stamp(p)
     tok = Path(cfg.tokenizer).expanduser()
     tok = stat(tok) if cfg.tokenizer.endswith(".json") and tok.is_file() else cfg.tokenizer
-    key = _sha(CACHE_FORMAT, _READER, cfg.source == "stdlib", str(root), cfg.format, cfg.jsonl_field, tok,
+    key = _sha(CACHE_FORMAT, _READER, cfg.source == "stdlib", str(root), cfg.format, cfg.jsonl_field,
+               cfg.jsonl_prompt_field, tok,
                cfg.bpe_vocab_size, cfg.max_bytes, cfg.val_fraction, [(i, *stat(p)) for i, p in files])[:32]
     return Path(cfg.cache_dir).expanduser() / f"index-{key}.json"
 
@@ -532,7 +564,8 @@ def _from_index(index: Path) -> TokenData | None:
             return None
         dtype = np.dtype(entry["dtype"])
         tok = ByteTokenizer() if entry["tokenizer"] == "byte" else BPETokenizer.from_file(entry["tokenizer"])
-        data = TokenData(np.memmap(entry["train"], dtype, mode="r"), np.memmap(entry["val"], dtype, mode="r"), tok)
+        data = TokenData(np.memmap(entry["train"], dtype, mode="r"), np.memmap(entry["val"], dtype, mode="r"), tok,
+                         entry["shift"])
         said = [str(w) for w in entry.get("warnings", [])]
     except (OSError, ValueError, KeyError, TypeError, DataError):
         return None
@@ -559,29 +592,36 @@ def load_data(cfg: DataConfig) -> TokenData:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction)
     tok = build_tokenizer(cfg, train_docs)
-    dtype = np.uint16 if tok.vocab_size < 65536 else np.uint32
-    key = _sha(CACHE_FORMAT, cfg.source == "stdlib", str(root), cfg.format, cfg.jsonl_field, _docs_hash(docs),
-               tok.name, tok.start, cfg.max_bytes, cfg.val_fraction)[:32]
+    shift = tok.vocab_size if cfg.jsonl_prompt_field else 0
+    dtype = np.uint16 if tok.vocab_size + shift < 65536 else np.uint32
+    key = _sha(CACHE_FORMAT, cfg.source == "stdlib", str(root), cfg.format, cfg.jsonl_field, cfg.jsonl_prompt_field,
+               _docs_hash(docs), tok.name, tok.start, cfg.max_bytes, cfg.val_fraction)[:32]
     cache = Path(cfg.cache_dir).expanduser()
     train_path, val_path = cache / f"tokens-{key}.train.bin", cache / f"tokens-{key}.val.bin"
     with _lock(train_path):
         if not (train_path.exists() and val_path.exists() and _intact(train_path, val_path)):
-            _write_cache(tok, train_docs, val_docs, train_path, val_path, cfg.val_fraction, dtype)
+            _write_cache(tok, train_docs, val_docs, train_path, val_path, cfg.val_fraction, dtype, shift)
             with _written(_sums_path(train_path)) as tmp:
                 tmp.write_text(json.dumps(_sums(train_path, val_path)))
         tok_file = "byte" if isinstance(tok, ByteTokenizer) else str(tok.path)
         with _written(index) as tmp:
             tmp.write_text(json.dumps({"train": str(train_path), "val": str(val_path), "dtype": np.dtype(dtype).name,
-                                       "tokenizer": tok_file, "warnings": [str(w.message) for w in said],
+                                       "shift": shift, "tokenizer": tok_file,
+                                       "warnings": [str(w.message) for w in said],
                                        "stamps": [_stamp(train_path), _stamp(val_path)]}))
-    return TokenData(np.memmap(train_path, dtype, mode="r"), np.memmap(val_path, dtype, mode="r"), tok)
+    return TokenData(np.memmap(train_path, dtype, mode="r"), np.memmap(val_path, dtype, mode="r"), tok, shift)
 
 
 # ---- batches ----
 
-def _windows(tokens: np.ndarray, starts, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _windows(tokens: np.ndarray, starts, seq_len: int, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) of the windows at `starts`; a prompt's token (id + shift) is no label."""
     rows = np.stack([np.asarray(tokens[s:s + seq_len + 1]) for s in starts]).astype(np.int64)
     rows = torch.from_numpy(rows)
+    if shift:
+        prompt = rows >= shift
+        rows = rows - shift * prompt
+        return rows[:, :-1].contiguous(), rows[:, 1:].masked_fill(prompt[:, 1:], IGNORE_INDEX)
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
@@ -597,7 +637,7 @@ class BatchLoader:
     """Deterministic batches: the global sample order is a function of (seed, step) only."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int,
-                 batch_index: int = 0, batch_count: int = 1):
+                 batch_index: int = 0, batch_count: int = 1, shift: int = 0):
         self.samples = (len(tokens) - 1) // seq_len if seq_len > 0 else 0
         if self.samples <= 0:
             raise DataError(f"the train split has fewer than seq_len+1 = {seq_len + 1} tokens ({len(tokens)}); "
@@ -605,6 +645,7 @@ class BatchLoader:
         self.rows = _rank_rows(global_batch, batch_index, batch_count)
         self.batch_index, self.batch_count = batch_index, batch_count
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
+        self.shift = shift  # TokenData.shift
         self.next_step = 0
         self._epoch, self._perm = -1, None
 
@@ -622,7 +663,7 @@ class BatchLoader:
         for j in self.rows if rows is None else rows:
             g = step * self.global_batch + j
             starts.append(int(self._order(g // self.samples)[g % self.samples]) * self.seq_len)
-        return _windows(self.tokens, starts, self.seq_len)
+        return _windows(self.tokens, starts, self.seq_len, self.shift)
 
     def micro_batches(self, step: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's part of each of the n micro-batches of the step. Micro-batch i is the same slice
@@ -645,8 +686,8 @@ class BatchLoader:
         self.next_step = int(state["next_step"])
 
 
-def eval_batches(tokens: np.ndarray, seq_len: int, batch: int, count: int,
-                 batch_index: int = 0, batch_count: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(tokens: np.ndarray, seq_len: int, batch: int, count: int, batch_index: int = 0,
+                 batch_count: int = 1, shift: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`count` fixed batches of the first windows of `tokens` in order (wrapping), this rank's rows of each."""
     n = (len(tokens) - 1) // seq_len if seq_len > 0 else 0
     if n <= 0:
@@ -654,4 +695,4 @@ def eval_batches(tokens: np.ndarray, seq_len: int, batch: int, count: int,
                         f"train.seq_len, add documents or raise data.val_fraction (the split takes whole documents, "
                         f"by a hash of their names), or set train.eval_every=0 to train without validation")
     rows = _rank_rows(batch, batch_index, batch_count)
-    return [_windows(tokens, [((i * batch + j) % n) * seq_len for j in rows], seq_len) for i in range(count)]
+    return [_windows(tokens, [((i * batch + j) % n) * seq_len for j in rows], seq_len, shift) for i in range(count)]

@@ -90,7 +90,7 @@ class Trainer:
         self.pipeline = Pipeline(self.model, schedule, self.comm, self.sharded, self.tracer) if schedule else None
         self.optim = AdamW(self.sharded, t, no_decay)
         self.loader = BatchLoader(self.data.train, t.seq_len, t.global_batch, t.seed,
-                                  ctx.batch_index, ctx.size("batch"))
+                                  ctx.batch_index, ctx.size("batch"), self.data.shift)
         self.step = self.skipped = 0
         self.saver = train_state.Saver(ctx, self.comm, cfg)
         self.carried: dict[str, bytes] = {}  # hf.CARRIED files of the checkpoint it started from, kept in its own
@@ -120,6 +120,7 @@ class Trainer:
             micro = [self._local(x, y) for x, y in self.loader.micro_batches(self.step, t.micro_batches)]
         local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)
         (global_tokens,) = self.comm.sum_scalars([local_tokens], "loss")
+        global_tokens = max(global_tokens, 1)  # a batch of prompts only: a zero loss and gradient, not 0 / 0
         if self.pipeline:
             loss_sum = self.pipeline.step(micro, global_tokens)
         else:
@@ -191,7 +192,7 @@ class Trainer:
         None once a rank has received a signal (asked before each batch, by all ranks together)."""
         t = self.cfg.train
         batches = eval_batches(self.data.val, t.seq_len, t.global_batch, t.eval_batches,
-                               self.ctx.batch_index, self.ctx.size("batch"))
+                               self.ctx.batch_index, self.ctx.size("batch"), self.data.shift)
         total = count = 0.0
         tracing, self.tracer.enabled = self.tracer.enabled, False
         try:
@@ -206,7 +207,7 @@ class Trainer:
             self.sharded.release()  # ZeRO-3 holds no whole model between steps
         finally:
             self.tracer.enabled = tracing
-        return total / count
+        return total / count if count else float("nan")  # (windows of prompts only: no token to count)
 
     def _total(self, loss: float) -> float:
         """A step's loss from this rank's part: summed over the loss group, and from the last pipeline stage."""
@@ -266,8 +267,8 @@ class Trainer:
                                   for k, (a, b) in changed.items())
                 before = learning_rate(replace(self.cfg.train, **{k: a for k, (a, _) in changed.items()}), self.step)
                 now = learning_rate(self.cfg.train, self.step)
-                lr = f"; the learning rate of step {self.step + 1} is {now:.3g} ({before:.3g} in the checkpoint's run)" \
-                    if now != before else ""
+                lr = (f"; the learning rate of step {self.step + 1} is {now:.3g} ({before:.3g} in the checkpoint's "
+                      f"run)") if now != before else ""
                 warnings.warn(f"resuming {checkpoint.path} with {named}: the learning-rate schedule and AdamW go "
                               f"on with the new values from step {self.step}{lr}")
             micro = diffs.get("micro_batches")

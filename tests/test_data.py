@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from sixfold import data as data_module
-from sixfold.config import RUN_CONFIG_HEAD, DataConfig
+from sixfold.config import RUN_CONFIG_HEAD, ConfigError, DataConfig, load_config
 from sixfold.data import (BatchLoader, BPETokenizer, ByteTokenizer, DataError, build_tokenizer, eval_batches,
                           iter_documents, load_data, split_documents)
+from sixfold.parallel.tensor import IGNORE_INDEX
 
 TEXT = "def add(a, b):\n    return a + b  # héllo 🙂\n\nclass Point:\n    x: int = 0\n"
 
@@ -99,6 +100,48 @@ def test_jsonl_field_and_bad_lines(tmp_path):
     with pytest.warns(UserWarning, match=r"data\.jsonl:2: skipped 3 line"):
         docs = iter_documents(cfg(tmp_path, source=str(path), jsonl_field="body"))
     assert docs == [("data.jsonl:1", "first\u2028line"), ("data.jsonl:5", "second")]
+
+
+def qa_corpus(path: Path, n: int = 40) -> Path:
+    """JSON lines of a prompt and its answer (a line without an answer among them)."""
+    lines = [json.dumps({"prompt": f"Q: what is {i} + {i}?\nA:", "answer": f" {2 * i}\n"}) for i in range(n)]
+    path.write_text("\n".join(lines[:3] + [json.dumps({"prompt": "no answer"})] + lines[3:]) + "\n")
+    return path
+
+
+def test_a_prompts_tokens_are_inputs_but_not_targets(tmp_path):
+    """With data.jsonl_prompt_field, each document is its prompt then its text; the stream holds the prompt's
+    tokens as id + vocabulary size, and a batch has them as inputs whose labels (the next token, when it is one
+    of a prompt's) are IGNORE_INDEX. The text and the end of text after it are targets."""
+    path = qa_corpus(tmp_path / "qa.jsonl")
+    c = cfg(tmp_path, source=str(path), jsonl_field="answer", jsonl_prompt_field="prompt", val_fraction=0.1)
+    with pytest.warns(UserWarning, match=r"skipped 1 line\(s\) that are not JSON objects with string field\(s\) "
+                                         r"'prompt' and 'answer' \(data.jsonl_prompt_field and data.jsonl_field\)"):
+        docs = iter_documents(c)
+    assert docs[0] == ("qa.jsonl:1", "Q: what is 0 + 0?\nA: 0\n", len("Q: what is 0 + 0?\nA:"))
+    with pytest.warns(UserWarning):
+        data = load_data(c)
+    train_docs, _ = split_documents(docs, 0.1)
+    stream = [i for _, text, k in train_docs for i in [*(b + 257 for b in text[:k].encode()), *text[k:].encode(), 256]]
+    assert data.shift == 257 and data.train.tolist() == stream
+    [(x, y)] = eval_batches(data.train, 16, 2, 1, shift=data.shift)  # the windows at 0 and 16
+    ids = [i - 257 * (i >= 257) for i in stream[:33]]
+    assert x.tolist() == [ids[:16], ids[16:32]]
+    assert y.tolist() == [[IGNORE_INDEX if stream[j] >= 257 else ids[j] for j in range(r + 1, r + 17)] for r in (0, 16)]
+    x, y = BatchLoader(data.train, 16, 4, 0, shift=data.shift).batch(0)
+    labels = y[y != IGNORE_INDEX].tolist()
+    assert ((x >= 0) & (x < 257)).all() and labels and set(labels) <= set(b"0123456789 \n") | {256}
+
+
+def test_a_prompt_field_is_refused_where_there_are_no_json_lines(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.jsonl_prompt_field='prompt' reads prompts from JSON lines, and "
+                                          r"data.source='stdlib'"):
+        load_config(None, ["data.jsonl_prompt_field=prompt"])
+    with pytest.raises(ConfigError, match=r"data.jsonl_prompt_field='text' is data.jsonl_field too"):
+        load_config(None, ["data.source=x.jsonl", "data.jsonl_prompt_field=text"])
+    write_corpus(tmp_path / "c", 1)
+    with pytest.raises(DataError, match=r"doc00.txt is not JSON lines, and data.jsonl_prompt_field='prompt'"):
+        iter_documents(cfg(tmp_path, source=str(tmp_path / "c"), jsonl_prompt_field="prompt"))
 
 
 def test_a_lone_surrogate_in_jsonl_becomes_a_replacement_character(tmp_path):

@@ -259,6 +259,19 @@ def test_check_command_prints_one_verdict(tmp_path):
         "remove them or give another --workdir" in again.stderr, again.stderr
 
 
+def test_a_fine_tune_on_prompts_and_answers_keeps_parity_in_a_layout(tmp_path):
+    """A prompt's tokens are no targets (IGNORE_INDEX): the layout counts the same targets as the single process,
+    across pipeline stages, the vocabulary-parallel loss and context-parallel shards, and in the validation."""
+    corpus = tmp_path / "qa.jsonl"
+    corpus.write_text("".join(json.dumps({"prompt": f"Q: {i} + {i}?\nA:", "answer": f" {2 * i}\n"}) + "\n"
+                              for i in range(300)))
+    proc = sixfold("check", TINY, f"data.source={corpus}", "data.jsonl_field=answer", "data.jsonl_prompt_field=prompt",
+                   f"data.cache_dir={tmp_path / 'cache'}", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2",
+                   "train.micro_batches=2", "train.eval_every=3", "--steps", "3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("parity OK: pp2 x cp2 x tp2"), proc.stdout
+
+
 def test_check_removes_its_temporary_runs_when_parity_holds(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert cli.main(["check", TINY, "--steps", "1"]) == 0
