@@ -46,6 +46,14 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def resume_source(resume: str, run_dir: str) -> str:
+    """The checkpoint or run directory checkpoint.resume names ("" if none): "auto" is the run directory, when it
+    has a checkpoint."""
+    if resume == "auto":
+        return run_dir if has_checkpoint(run_dir) else ""
+    return resume
+
+
 def find_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory, or the latest checkpoint of a run directory: the one `latest` names, or without
     that pointer the newest complete one."""
@@ -74,7 +82,8 @@ def find_checkpoint(path: str | Path) -> Path:
         return done[-1]
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
-    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+    weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]
+    if (path / "config.json").is_file() and weights:
         raise CheckpointError(f"{path} is a Hugging Face model directory, not a checkpoint: turn it into one with "
                               f"`sixfold import-hf {path} OUT` and give OUT")
     raise CheckpointError(f"{path} is neither a checkpoint (no {META}) nor a run directory with checkpoints")

@@ -19,6 +19,7 @@ import yaml
 
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+RUNTIME = ("recompute", "loss_chunk")  # model.* settings of how a step computes, not what: its own in each run
 LR_SCHEDULES = ("cosine", "linear", "constant")  # train.schedule: the learning rate's decay after warmup
 MAX_TIMEOUT_S = 1_000_000  # 11.6 days: the heartbeat's deadlines stay within the platform's time_t
 
@@ -288,9 +289,11 @@ def _mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False) ->
 _UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), check: bool = True) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] = (), check: bool = True,
+                fill: bool = True) -> Config:
     """Build a Config from an optional YAML file and `a.b=value` overrides, then validate it (unless not
-    `check`: a layout read before the settings that depend on it are added)."""
+    `check`: a layout read before the settings that depend on it are added). With `fill`, the model settings
+    neither gives are those of the checkpoint it resumes from (_model_from_checkpoint)."""
     cfg, given = Config(), set()  # given: the model.* keys the file or an override sets
     if path:
         p = Path(path)
@@ -320,7 +323,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
             raise ConfigError(f"override '{item}': the value is not valid YAML") from None
         _set(cfg, path, value)
         given |= _model_keys(path, value)
-    if cfg.checkpoint.resume:
+    if fill and cfg.checkpoint.resume:
         _model_from_checkpoint(cfg, given)
     if check:
         validate(cfg)
@@ -335,14 +338,14 @@ def _model_keys(path: list[str], value) -> set[str]:
 
 
 def _model_from_checkpoint(cfg: Config, given: set[str]) -> None:
-    """The model.* settings not given are those of the checkpoint the run starts from (a model imported from
-    Hugging Face is trained on without restating its shape); a checkpoint that cannot be read is left to be
-    refused where it is loaded."""
-    missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in given]
-    if not missing:
+    """The model.* settings not given, but for RUNTIME ones, are those of the checkpoint the run starts from (a
+    model imported from Hugging Face is trained on without restating its shape); a checkpoint that cannot be read
+    is left to be refused where it is loaded."""
+    missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in given and f.name not in RUNTIME]
+    from .checkpoint import Checkpoint, CheckpointError, resume_source
+    resume = resume_source(cfg.checkpoint.resume, cfg.log.run_dir)
+    if not (missing and resume):
         return
-    from .checkpoint import Checkpoint, CheckpointError
-    resume = cfg.log.run_dir if cfg.checkpoint.resume == "auto" else cfg.checkpoint.resume
     try:
         with warnings.catch_warnings():  # said again where it is loaded
             warnings.simplefilter("ignore")
@@ -351,7 +354,10 @@ def _model_from_checkpoint(cfg: Config, given: set[str]) -> None:
         return
     for key in missing:
         if key in saved:  # (older checkpoints lack newer keys: their defaults)
-            _set(cfg, ["model", key], saved[key])
+            try:
+                _set(cfg, ["model", key], saved[key])
+            except ConfigError as e:
+                raise ConfigError(f"the checkpoint {resume} has {e}; set model.{key} here") from None
 
 
 def _validate_saved(cfg: Config) -> Config:
@@ -374,7 +380,7 @@ def config_from_dict(data: dict) -> Config:
 def load_saved_config(path: str | Path) -> Config:
     """A run directory's config.yaml; a setting it refuses is named with the file."""
     try:
-        return _validate_saved(load_config(path, check=False))
+        return _validate_saved(load_config(path, check=False, fill=False))
     except ConfigError as e:
         raise ConfigError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
 

@@ -88,13 +88,13 @@ def clip_grad_norm(sharded: Sharded, max_norm: float) -> float:
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
-    """Linear warmup over warmup_steps, then lr until the decay, which runs over the last decay_steps steps (0 or
-    more than are left: every step after warmup) from lr at its first step to min_lr at the last, as a cosine or a
+    """Linear warmup over warmup_steps, then lr until the decay, which takes the last decay_steps steps (0, or more
+    than are left: every step after the first after warmup) below lr down to min_lr at the last, as a cosine or a
     line; `constant` stays at lr. decay_steps below the run's length after warmup makes a warmup-stable-decay
     schedule. A single step after warmup runs at lr; step is 0-based."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    first = max(cfg.warmup_steps, cfg.steps - cfg.decay_steps) if cfg.decay_steps else cfg.warmup_steps
+    first = max(cfg.warmup_steps, cfg.steps - cfg.decay_steps - 1) if cfg.decay_steps else cfg.warmup_steps
     if cfg.schedule == "constant" or step <= first:
         return cfg.lr
     progress = min((step - first) / max(cfg.steps - first - 1, 1), 1.0)

@@ -244,8 +244,9 @@ class Trainer:
     def _load(self, where: str) -> None:
         checkpoint = ckpt.Checkpoint(where)
         meta = checkpoint.meta
-        own = _tokenizer_name(checkpoint) if self.ctx.is_main else None  # (rank 0 writes the blobs)
+        own = _tokenizer_name(checkpoint)
         if own == self.data.tokenizer.name:  # its tokenizer's and generation's settings stay with the tokenizer
+            # (on every rank: the sample's end tokens end a generation that each rank runs)
             self.carried = carried_files(checkpoint)
         where = checkpoint.path / ckpt.META
         if "optimizer_steps" in meta and not checkpoint.index("optim"):
@@ -488,10 +489,7 @@ def _tokenizer_name(checkpoint: ckpt.Checkpoint) -> str | None:
 def resume_path(cfg: Config) -> str:
     """The checkpoint or run directory the run resumes from ("" if none): checkpoint.resume=auto is the run
     directory, when it has a checkpoint."""
-    resume = cfg.checkpoint.resume
-    if resume == "auto":
-        return cfg.log.run_dir if ckpt.has_checkpoint(cfg.log.run_dir) else ""
-    return resume
+    return ckpt.resume_source(cfg.checkpoint.resume, cfg.log.run_dir)
 
 
 def data_settings(cfg: Config) -> DataConfig:

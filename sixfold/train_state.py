@@ -22,7 +22,7 @@ import torch
 from . import checkpoint as ckpt
 from .checkpoint import Checkpoint, CheckpointError
 from .comm import Comm
-from .config import Config, inert, shown
+from .config import RUNTIME, Config, inert, shown
 from .errors import on_every_rank
 from .mesh import ParallelContext
 from .model.llama import full_shapes
@@ -218,7 +218,7 @@ class Saver:
 
 
 # model settings a run may change when it resumes
-FREE = ("max_seq_len", "init_std", "recompute", "loss_chunk")
+FREE = ("max_seq_len", "init_std", *RUNTIME)
 # and those of the training objective only, which a run from weights alone (fine-tuning) may change unsaid
 OBJECTIVE = ("moe_aux_weight", "moe_z_weight")
 

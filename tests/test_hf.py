@@ -17,7 +17,7 @@ from sixfold.model.hf import (carried_files, end_ids, export_hf, hf_config_from_
                               model_config_from_hf)
 from sixfold.model.llama import Llama, init_weights, rope_frequencies
 from sixfold.train import train
-from helpers import TINY
+from helpers import TINY, sixfold
 
 TOL = 1e-5
 
@@ -289,7 +289,7 @@ def test_fine_tuning_an_imported_model_with_other_settings_or_the_byte_tokenizer
 def test_the_model_settings_not_given_are_those_of_the_checkpoint_a_run_starts_from(tmp_path):
     """A model imported from Hugging Face is trained on without restating its shape: the model.* settings that
     neither the config file nor an override gives are the checkpoint's (checkpoint.resume=auto: the run
-    directory's); those given win."""
+    directory's), but for how a step computes (recompute, loss_chunk); those given win."""
     hf_model(False).save_pretrained(tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "ckpt")
     saved = load_model(tmp_path / "ckpt")[1].model
@@ -300,8 +300,9 @@ def test_the_model_settings_not_given_are_those_of_the_checkpoint_a_run_starts_f
     (tmp_path / "tune.yaml").write_text(f"model: {{max_seq_len: 64}}\ncheckpoint: {{resume: {tmp_path / 'ckpt'}}}\n")
     assert load_config(tmp_path / "tune.yaml").model == replace(saved, max_seq_len=64)
     run = tmp_path / "run"
-    train(load_config(TINY, [f"log.run_dir={run}", "train.steps=1", "model.dim=32"]))
-    assert load_config(None, [f"log.run_dir={run}", "checkpoint.resume=auto"]).model.dim == 32
+    train(load_config(TINY, [f"log.run_dir={run}", "train.steps=1", "model.dim=32", "model.recompute=full"]))
+    resumed = load_config(None, [f"log.run_dir={run}", "checkpoint.resume=auto"]).model
+    assert resumed.dim == 32 and resumed.recompute == "none"
     assert load_config(None, [f"log.run_dir={tmp_path / 'new'}", "checkpoint.resume=auto"]).model == ModelConfig()
 
 
@@ -392,6 +393,19 @@ def test_a_missing_directory_or_a_hugging_face_one_given_as_a_checkpoint_is_name
     with pytest.raises(CheckpointError, match=r"hf is a Hugging Face model directory, not a checkpoint: turn it into "
                                               r"one with `sixfold import-hf .*hf OUT` and give OUT"):
         Checkpoint(tmp_path / "hf")
+
+
+def test_every_rank_ends_the_sample_at_a_carried_end_token(tmp_path):
+    """The sample after training is a collective under tp: every rank must stop at the same token, here at once
+    (every token is an end token of the carried generation_config.json)."""
+    hf_model(False, eos_token_id=list(range(320))).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text(llama2_style_tokenizer(["<s>", "</s>"]))
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    proc = sixfold("train", TINY, f"checkpoint.resume={tmp_path / 'ckpt'}", f"log.run_dir={tmp_path / 'run'}",
+                   "data.tokenizer=bpe", "data.bpe_vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}",
+                   "parallel.tp=2", "train.steps=1", "log.sample_tokens=8", "parallel.timeout_s=60", "--nproc", "2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert end_ids(carried_files(Checkpoint(tmp_path / "run"))) == list(range(320))
 
 
 def test_llama_3s_end_of_text_is_taken_after_its_start_token():

@@ -109,8 +109,9 @@ def test_schedule_shape():
 
 @pytest.mark.parametrize("schedule, decay_steps, after_warmup", [
     ("linear", 0, [1.0, 0.85, 0.7, 0.55, 0.4, 0.25, 0.1]),
-    ("linear", 4, [1.0, 1.0, 1.0, 1.0, 0.7, 0.4, 0.1]),  # warmup, stable, decay (WSD)
-    ("cosine", 3, [1.0, 1.0, 1.0, 1.0, 1.0, 0.55, 0.1]),
+    ("linear", 4, [1.0, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1]),  # warmup, stable, decay (WSD)
+    ("cosine", 3, [1.0, 1.0, 1.0, 1.0, 0.775, 0.325, 0.1]),
+    ("linear", 1, [1.0] * 6 + [0.1]),
     ("linear", 50, [1.0, 0.85, 0.7, 0.55, 0.4, 0.25, 0.1]),  # longer than the run: from the end of warmup
     ("constant", 0, [1.0] * 7),
 ])
