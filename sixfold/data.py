@@ -97,8 +97,12 @@ class ByteTokenizer:
     def encode(self, text: str, specials: bool = False) -> list[int]:
         return list(text.encode("utf-8"))  # (no special token is spelt by text)
 
-    def encode_batch(self, texts: list[str], start: bool = True) -> list[np.ndarray]:
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
+
+    def encode_prompted(self, docs: list[tuple[str, int]]) -> list[tuple[np.ndarray, int]]:
+        """BPETokenizer.encode_prompted's (tokens, how many are the prompt's), in bytes."""
+        return [(np.frombuffer(text.encode("utf-8"), np.uint8), len(text[:k].encode("utf-8"))) for text, k in docs]
 
     def decode(self, ids) -> str:
         out, buf = [], bytearray()
@@ -186,10 +190,21 @@ class BPETokenizer:
         finally:
             self._tok.encode_special_tokens = True
 
-    def encode_batch(self, texts: list[str], start: bool = True) -> list[np.ndarray]:
-        """Each text's tokens, after the start token unless not `start` (a text that goes on another)."""
-        head = self.start if start else ()
-        return [np.asarray([*head, *e.ids], np.int64) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray([*self.start, *e.ids], np.int64)
+                for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_prompted(self, docs: list[tuple[str, int]]) -> list[tuple[np.ndarray, int]]:
+        """Each (text, prompt_chars)'s tokens, the text encoded whole with its special tokens' text as those tokens
+        (a chat template's markers), and how many of them are the prompt's: the start token and those that begin
+        in its first prompt_chars characters (a token across the boundary among them)."""
+        self._tok.encode_special_tokens = False
+        try:
+            found = self._tok.encode_batch([text for text, _ in docs], add_special_tokens=False)
+        finally:
+            self._tok.encode_special_tokens = True
+        return [(np.asarray([*self.start, *e.ids], np.int64), len(self.start) + sum(a < k for a, _ in e.offsets))
+                for e, (_, k) in zip(found, docs)]
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -443,15 +458,13 @@ def _chunks(docs, size: int = 1 << 23):
 
 
 def _write_stream(tmp: Path, tok, docs, dtype, shift: int) -> None:
-    """Each document's tokens and an end of text; with `shift`, its prompt's tokens (the start token among them)
-    as id + shift."""
+    """Each document's tokens and an end of text; with `shift`, its prompt's tokens as id + shift."""
     eot = np.array([tok.eot], dtype)
     with open(tmp, "wb") as f:
         for chunk in _chunks(docs):
             if shift:
-                heads = tok.encode_batch([text[:k] for _, text, k in chunk])
-                tails = tok.encode_batch([text[k:] for _, text, k in chunk], start=False)
-                parts = [(h.astype(dtype) + shift, t.astype(dtype, copy=False), eot) for h, t in zip(heads, tails)]
+                found = tok.encode_prompted([(text, k) for _, text, k in chunk])
+                parts = [(ids[:n].astype(dtype) + shift, ids[n:].astype(dtype, copy=False), eot) for ids, n in found]
             else:
                 parts = [(ids.astype(dtype, copy=False), eot) for ids in tok.encode_batch([d[1] for d in chunk])]
             f.write(np.concatenate([a for part in parts for a in part]).tobytes())

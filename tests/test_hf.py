@@ -350,6 +350,23 @@ def test_a_start_token_begins_every_document_and_prompt_as_transformers_encodes_
     assert 1 not in tok.encode(marked)
 
 
+def test_a_prompt_and_answer_are_encoded_whole_with_their_chat_markers(tmp_path):
+    """A JSON line of prompt and answer is encoded as transformers encodes their text together (a special token's
+    text as that token, as a chat template writes it); the tokens that begin in the prompt are the prompt's."""
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+    (tmp_path / "tok.json").write_text(llama2_style_tokenizer(specials, "<|begin_of_text|> $A"))
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tok.json"))
+    prompt, answer = "def f(x):<|eot_id|>", "    return x + 1\n<|eot_id|>"
+    (tmp_path / "qa.jsonl").write_text(json.dumps({"prompt": prompt, "answer": answer}) + "\n" * 2)
+    data = load_data(DataConfig(source=str(tmp_path / "qa.jsonl"), tokenizer=str(tmp_path / "tok.json"),
+                                jsonl_field="answer", jsonl_prompt_field="prompt", cache_dir=str(tmp_path / "c")))
+    whole, head = hf(prompt + answer)["input_ids"], hf(prompt)["input_ids"]
+    assert 2 in head and whole[-1] == 2  # <|eot_id|> as the token
+    stream = [i + data.shift for i in whole[:len(head)]] + whole[len(head):] + [1]
+    assert (data.train.tolist() + data.val.tolist()) == stream
+
+
 def test_an_imported_models_tokenizer_comes_with_it_to_training_generation_and_export(tmp_path):
     """A tokenizer.json with </s> as its end of text and <s> as its start is carried into the checkpoint: generation
     reads it, training with data.tokenizer=bpe uses it (another tokenizer warns), and export writes it back with
