@@ -641,7 +641,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not cfg.data.cache_dir.strip():
         raise ConfigError("data.cache_dir is empty: set it to the directory that keeps the tokenized corpus "
                           "(by default ~/.cache/sixfold)")
-    if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > m.vocab_size:
+    # (a run from a checkpoint that holds its tokenizer trains none: refused with the tokenizer's size if it must)
+    if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > m.vocab_size and not cfg.checkpoint.resume:
         raise ConfigError(f"data.bpe_vocab_size={cfg.data.bpe_vocab_size} is more than model.vocab_size="
                           f"{m.vocab_size}, which must hold every token: lower data.bpe_vocab_size or raise "
                           f"model.vocab_size")
