@@ -377,7 +377,8 @@ def test_an_imported_models_tokenizer_comes_with_it_to_training_generation_and_e
     (tmp_path / "hf" / "tokenizer.json").write_text(llama2_style_tokenizer(["<s>", "</s>"], "<s> $A"))
     chat = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
     (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "chat_template": chat}))
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
+    (tmp_path / "hf" / "chat_template.jinja").write_text(chat)  # (as transformers 4.43 and later save it)
     import_hf(tmp_path / "hf", tmp_path / "ckpt")
     tok = checkpoint_tokenizer(tmp_path / "ckpt", load_model(tmp_path / "ckpt")[1])
     assert tok.eot_token == "</s>" and tok.eot == 1 and tok.start_token == "<s>"

@@ -38,8 +38,10 @@ LAYER_NAMES = {
 }
 EXPERTS = {"mlp.experts.w_gate": "w1", "mlp.experts.w_up": "w3", "mlp.experts.w_down": "w2"}
 # carried as they are from an imported directory, through training on its tokenizer, to an export: the tokenizer's
-# settings (chat template, special tokens) and generation's (its end tokens, several for an instruct model)
-CARRIED = ("tokenizer_config.json", "generation_config.json")
+# settings (special tokens; the chat template, in a file of its own since transformers 4.43), carried only with
+# the tokenizer, and generation's (its end tokens, several for an instruct model)
+WITH_TOKENIZER = ("tokenizer_config.json", "chat_template.jinja", "chat_template.json")
+CARRIED = (*WITH_TOKENIZER, "generation_config.json")
 HF_TOP = {v: k for k, v in TOP_NAMES.items()}
 HF_LAYER = {v: k for k, v in LAYER_NAMES.items()}
 
@@ -315,18 +317,22 @@ def _tokenizer(hf_dir: Path, vocab_size: int) -> dict[str, bytes]:
 
 
 def _carried(hf_dir: Path, blobs: dict[str, bytes]) -> dict[str, bytes]:
-    """The directory's CARRIED files that are JSON objects (the tokenizer's settings only with its tokenizer.json)."""
+    """The directory's CARRIED files that are readable (JSON objects, or UTF-8 text), WITH_TOKENIZER ones only
+    beside its tokenizer.json."""
     out = {}
     for name in CARRIED:
         path = hf_dir / name
-        if not path.is_file() or (name == "tokenizer_config.json" and "tokenizer.json" not in blobs):
+        if not path.is_file() or (name in WITH_TOKENIZER and "tokenizer.json" not in blobs):
             continue
         try:
-            _read_json(path)
-        except CheckpointError as e:
-            warnings.warn(f"{e}: it is not carried over")
+            data = path.read_bytes()
+            if name.endswith(".json"):
+                _read_json(path)
+            data.decode("utf-8")
+        except (CheckpointError, OSError, UnicodeDecodeError) as e:
+            warnings.warn(f"{path} is not carried over ({e})")
             continue
-        out[name] = path.read_bytes()
+        out[name] = data
     return out
 
 
