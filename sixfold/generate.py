@@ -51,7 +51,7 @@ def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
     """A prompt's tokens: a special token's text in it is that token (a chat template's markers), as transformers
-    encodes a text; in a document it stays text."""
+    encodes a text (and as a prompt-and-answer document is read; in other documents it stays text)."""
     return tokenizer.encode(prompt, specials=True)
 
 
