@@ -608,6 +608,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if t.schedule not in LR_SCHEDULES:
         raise ConfigError(f"train.schedule={t.schedule!r}: choose {', '.join(LR_SCHEDULES[:-1])} or "
                           f"{LR_SCHEDULES[-1]}")
+    if t.decay_steps and t.schedule == "constant":
+        raise ConfigError(f"train.decay_steps={t.decay_steps} decays, and train.schedule=constant does not; set "
+                          f"train.schedule to linear or cosine, or train.decay_steps=0")
     if t.decay_steps < 0:
         raise ConfigError(f"train.decay_steps={t.decay_steps} must be 0 (decay over every step after warmup) or more "
                           f"(decay over that many last steps, at train.lr before them)")
@@ -641,8 +644,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not cfg.data.cache_dir.strip():
         raise ConfigError("data.cache_dir is empty: set it to the directory that keeps the tokenized corpus "
                           "(by default ~/.cache/sixfold)")
-    # (a run from a checkpoint that holds its tokenizer trains none: refused with the tokenizer's size if it must)
-    if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > m.vocab_size and not cfg.checkpoint.resume:
+    # (a run from a checkpoint named, which may hold its tokenizer, may train none: refused with the size if it must)
+    if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > m.vocab_size and \
+            cfg.checkpoint.resume in ("", "auto"):
         raise ConfigError(f"data.bpe_vocab_size={cfg.data.bpe_vocab_size} is more than model.vocab_size="
                           f"{m.vocab_size}, which must hold every token: lower data.bpe_vocab_size or raise "
                           f"model.vocab_size")

@@ -196,14 +196,15 @@ class BPETokenizer:
 
     def encode_prompted(self, docs: list[tuple[str, int]]) -> list[tuple[np.ndarray, int]]:
         """Each (text, prompt_chars)'s tokens, the text encoded whole with its special tokens' text as those tokens
-        (a chat template's markers), and how many of them are the prompt's: the start token and those that begin
-        in its first prompt_chars characters (a token across the boundary among them)."""
+        (a chat template's markers), and how many of them are the prompt's: the start token and those that end
+        within its first prompt_chars characters (a token across the boundary is the answer's, so that none of the
+        answer is lost: " 4" after a prompt ending in "is ")."""
         self._tok.encode_special_tokens = False
         try:
             found = self._tok.encode_batch([text for text, _ in docs], add_special_tokens=False)
         finally:
             self._tok.encode_special_tokens = True
-        return [(np.asarray([*self.start, *e.ids], np.int64), len(self.start) + sum(a < k for a, _ in e.offsets))
+        return [(np.asarray([*self.start, *e.ids], np.int64), len(self.start) + sum(b <= k for _, b in e.offsets))
                 for e, (_, k) in zip(found, docs)]
 
     def decode(self, ids) -> str:
@@ -372,10 +373,12 @@ def _documents(cfg: DataConfig, root: Path, files) -> list[tuple]:
                       f"{' ...' if len(skipped) > 5 else ''}", stacklevel=2)
     if not docs:
         jsonl = any(_format(cfg, path) == "jsonl" for _, path in files)
+        fields = f"data.jsonl_field (now {cfg.jsonl_field!r}) to the field that holds the text" + (
+            f" and data.jsonl_prompt_field (now {cfg.jsonl_prompt_field!r}) to the prompt's"
+            if cfg.jsonl_prompt_field else "")
         raise DataError(f"data.source={cfg.source!r}: no non-empty UTF-8 documents in {root} "
                         f"({len(files)} file(s) looked at); point data.source at text data"
-                        + (f", or set data.jsonl_field (now {cfg.jsonl_field!r}) to the field that holds the text"
-                           if jsonl else ""))
+                        + (f", or set {fields}" if jsonl else ""))
     return docs
 
 
@@ -590,6 +593,10 @@ def _from_index(index: Path) -> TokenData | None:
 def load_data(cfg: DataConfig) -> TokenData:
     """Train and val token streams (memory-mapped, cached in data.cache_dir) and their tokenizer."""
     kind, root, files = _corpus(cfg)
+    if kind == "bin" and cfg.jsonl_prompt_field:
+        raise DataError(f"data.source={cfg.source!r} holds pre-tokenized .bin files, which have no prompts for "
+                        f"data.jsonl_prompt_field={cfg.jsonl_prompt_field!r}; point data.source at .jsonl files, or "
+                        f"leave it unset")
     if kind == "bin":
         return _load_bin(cfg, root, files)
     index = _index_path(cfg, root, files)

@@ -120,7 +120,8 @@ class Trainer:
             micro = [self._local(x, y) for x, y in self.loader.micro_batches(self.step, t.micro_batches)]
         local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)
         (global_tokens,) = self.comm.sum_scalars([local_tokens], "loss")
-        global_tokens = max(global_tokens, 1)  # a batch of prompts only: a zero loss and gradient, not 0 / 0
+        empty = global_tokens == 0  # a batch of prompts only (data.jsonl_prompt_field): skipped, not 0 / 0
+        global_tokens = max(global_tokens, 1)
         if self.pipeline:
             loss_sum = self.pipeline.step(micro, global_tokens)
         else:
@@ -138,22 +139,27 @@ class Trainer:
         with self.tracer.span("optimizer", "optim"):
             grad_norm = clip_grad_norm(self.sharded, t.grad_clip)
             lr = learning_rate(t, self.step)
-            skip = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
+            bad = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
+            skip = bad or empty
             if not skip:  # ZeRO-3 gathers what the next step begins with as it goes, if a step comes next
                 ahead = self.step + 1 < t.steps and not self._eval_due(self.step + 1)
                 self.optim.step(lr, functools.partial(self.sharded.publish, ahead=ahead))
             self.sharded.zero_grad()
         self.step += 1
-        self.skipped = self.skipped + 1 if skip else 0
+        if bad or not empty:  # (a batch of prompts only leaves the count of non-finite steps as it was)
+            self.skipped = self.skipped + 1 if bad else 0
         self.loader.load_state_dict({**self.loader.state_dict(), "next_step": self.step})
         if self.skipped > t.skip_nonfinite:
             raise on_every_rank(TrainingError(
                 f"loss {loss_value}, gradient norm {grad_norm} at step {self.step}: not finite for {self.skipped} "
                 f"step(s) in a row (train.skip_nonfinite={t.skip_nonfinite}); the run stops here. Lower train.lr or "
                 f"check the data, then {self._go_back()}"))
-        if skip and self.ctx.is_main:
+        if bad and self.ctx.is_main:
             warnings.warn(f"step {self.step}: loss {loss_value}, gradient norm {grad_norm}; step skipped, weights "
                           f"unchanged ({self.skipped} of at most train.skip_nonfinite={t.skip_nonfinite} in a row)")
+        elif empty and self.ctx.is_main:
+            warnings.warn(f"step {self.step}: its batch holds prompts only, no token to learn (data.jsonl_prompt_field)"
+                          f"; step skipped, weights unchanged")
         elapsed = time.perf_counter() - start
         expert_load = self._expert_load()
         return {"step": self.step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": skip,
@@ -494,8 +500,11 @@ def resume_path(cfg: Config) -> str:
 
 def data_settings(cfg: Config) -> DataConfig:
     """cfg.data; but with data.tokenizer=bpe, a run resuming a checkpoint that holds its trained tokenizer reads
-    that one: trained again on a changed corpus, BPE would give the model's token ids other meanings."""
+    that one: trained again on a changed corpus, BPE would give the model's token ids other meanings. A checkpoint
+    that is not there is refused before the corpus is read."""
     resume = resume_path(cfg)
+    if resume:
+        ckpt.find_checkpoint(resume)
     if cfg.data.tokenizer != "bpe" or not resume:
         return cfg.data
     try:
@@ -525,6 +534,10 @@ def check_inputs(cfg: Config, data: TokenData) -> None:
             warnings.warn(f"train.eval_batches={t.eval_batches} batches of {t.global_batch} sequences go round the "
                           f"val split's {windows} sequences more than once: {-(-windows // t.global_batch)} cover it, "
                           f"in less time")
+    if data.shift and t.eval_every and all((y == IGNORE_INDEX).all() for _, y in eval_batches(
+            data.val, t.seq_len, t.global_batch, t.eval_batches, shift=data.shift)):
+        warnings.warn(f"the validation's {t.eval_batches} batch(es) hold prompts only (data.jsonl_prompt_field): its "
+                      f"loss, which counts answers only, is nan; raise data.val_fraction or train.eval_batches")
     prompt = len(prompt_ids(data.tokenizer, cfg.log.sample_prompt)) if cfg.log.sample_tokens else 1
     if prompt > cfg.model.max_seq_len:
         raise ConfigError(f"log.sample_prompt is {prompt} tokens, more than model.max_seq_len={cfg.model.max_seq_len} "

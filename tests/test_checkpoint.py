@@ -20,7 +20,7 @@ from sixfold.mesh import ParallelContext
 from sixfold.parallel.tensor import Split
 from sixfold.run_lock import RunLock
 from sixfold.slices import Cut, Reader
-from sixfold.train import Trainer, train
+from sixfold.train import Trainer, data_settings, train
 from sixfold.train_state import build_index, slice_key
 from helpers import TINY, sixfold
 
@@ -354,6 +354,13 @@ def test_resuming_on_other_text_of_the_same_length_or_with_other_settings_warns(
     assert any("with train.steps=2 (the checkpoint's run: 1), train.lr=0.001 (the checkpoint's run: 0.003): the "
                "learning-rate schedule and AdamW go on with the new values from step 1; the learning rate of step 2 "
                "is 0.001 (0.003 in the checkpoint's run)" in m for m in said), said
+
+
+def test_a_checkpoint_to_start_from_that_is_not_there_is_named_before_the_corpus_is_read(tmp_path):
+    """Not a BPE trained first and refused for its size: the model's settings could not come from the checkpoint."""
+    cfg = load_config(None, [f"checkpoint.resume={tmp_path / 'nope'}", "data.tokenizer=bpe", "model.vocab_size=300"])
+    with pytest.raises(CheckpointError, match=r"checkpoint path .*nope does not exist"):
+        data_settings(cfg)
 
 
 def test_a_warmup_stable_decay_run_extended_before_its_decay_ends_as_the_longer_run(tmp_path):

@@ -142,6 +142,9 @@ def test_a_prompt_field_is_refused_where_there_are_no_json_lines(tmp_path):
     write_corpus(tmp_path / "c", 1)
     with pytest.raises(DataError, match=r"doc00.txt is not JSON lines, and data.jsonl_prompt_field='prompt'"):
         iter_documents(cfg(tmp_path, source=str(tmp_path / "c"), jsonl_prompt_field="prompt"))
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
+    with pytest.raises(DataError, match=r"holds pre-tokenized .bin files, which have no prompts"):
+        load_data(cfg(tmp_path, source=str(tmp_path / "tokens.bin"), jsonl_prompt_field="prompt"))
 
 
 def test_a_lone_surrogate_in_jsonl_becomes_a_replacement_character(tmp_path):

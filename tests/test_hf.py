@@ -367,6 +367,17 @@ def test_a_prompt_and_answer_are_encoded_whole_with_their_chat_markers(tmp_path)
     assert (data.train.tolist() + data.val.tolist()) == stream
 
 
+def test_a_token_across_the_end_of_a_prompt_is_the_answers(tmp_path):
+    """A prompt that ends in a space: byte-level BPE makes " 1" one token, begun in the prompt; it is a target (the
+    answer's), so that none of the answer is lost."""
+    (tmp_path / "tok.json").write_text(llama2_style_tokenizer(["<s>", "</s>"]))
+    tok = BPETokenizer.from_file(tmp_path / "tok.json")
+    prompt, answer = "def f(x):\n    return x + ", "1\n"
+    [(ids, n)] = tok.encode_prompted([(prompt + answer, len(prompt))])
+    one = tok.encode(" 1")
+    assert len(one) == 1 and ids[n:].tolist() == one + tok.encode("\n")
+
+
 def test_an_imported_models_tokenizer_comes_with_it_to_training_generation_and_export(tmp_path):
     """A tokenizer.json with </s> as its end of text and <s> as its start is carried into the checkpoint: generation
     reads it, training with data.tokenizer=bpe uses it (another tokenizer warns), and export writes it back with

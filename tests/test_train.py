@@ -27,7 +27,7 @@ from sixfold.logs import read_metrics
 from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
 from sixfold.slices import Reader
 from sixfold.stop import Stopped, StopSignal
-from sixfold.train import TrainingError
+from sixfold.train import TrainingError, train
 from helpers import LONG, ROOT, TINY, children, free_port, sixfold, torchrun
 
 
@@ -270,6 +270,25 @@ def test_a_fine_tune_on_prompts_and_answers_keeps_parity_in_a_layout(tmp_path):
                    "train.micro_batches=2", "train.eval_every=3", "--steps", "3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("parity OK: pp2 x cp2 x tp2"), proc.stdout
+
+
+def test_a_batch_of_prompts_only_is_skipped_and_a_validation_of_prompts_only_is_named(tmp_path):
+    """Prompts far longer than a window: a batch may hold no answer token, and is skipped (no 0/0, no AdamW step on
+    a zero gradient); a val split of prompts only is named before the first step."""
+    corpus = tmp_path / "long.jsonl"
+    corpus.write_text("".join(json.dumps({"prompt": f"# {i}\n" + "x = 1\n" * 2000, "answer": "y"}) + "\n"
+                              for i in range(20)))
+    with pytest.warns(UserWarning) as said:
+        history = train(load_config(TINY, [f"log.run_dir={tmp_path / 'run'}", f"data.source={corpus}",
+                                           "data.jsonl_field=answer", "data.jsonl_prompt_field=prompt",
+                                           f"data.cache_dir={tmp_path / 'cache'}", "train.steps=3",
+                                           "train.eval_every=3", "data.val_fraction=0.05"]))
+    said = [str(w.message) for w in said]
+    assert any("the validation's 2 batch(es) hold prompts only (data.jsonl_prompt_field)" in m for m in said), said
+    assert math.isnan(history[-1]["val_loss"])
+    empty = [m for m in history if m.get("skipped")]
+    assert empty and all(m["loss"] == 0 for m in empty), history
+    assert any(f"step {empty[0]['step']}: its batch holds prompts only, no token to learn" in m for m in said), said
 
 
 def test_check_removes_its_temporary_runs_when_parity_holds(tmp_path, monkeypatch, capsys):
