@@ -64,7 +64,10 @@ class Trainer:
         self.tracer = Tracer(False, ctx.rank)
         self.comm = Comm(ctx, self.tracer)
         self.data = data if data is not None else self._load_data()
-        check_inputs(cfg, self.data)
+        with warnings.catch_warnings():
+            if not ctx.is_main:  # what every rank would say, said once
+                warnings.simplefilter("ignore")
+            check_inputs(cfg, self.data)
         torch.manual_seed(t.seed)
         p = cfg.parallel
         tp = TensorParallel(self.comm, p.sequence_parallel)

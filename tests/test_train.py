@@ -61,16 +61,18 @@ def test_run_outputs(tmp_path):
 
 
 def test_a_data_warning_is_said_once_when_the_launcher_starts_the_ranks(tmp_path):
-    """The launcher reads the corpus before starting the ranks, and rank 0 reads it again from the cache."""
+    """The launcher reads the corpus before starting the ranks, and rank 0 reads it again from the cache; what the
+    config and the data show is said by rank 0 alone."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for name in ("a", "b", "c"):
         (corpus / f"{name}.txt").write_text(f"def {name}(x):\n    return x\n" * 400)
     (corpus / "d.txt").write_bytes(b"\xff\xfe" * 100)
     proc = _train(tmp_path / "run", "parallel.dp_replicate=2", "train.steps=1", f"data.source={corpus}",
-                  f"data.cache_dir={tmp_path / 'cache'}")
+                  f"data.cache_dir={tmp_path / 'cache'}", "train.eval_every=1", "train.eval_batches=50")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("skipped 1 file(s) that are not UTF-8 text") == 1, proc.stderr
+    assert proc.stderr.count("train.eval_batches=50 batches of 8 sequences go round the val split") == 1, proc.stderr
 
 
 @pytest.mark.parametrize("layout", [["parallel.dp_replicate=2"], ["parallel.dp_shard=2", "parallel.zero=3"],
