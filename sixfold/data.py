@@ -182,13 +182,19 @@ class BPETokenizer:
             raise DataError(f"{where} is not a tokenizers JSON file: {e}") from None
         return cls(tok, where)
 
-    def encode(self, text: str, specials: bool = False) -> list[int]:
-        """With `specials`, a special token's text in `text` is that token; else it stays text."""
-        self._tok.encode_special_tokens = not specials
+    @contextmanager
+    def _specials(self, parsed: bool):
+        """While in it, a special token's text is that token if `parsed`, else text (as outside it)."""
+        self._tok.encode_special_tokens = not parsed
         try:
-            return [*self.start, *self._tok.encode(text, add_special_tokens=False).ids]
+            yield self._tok
         finally:
             self._tok.encode_special_tokens = True
+
+    def encode(self, text: str, specials: bool = False) -> list[int]:
+        """With `specials`, a special token's text in `text` is that token; else it stays text."""
+        with self._specials(specials) as tok:
+            return [*self.start, *tok.encode(text, add_special_tokens=False).ids]
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray([*self.start, *e.ids], np.int64)
@@ -199,11 +205,8 @@ class BPETokenizer:
         (a chat template's markers), and how many of them are the prompt's: the start token and those that end
         within its first prompt_chars characters (a token across the boundary is the answer's, so that none of the
         answer is lost: " 4" after a prompt ending in "is ")."""
-        self._tok.encode_special_tokens = False
-        try:
-            found = self._tok.encode_batch([text for text, _ in docs], add_special_tokens=False)
-        finally:
-            self._tok.encode_special_tokens = True
+        with self._specials(True) as tok:
+            found = tok.encode_batch([text for text, _ in docs], add_special_tokens=False)
         return [(np.asarray([*self.start, *e.ids], np.int64), len(self.start) + sum(b <= k for _, b in e.offsets))
                 for e, (_, k) in zip(found, docs)]
 
