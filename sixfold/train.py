@@ -149,8 +149,10 @@ class Trainer:
                 self.optim.step(lr, functools.partial(self.sharded.publish, ahead=ahead))
             self.sharded.zero_grad()
         self.step += 1
-        if bad or not empty:  # (a batch of prompts only leaves the count of non-finite steps as it was)
-            self.skipped = self.skipped + 1 if bad else 0
+        if bad:
+            self.skipped += 1
+        elif not empty:  # (a batch of prompts only leaves the count of non-finite steps as it was)
+            self.skipped = 0
         self.loader.load_state_dict({**self.loader.state_dict(), "next_step": self.step})
         if self.skipped > t.skip_nonfinite:
             raise on_every_rank(TrainingError(
