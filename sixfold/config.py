@@ -156,6 +156,7 @@ class DataConfig:
     val_fraction: float = 0.01
     cache_dir: str = "~/.cache/sixfold"
     max_bytes: int = 0
+    document_mask: bool = False  # a token attends only to earlier tokens of its own document (model/documents.py)
 
 
 @dataclass

@@ -27,6 +27,7 @@ from .logs import RunLog, start_metrics
 from .errors import on_every_rank
 from .generate import prompt_ids, sample_text
 from .mesh import ParallelContext
+from .model.documents import document_ids
 from .model.hf import carried_files, end_ids, imported
 from .model.llama import Llama, init_weights, no_decay
 from .optim import AdamW, clip_grad_norm, learning_rate
@@ -111,9 +112,11 @@ class Trainer:
                 return load_data(data_settings(self.cfg))
         return self.ctx.local_first(load)
 
-    def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch's tokens and labels on this rank's device, cut to its part of each sequence under cp."""
-        return self.cp.shard(x.to(self.ctx.device)), self.cp.shard(y.to(self.ctx.device))
+    def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A batch's tokens and labels on this rank's device, cut to its part of each sequence under cp, and with
+        data.document_mask the document ids of the whole sequences."""
+        ids = document_ids(x, self.data.tokenizer.eot).to(self.ctx.device) if self.cfg.data.document_mask else None
+        return self.cp.shard(x.to(self.ctx.device)), self.cp.shard(y.to(self.ctx.device)), ids
 
     # one step ---------------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -121,7 +124,7 @@ class Trainer:
         start = time.perf_counter()
         with self.tracer.span("data", "data"):
             micro = [self._local(x, y) for x, y in self.loader.micro_batches(self.step, t.micro_batches)]
-        local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)
+        local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y, _ in micro)
         (global_tokens,) = self.comm.sum_scalars([local_tokens], "loss")
         empty = global_tokens == 0  # a batch of prompts only (data.jsonl_prompt_field): skipped, not 0 / 0
         global_tokens = max(global_tokens, 1)
@@ -129,11 +132,11 @@ class Trainer:
             loss_sum = self.pipeline.step(micro, global_tokens)
         else:
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-            for i, (x, y) in enumerate(micro):
+            for i, (x, y, ids) in enumerate(micro):
                 if i == len(micro) - 1:
                     self.sharded.reduce_when_done(reversed(self.sharded.units))
                 with self.tracer.span(f"F{i}", "compute", mb=i):
-                    loss = self.model.loss_sum(x, y) / global_tokens
+                    loss = self.model.loss_sum(x, y, ids) / global_tokens
                 with self.tracer.span(f"B{i}", "compute", mb=i):
                     loss.backward()
                 loss_sum += loss.detach()
@@ -211,8 +214,9 @@ class Trainer:
                 if stop is not None and self._stop_heard(stop):
                     self.sharded.release()
                     return None
-                x, y = self._local(x, y)
-                total += self.pipeline.forward(x, y) if self.pipeline else float(self.model.loss_sum(x, y))
+                x, y, ids = self._local(x, y)
+                total += self.pipeline.forward(x, y, documents=ids) if self.pipeline else \
+                    float(self.model.loss_sum(x, y, ids))
                 count += int((y != IGNORE_INDEX).sum())
             total, count = self.comm.sum_scalars([total, count], "loss")
             self.sharded.release()  # ZeRO-3 holds no whole model between steps

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from sixfold.parallel import context
-from sixfold.parallel.context import ContextParallel, _Ring, _pairs
+from sixfold.model.documents import document_ids, visible
+from sixfold.parallel.context import ContextParallel, _Ring, _pairs, ring_masks
 from helpers import torchrun
 
 
@@ -19,8 +20,10 @@ def test_every_mode_equals_attention_on_the_whole_sequence(cp):
     assert proc.stdout.count("cp attention OK") == cp
 
 
-def relative_errors(attend, dtype, device, heads: int, kv_heads: int, seq: int = 256, head_dim: int = 64):
-    """Output, dq, dk, dv of attend(q, k, v) in `dtype` against SDPA on the whole sequence in fp64."""
+def relative_errors(attend, dtype, device, heads: int, kv_heads: int, seq: int = 256, head_dim: int = 64,
+                    ids=None):
+    """Output, dq, dk, dv of attend(q, k, v) in `dtype` against SDPA on the whole sequence in fp64 (within the
+    documents `ids` [b, seq], if given)."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, h, seq, head_dim, device=device) for h in (heads, kv_heads, kv_heads))
     dout = torch.randn(2, heads, seq, head_dim, device=device)
@@ -28,7 +31,10 @@ def relative_errors(attend, dtype, device, heads: int, kv_heads: int, seq: int =
     out = attend(*ours)
     out.backward(dout.to(dtype))
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    expected = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=heads != kv_heads)
+    whole = torch.arange(seq, device=device)
+    mask = None if ids is None else visible(ids, whole, whole)
+    expected = F.scaled_dot_product_attention(*ref, attn_mask=mask, is_causal=ids is None,
+                                              enable_gqa=heads != kv_heads)
     expected.backward(dout.double())
     pairs = [(out, expected)] + [(a.grad, b.grad) for a, b in zip(ours, ref)]
     return [float((a.double() - b).norm() / b.norm()) for a, b in ((a.detach(), b.detach()) for a, b in pairs)]
@@ -37,7 +43,11 @@ def relative_errors(attend, dtype, device, heads: int, kv_heads: int, seq: int =
 def ring(q, k, v):
     """The ring's blocks and merge on one rank holding the whole sequence as two zigzag chunks (chunk 1 attends
     to chunk 0 and, causally, to itself)."""
-    return _Ring.apply(q, k, v, ContextParallel())
+    return _Ring.apply(q, k, v, ContextParallel(), None)
+
+
+def math_kernels(q, masked=False):
+    return context._math_forward, context._math_backward
 
 
 def sdpa(q, k, v):
@@ -50,8 +60,29 @@ def test_ring_blocks_and_merge_in_one_process(heads, kv_heads, kernels, monkeypa
     """The CPU's flash-attention kernels and the blockwise math path (a GPU's in fp32) in fp64: output, dq, dk, dv
     to round-off."""
     if kernels == "math":
-        monkeypatch.setattr(context, "_kernels", lambda q: (context._math_forward, context._math_backward))
+        monkeypatch.setattr(context, "_kernels", math_kernels)
     assert max(relative_errors(ring, torch.float64, "cpu", heads, kv_heads)) < 1e-12
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "math"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_the_ring_keeps_each_token_to_its_document(heads, kv_heads, kernels, monkeypatch):
+    """Document masks on the ring's blocks in fp64: a document ending in the first chunk, one starting in the second
+    (its first queries see no key of the first chunk), one of a single token; a row of one document (no mask
+    needed); output, dq, dk, dv to round-off."""
+    if kernels == "math":
+        monkeypatch.setattr(context, "_kernels", math_kernels)
+    tokens = torch.ones(2, 256, dtype=torch.long)
+    tokens[0, [40, 127, 128, 200]] = 0
+    ids = document_ids(tokens, 0)
+    masks = ring_masks(ContextParallel(), ids, torch.float64)
+    assert set(masks) == {(0, 0), (1, 0), (1, 1)} and all(m is not None for m, _ in masks.values())
+    def attend(q, k, v):
+        return _Ring.apply(q, k, v, ContextParallel(), masks)
+
+    assert max(relative_errors(attend, torch.float64, "cpu", heads, kv_heads, ids=ids)) < 1e-12
+    whole_rows = document_ids(torch.ones(2, 256, dtype=torch.long), 0)
+    assert all(m == (None, None) for m in ring_masks(ContextParallel(), whole_rows, torch.float64).values())
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])

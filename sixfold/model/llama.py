@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -84,6 +84,7 @@ class Tokens:
     sequence_tp: bool  # activations between sub-layers split over tp
     context: bool  # the sequence is split over cp: attention goes through the cp strategy
     cache: KVCache | None = None
+    mask: torch.Tensor | dict | None = None  # keeps each token to its document (ContextParallel.document_mask)
 
 
 class Attention(nn.Module):
@@ -110,15 +111,16 @@ class Attention(nn.Module):
         qkv = linear(self.tp, x, self.stacked(), "column", sp, laid_out=self.laid_out)
         q, k, v = attention_heads(qkv.view(b, s, self.n_heads + 2 * self.n_kv_heads, self.head_dim),
                                   self.n_heads, self.n_kv_heads, t.cos, t.sin)
-        attend = self.cp.attention if t.context else partial(self._local_attention, cache=t.cache)
+        attend = partial(self.cp.attention, mask=t.mask) if t.context else \
+            partial(self._local_attention, cache=t.cache, mask=t.mask)
         if self.recompute == "selective" and torch.is_grad_enabled() and t.cache is None:
             out = checkpoint(attend, q, k, v, use_reentrant=False)  # the core again in backward, not its saves
         else:
             out = attend(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b * s, -1), sp)
 
-    def _local_attention(self, q, k, v, cache: KVCache | None) -> torch.Tensor:
-        s, mask, causal = q.shape[2], None, True
+    def _local_attention(self, q, k, v, cache: KVCache | None, mask: torch.Tensor | None) -> torch.Tensor:
+        s, causal = q.shape[2], mask is None
         if cache is not None:
             past = cache.length
             k, v = cache.extend(self.layer, k, v)
@@ -214,8 +216,10 @@ class Llama(nn.Module):
         return {f"{name}.{p}": m.split for name, m in self.named_modules() if hasattr(m, "split")
                 for p, _ in m.named_parameters(recurse=False)}
 
-    def tokens(self, b: int, s: int, device: torch.device, cache: KVCache | None = None) -> Tokens:
-        """The description of a forward of tokens [b, s] (positions continue the cache, if any)."""
+    def tokens(self, b: int, s: int, device: torch.device, cache: KVCache | None = None,
+               documents: torch.Tensor | None = None) -> Tokens:
+        """The description of a forward of tokens [b, s] (positions continue the cache, if any); with `documents`,
+        the document ids [b, S] of the whole sequences (model/documents.py), attention within each document."""
         context = self.cp.size > 1 and cache is None
         if context:
             positions = self.cp.positions(s, device)
@@ -223,7 +227,14 @@ class Llama(nn.Module):
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + s, device=device)
         cos, sin = rope_tables(positions, rope_frequencies(self.cfg, device))
-        return Tokens((b, s), cos, sin, self.tp.uses_sequence(b * s), context, cache)
+        return self.in_documents(Tokens((b, s), cos, sin, self.tp.uses_sequence(b * s), context, cache), documents)
+
+    def in_documents(self, t: Tokens, documents: torch.Tensor | None) -> Tokens:
+        """`t` with attention kept within the documents `documents` [b, S] (None, or no block here: `t` itself)."""
+        if documents is None or not self.layers:
+            return t
+        dtype = next(self.parameters()).dtype
+        return replace(t, mask=self.cp.document_mask(documents, t.shape[1], dtype))
 
     def run(self, stage: Stage, x: torch.Tensor, t: Tokens) -> torch.Tensor:
         """One stage's forward: token ids [b, s] into the first stage, the hidden state [tokens, dim] into the
@@ -268,8 +279,9 @@ class Llama(nn.Module):
         return cross_entropy(self.tp, self.logits(h, sp), labels.flatten(), split.index * split.size,
                              self.cfg.vocab_size)
 
-    def loss_sum(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        t = self.tokens(*tokens.shape, tokens.device)
+    def loss_sum(self, tokens: torch.Tensor, labels: torch.Tensor,
+                 documents: torch.Tensor | None = None) -> torch.Tensor:
+        t = self.tokens(*tokens.shape, tokens.device, documents=documents)
         return self.loss(self.run(whole(self.cfg), tokens, t), labels, t.sequence_tp)
 
 

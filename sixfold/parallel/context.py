@@ -7,6 +7,8 @@ rank does the same causal-attention work) or cp contiguous ones. Three ways to a
              skipped; in backward dK/dV travel the ring back to their owners;
   allgather  keys and values all-gathered (their gradients reduce-scattered), local queries;
   ulysses    all-to-all from (my tokens, all heads) to (all tokens, my heads) and back.
+With document masking (model/documents.py) each way takes its mask from `document_mask`, made once per forward;
+the ring also skips the chunk pairs in which no query sees a key, and masks only those where causality is not exact.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import Comm
+from ..model.documents import additive, visible
 
 MODES = ("ring", "allgather", "ulysses")
 
@@ -57,13 +60,27 @@ class ContextParallel:
         """Global positions of every rank's tokens, rank after rank (the order gathers deliver them in)."""
         return torch.cat([self.positions_of(r, local_len, device) for r in range(self.size)])
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of local queries over the whole sequence; q [b, hq, local, d], k/v [b, hkv, local, d]."""
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+        """Causal attention of local queries over the whole sequence; q [b, hq, local, d], k/v [b, hkv, local, d].
+        With `mask` (document_mask's), each query sees only keys of its own document."""
         if self.mode == "ring":
-            return _Ring.apply(q, k, v, self)
+            return _Ring.apply(q, k, v, self, mask)
         if self.mode == "allgather":
-            return self._allgather(q, k, v)
-        return self._ulysses(q, k, v)
+            return self._allgather(q, k, v, mask)
+        return self._ulysses(q, k, v, mask)
+
+    def document_mask(self, ids: torch.Tensor, local_len: int, dtype: torch.dtype):
+        """What this rank's attention needs to keep each token to its document, from the document ids [b, S] of the
+        whole sequences: the additive mask of its queries over the keys they meet ([b, 1, S, S] on one rank and under
+        Ulysses, [b, 1, S/cp, S] under all-gather KV); for the ring, per chunk pair (mine, theirs) in which a query
+        sees a key, what ring_masks says."""
+        device = ids.device
+        if self.size == 1 or self.mode == "ulysses":
+            whole = torch.arange(ids.shape[1], device=device)
+            return additive(visible(ids, whole, whole), dtype)
+        if self.mode == "allgather":
+            return additive(visible(ids, self.positions(local_len, device), self._rank_order(local_len, device)), dtype)
+        return ring_masks(self, ids, dtype)
 
     def comm_bytes(self, batch: int, heads: int, kv_heads: int, local: int, head_dim: int,
                    itemsize: int = 4, forward_only: bool = False) -> dict[str, int]:
@@ -89,13 +106,13 @@ class ContextParallel:
         return {"all_to_all": (1 if forward_only else 2) * (2 * q + kv)}
 
     # all-gather KV --------------------------------------------------------------------------------
-    def _allgather(self, q, k, v):
+    def _allgather(self, q, k, v, mask):
         keys = _GatherKV.apply(torch.stack([k, v]), self)  # [2, b, hkv, cp*local, d], ranks' chunks in rank order
         # attention saves q: a copy of its own (in q's layout, which its output takes, and the output projection
         # reads without a copy), or q's storage, the heads' buffer, would keep the local k and v too
         q = q.clone()
-        return F.scaled_dot_product_attention(q, keys[0], keys[1], attn_mask=self._causal_mask(q),
-                                              enable_gqa=k.shape[1] != q.shape[1])
+        mask = self._causal_mask(q) if mask is None else mask
+        return F.scaled_dot_product_attention(q, keys[0], keys[1], attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
     def _causal_mask(self, q):
         """Additive causal mask [local, cp*local] of the local queries over the gathered keys, one tensor for every
@@ -107,12 +124,13 @@ class ContextParallel:
         return self._mask[1]
 
     # Ulysses ---------------------------------------------------------------------------------------
-    def _ulysses(self, q, k, v):
+    def _ulysses(self, q, k, v, mask):
         if k.shape[1] % self.size:  # fewer kv heads than cp: each rank receives the one its queries need
             k, v = (t.repeat_interleave(self.size // t.shape[1], dim=1) for t in (k, v))
         order = self._rank_order(q.shape[2], q.device).argsort()
         q, k, v = (_AllToAll.apply(t, self, _heads_to_tokens, _tokens_to_heads)[:, :, order] for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=k.shape[1] != q.shape[1])
         return _AllToAll.apply(out[:, :, order.argsort()], self, _tokens_to_heads, _heads_to_tokens)
 
 
@@ -171,26 +189,33 @@ class _GatherKV(torch.autograd.Function):
 # ring attention ------------------------------------------------------------------------------------
 # Per chunk pair, a kernel pair: forward gives the block's output and log-sum-exp; backward, given the merged
 # output and log-sum-exp of the query chunk, gives the block's exact share of dq, dk and dv. On a CPU: its
-# flash-attention kernels; on a GPU in 16-bit floats: its flash-attention kernels; otherwise blockwise math.
+# flash-attention kernels; on a GPU in 16-bit floats: its flash-attention kernels unless a document mask is given
+# (they take none); otherwise blockwise math in at least fp32. A mask is additive [b, 1, n, m].
 # Queries come grouped [b, hkv, g, n, d] (g query heads per kv head), keys and values [b, hkv, m, d]. Outputs and
 # gradients are summed in at least fp32.
 
-def _scores(q, k, causal: bool, scale: float):
+def _scores(q, k, causal: bool, scale: float, mask):
     """q [b, hkv, g, n, d] against k [b, hkv, m, d] -> [b, hkv, g, n, m], upper triangle masked if causal."""
     s = torch.einsum("bhgnd,bhmd->bhgnm", q, k) * scale
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
+    return s if mask is None else s + mask[:, :, None]
 
 
-def _math_forward(q, k, v, causal: bool, scale: float):
-    s = _scores(q, k, causal, scale)
+def _wide(*ts):
+    return [t.to(_sum_dtype(t.dtype)) for t in ts]
+
+
+def _math_forward(q, k, v, causal: bool, scale: float, mask=None):
+    q, k, v = _wide(q, k, v)
+    s = _scores(q, k, causal, scale, mask)
     lse = s.logsumexp(-1)
     return torch.einsum("bhgnm,bhmd->bhgnd", (s - lse[..., None]).exp(), v), lse, None
 
 
-def _math_backward(dout, delta, q, k, v, out, lse, causal: bool, scale: float, aux):
-    p = (_scores(q, k, causal, scale) - lse[..., None].to(q.dtype)).exp()
+def _math_backward(dout, delta, q, k, v, out, lse, causal: bool, scale: float, aux, mask=None):
+    dout, q, k, v = _wide(dout, q, k, v)
+    p = (_scores(q, k, causal, scale, mask) - lse[..., None].to(q.dtype)).exp()
     ds = p * (torch.einsum("bhgnd,bhmd->bhgnm", dout, v) - delta[..., None].to(q.dtype))
     return (torch.einsum("bhgnm,bhmd->bhgnd", ds, k) * scale, torch.einsum("bhgnm,bhgnd->bhmd", ds, q) * scale,
             torch.einsum("bhgnm,bhgnd->bhmd", p, dout))
@@ -204,7 +229,7 @@ def _flat(x, g: int):
     return x[:, :, None].expand(b, h, g, m, d).flatten(1, 2)
 
 
-def _flash_forward(q, k, v, causal: bool, scale: float):
+def _flash_forward(q, k, v, causal: bool, scale: float, mask=None):
     """Also returns what the backward kernel needs besides tensors (sequence bookkeeping, dropout's seed)."""
     g = q.shape[2]
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
@@ -212,7 +237,7 @@ def _flash_forward(q, k, v, causal: bool, scale: float):
     return out.view(q.shape), lse[..., :q.shape[3]].reshape(q.shape[:4]), (cum_q, cum_k, max_q, max_k, seed, offset)
 
 
-def _flash_backward(dout, delta, q, k, v, out, lse, causal: bool, scale: float, aux):
+def _flash_backward(dout, delta, q, k, v, out, lse, causal: bool, scale: float, aux, mask=None):
     b, h, g, n, d = q.shape
     m = k.shape[2]
     cum_q, cum_k, max_q, max_k, seed, offset = aux
@@ -222,26 +247,26 @@ def _flash_backward(dout, delta, q, k, v, out, lse, causal: bool, scale: float, 
     return dq.view(q.shape), dk.view(b, h, g, m, d).sum(2), dv.view(b, h, g, m, d).sum(2)
 
 
-def _cpu_forward(q, k, v, causal: bool, scale: float):
+def _cpu_forward(q, k, v, causal: bool, scale: float, mask=None):
     g = q.shape[2]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        _flat(q, g), _flat(k, g), _flat(v, g), 0.0, causal, scale=scale)
+        _flat(q, g), _flat(k, g), _flat(v, g), 0.0, causal, attn_mask=mask, scale=scale)
     return out.view(q.shape), lse.view(q.shape[:4]), None
 
 
-def _cpu_backward(dout, delta, q, k, v, out, lse, causal: bool, scale: float, aux):
+def _cpu_backward(dout, delta, q, k, v, out, lse, causal: bool, scale: float, aux, mask=None):
     b, h, g, n, d = q.shape
     m = k.shape[2]
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         _flat(dout, g).contiguous(), _flat(q, g), _flat(k, g), _flat(v, g), _flat(out, g),
-        lse.flatten(1, 2).contiguous(), 0.0, causal, scale=scale)
+        lse.flatten(1, 2).contiguous(), 0.0, causal, attn_mask=mask, scale=scale)
     return dq.view(q.shape), dk.view(b, h, g, m, d).sum(2), dv.view(b, h, g, m, d).sum(2)
 
 
-def _kernels(q: torch.Tensor):
+def _kernels(q: torch.Tensor, masked: bool = False):
     if q.device.type == "cpu":
         return _cpu_forward, _cpu_backward
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not masked:
         return _flash_forward, _flash_backward
     return _math_forward, _math_backward
 
@@ -250,6 +275,36 @@ def _pairs(cp: ContextParallel, owner: int):
     """(my chunk index, owner's chunk index, causal) for the chunk pairs that are not fully masked."""
     mine, theirs = cp.chunks, cp.chunks_of(owner)
     return [(i, j, a == c) for i, a in enumerate(mine) for j, c in enumerate(theirs) if c <= a]
+
+
+def ring_masks(cp: ContextParallel, ids: torch.Tensor, dtype: torch.dtype) -> dict:
+    """Per chunk pair (mine, theirs) of global chunk indices in which a query sees a key: (additive mask
+    [b, 1, n, n], queries that see no key [b, 1, 1, n]), or (None, None) where causality alone is exact."""
+    n, device = ids.shape[1] // cp.n_chunks, ids.device
+    span = torch.arange(n, device=device)
+    pairs = [(a, c) for a in cp.chunks for c in range(a + 1)]
+    seen = torch.stack([visible(ids, span + a * n, span + c * n) for a, c in pairs])  # [pairs, b, 1, n, n]
+    usual = torch.ones(n, n, dtype=torch.bool, device=device)
+    exact = torch.stack([(s == (usual.tril() if a == c else usual)).all() for s, (a, c) in zip(seen, pairs)])
+    masks = {}
+    for s, pair, (some, plain) in zip(seen, pairs, torch.stack([seen.flatten(1).any(1), exact], 1).tolist()):
+        if some:
+            masks[pair] = (None, None) if plain else (additive(s, dtype), ~s.any(-1)[:, :, None])
+    return masks
+
+
+def _blocks(cp: ContextParallel, owner: int, masks: dict | None):
+    """The chunk pairs to compute with an owner's block, a diagonal one first (every query sees itself there, so the
+    log-sum-exp merged into is finite from the start): (i, j, causal, mask, queries that see no key). With document
+    masks (ContextParallel.document_mask), a pair in which no query sees a key is left out."""
+    out = []
+    for i, j, causal in sorted(_pairs(cp, owner), key=lambda p: not p[2]):
+        pair = cp.chunks[i], cp.chunks_of(owner)[j]
+        if masks is None:
+            out.append((i, j, causal, None, None))
+        elif pair in masks:
+            out.append((i, j, causal, *masks[pair]))
+    return out
 
 
 def _ring_step(cp: ContextParallel, kv: torch.Tensor):
@@ -265,10 +320,9 @@ def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel):
+    def forward(ctx, q, k, v, cp: ContextParallel, masks: dict | None):
         b, hq, n, d = q.shape
         hkv, parts, scale = k.shape[1], len(cp.chunks), 1.0 / math.sqrt(d)
-        attend = _kernels(q)[0]
         qs = q.view(b, hkv, hq // hkv, parts, n // parts, d).unbind(3)
         out = [None] * parts
         lse = [None] * parts
@@ -277,9 +331,15 @@ class _Ring(torch.autograd.Function):
         for step in range(cp.size):
             pending = _ring_step(cp, kv) if step < cp.size - 1 else None
             ks, vs = (t.chunk(parts, dim=2) for t in kv)
-            for i, j, causal in _pairs(cp, (cp.rank - step) % cp.size):
-                block_out, block_lse, ctx.aux[causal] = attend(qs[i], ks[j], vs[j], causal, scale)
+            for i, j, causal, mask, empty in _blocks(cp, (cp.rank - step) % cp.size, masks):
+                attend = _kernels(q, mask is not None)[0]
+                block_out, block_lse, aux = attend(qs[i], ks[j], vs[j], causal and mask is None, scale, mask)
+                if mask is None:
+                    ctx.aux[causal] = aux
                 block_out, block_lse = block_out.to(_sum_dtype(q.dtype)), block_lse.to(_sum_dtype(q.dtype))
+                if empty is not None:  # its queries that see no key: nothing to add
+                    block_out = block_out.masked_fill(empty[..., None], 0)
+                    block_lse = block_lse.masked_fill(empty, -math.inf)
                 if out[i] is None:
                     out[i], lse[i] = block_out, block_lse
                 else:
@@ -291,7 +351,7 @@ class _Ring(torch.autograd.Function):
                 work.wait()
         # laid out [b, n, hq, d] as the output projection reads it: the tensor saved here is its input too
         out_t = torch.stack(out, 3).permute(0, 3, 4, 1, 2, 5).to(q.dtype).contiguous().view(b, n, hq, d).transpose(1, 2)
-        ctx.cp, ctx.scale = cp, scale
+        ctx.cp, ctx.scale, ctx.masks = cp, scale, masks
         ctx.save_for_backward(q, k, v, out_t, torch.stack(lse, 3))  # lse [b, hkv, g, parts, n/parts]
         return out_t
 
@@ -301,7 +361,6 @@ class _Ring(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         b, hq, n, d = q.shape
         hkv, parts = k.shape[1], len(cp.chunks)
-        grads = _kernels(q)[1]
         out = out.view(b, hkv, hq // hkv, parts, n // parts, d)
         dout = dout.reshape(out.shape)
         delta = (dout.to(lse.dtype) * out).sum(-1)
@@ -313,9 +372,11 @@ class _Ring(torch.autograd.Function):
             ahead = _ring_step(cp, kv) if step < cp.size - 1 else None
             ks, vs = (t.chunk(parts, dim=2) for t in kv)
             dks, dvs = (t.chunk(parts, dim=2) for t in dkv)
-            for i, j, causal in _pairs(cp, (cp.rank - step) % cp.size):
+            for i, j, causal, mask, _ in _blocks(cp, (cp.rank - step) % cp.size, ctx.masks):
+                grads = _kernels(q, mask is not None)[1]
                 dqi, dk, dv = grads(dout[:, :, :, i], delta[:, :, :, i], qs[i], ks[j], vs[j], out[:, :, :, i],
-                                    lse[:, :, :, i], causal, scale, ctx.aux[causal])
+                                    lse[:, :, :, i], causal and mask is None, scale,
+                                    ctx.aux[causal] if mask is None else None, mask)
                 dq[:, :, :, i] += dqi
                 dks[j].add_(dk)
                 dvs[j].add_(dv)
@@ -328,4 +389,4 @@ class _Ring(torch.autograd.Function):
                 pending.wait()
             dkv = back
         dkv = dkv.to(q.dtype)
-        return dq.to(q.dtype).reshape(b, hq, n, d), dkv[0], dkv[1], None
+        return dq.to(q.dtype).reshape(b, hq, n, d), dkv[0], dkv[1], None, None

@@ -149,11 +149,31 @@ def activations(rank: Rank) -> dict[str, int]:
     """Bytes saved for backward on this rank at the peak: each stage's blocks and ends times its (stage,
     micro-batch) pairs in flight, in the simulated schedule's largest crowd (without pipelining, one pair: each
     backward follows its forward); and the rotary tables once (a pipeline step makes one set for all its
-    micro-batches; without pipelining, one micro-batch's are freed before the next's are made)."""
+    micro-batches; without pipelining, one micro-batch's are freed before the next's are made), and so the
+    document masks of every micro-batch under pipelining, of one without."""
     own = {st.index: _stage_activations(rank, st) for st in rank.model.stages}
     rope = 4 * rank.cfg.train.seq_len // rank.model.cp.size * rank.cfg.model.head_dim if rank.blocks else 0
+    masks = document_masks(rank) * (rank.cfg.train.micro_batches if rank.schedule else 1)
     crowds = rank.pipeline.crowds if rank.pipeline else [tuple((i, 1) for i in own)]
-    return {"saved": max(sum(n * own[s] for s, n in crowd) for crowd in crowds) + rope}
+    return {"saved": max(sum(n * own[s] for s, n in crowd) for crowd in crowds) + rope + masks}
+
+
+def document_masks(rank: Rank) -> int:
+    """Bytes of one micro-batch's document masks (data.document_mask), made once for every layer of the rank
+    (ContextParallel.document_mask): additive, in the compute dtype, over its b sequences of S tokens: [b, 1, S, S] on
+    one rank and under Ulysses, [b, 1, S/cp, S] under all-gather KV; under the ring at most one [b, 1, n, n] and
+    a flag per query [b, n] for each chunk pair it computes, with n = S / chunks (a pair that needs no mask has
+    none)."""
+    if not rank.cfg.data.document_mask or not rank.blocks:
+        return 0
+    cp, seq, b = rank.model.cp, rank.cfg.train.seq_len, rank.compute_bytes
+    rows = rank.micro_tokens * cp.size // seq
+    if cp.size == 1 or cp.mode == "ulysses":
+        return b * rows * seq * seq
+    if cp.mode == "allgather":
+        return b * rows * seq // cp.size * seq
+    n, pairs = seq // cp.n_chunks, sum(a + 1 for a in cp.chunks)
+    return pairs * rows * n * (b * n + 1)
 
 
 def _stage_activations(rank: Rank, stage) -> int:

@@ -1,9 +1,10 @@
 """Under torchrun with cp ranks: context-parallel attention equals plain causal attention on the whole
-sequence, forward and backward, in every mode, zigzag and contiguous, with and without GQA; the bytes each
-mode sends equal its formula.
+sequence, forward and backward, in every mode, zigzag and contiguous, with and without GQA, and within documents
+(data.document_mask); the bytes each mode sends equal its formula.
 
     torchrun --nproc-per-node CP cp_attention.py
 """
+import itertools
 import os
 
 import torch
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from sixfold.comm import Comm
 from sixfold.config import ParallelConfig
 from sixfold.mesh import ParallelContext
+from sixfold.model.documents import document_ids, visible
 from sixfold.parallel.context import MODES, ContextParallel
 from sixfold.trace import Tracer
 
@@ -19,11 +21,18 @@ size = int(os.environ["WORLD_SIZE"])
 ctx = ParallelContext.initialize(ParallelConfig(cp=size))
 comm = Comm(ctx, Tracer(False, ctx.rank))
 g = torch.Generator().manual_seed(0)
-for hq, hkv in ((4, 4), (4, 2), (4, 1)):
-    b, s, d = 2, 8 * size, 16
+# documents: row 0 ends one in the first chunk, a one-token one at the start of the third and two at the last
+# chunk's start; row 1 is one document
+b, s, d = 2, 8 * size, 16
+tokens = torch.ones(b, s, dtype=torch.long)
+tokens[0, [3, 2 * s // 4, s - 8, s - 7]] = 0
+ids = document_ids(tokens, 0)
+whole = torch.arange(s)
+for (hq, hkv), documents in itertools.product(((4, 4), (4, 2), (4, 1)), (False, True)):
     q, k, v, dout = (torch.randn(b, h, s, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv, hq))
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=hkv != hq)
+    seen = visible(ids, whole, whole) if documents else None
+    out = F.scaled_dot_product_attention(*ref, attn_mask=seen, is_causal=not documents, enable_gqa=hkv != hq)
     out.backward(dout)
     for mode in MODES:
         if mode == "ulysses" and hq % size:
@@ -32,9 +41,9 @@ for hq, hkv in ((4, 4), (4, 2), (4, 1)):
             cp = ContextParallel(comm, mode, zigzag)
             mine = [cp.shard(t, dim=2).clone().requires_grad_() for t in (q, k, v)]
             comm.ledger.total.clear()
-            local = cp.attention(*mine)
+            local = cp.attention(*mine, mask=cp.document_mask(ids, s // size, q.dtype) if documents else None)
             local.backward(cp.shard(dout, dim=2))
-            what = f"{mode} zigzag={zigzag} heads {hq}/{hkv}"
+            what = f"{mode} zigzag={zigzag} heads {hq}/{hkv} documents={documents}"
             measured = {op: n for (group, op), n in comm.ledger.total.items() if group == "cp"}
             assert measured == cp.comm_bytes(b, hq, hkv, s // size, d, itemsize=8), (what, measured)
             assert torch.allclose(local, cp.shard(out, dim=2), rtol=1e-10, atol=1e-12), what

@@ -31,13 +31,13 @@ cfg = load_config("configs/tiny.yaml", ["model.n_layers=6", "model.tie_embedding
 ctx = ParallelContext.initialize(ParallelConfig(pp=pp))
 rank = ctx.rank_in("pp")
 g = torch.Generator().manual_seed(5)
-micro = [(torch.randint(0, cfg.vocab_size, (2, 16), generator=g), torch.randint(0, cfg.vocab_size, (2, 16), generator=g))
-         for _ in range(m)]
-scale = sum(y.numel() for _, y in micro)
+micro = [(torch.randint(0, cfg.vocab_size, (2, 16), generator=g), torch.randint(0, cfg.vocab_size, (2, 16), generator=g),
+          None) for _ in range(m)]
+scale = sum(y.numel() for _, y, _ in micro)
 
 reference = Llama(cfg)
 init_weights(reference, 3)
-sum(reference.loss_sum(x, y) for x, y in micro).div(scale).backward()
+sum(reference.loss_sum(x, y) for x, y, _ in micro).div(scale).backward()
 expected = {n: p.grad for n, p in reference.named_parameters()}
 
 for name, v in CASES:

@@ -52,9 +52,9 @@ peak = max(m["Total Allocated"] for m in memory) - (memory[0]["Total Allocated"]
 saved = None
 if not trainer.pipeline:
     x, y = next(iter(trainer.loader.micro_batches(1, cfg.train.micro_batches)))
-    x, y = trainer._local(x, y)
+    x, y, ids = trainer._local(x, y)
     with SavedTensors(trainer.model) as tensors:
-        loss = trainer.model.loss_sum(x, y)
+        loss = trainer.model.loss_sum(x, y, ids)
     saved = tensors.nbytes
     loss.backward()
 (out / f"rank{ctx.rank}.json").write_text(json.dumps({"held": held, "sent": sent, "saved": saved, "peak": peak}))

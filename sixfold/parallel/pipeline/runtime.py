@@ -110,13 +110,14 @@ class Pipeline:
                 else:
                     grads[key] = buf
 
-    def step(self, micro: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
-        """Forward and backward of every micro-batch (tokens, labels) by the schedule; the losses are divided
-        by `scale`. Returns this rank's summed loss (zero off the last stage)."""
+    def step(self, micro: list[tuple], scale: float) -> torch.Tensor:
+        """Forward and backward of every micro-batch (tokens, labels, document ids or None) by the schedule; the
+        losses are divided by `scale`. Returns this rank's summed loss (zero off the last stage)."""
         self.sharded.gather_all()
         self.sharded.alloc_grads()
         model, wg = self.model, self.model.tp.weight_grads
         t = model.tokens(*micro[0][0].shape, micro[0][0].device)
+        each = [model.in_documents(t, ids) for _, _, ids in micro]  # one set of rotary tables for all
         inputs, outputs, grads, outbox, deferred, sending, arriving, known = {}, {}, {}, {}, {}, [], {}, set()
         self.peak_in_flight = self.deferred = self.sent_early = 0
         loss = torch.zeros((), dtype=torch.float64, device=self.comm.ctx.device)
@@ -141,7 +142,7 @@ class Pipeline:
                 self.sharded.reduce_when_done(due, _weights(deferred[key]) if a.kind == W else None)
             with self.tracer.span(f"{a.kind}{m}", "compute", mb=m, stage=s):
                 if a.kind == F:
-                    out = model.run(stage, micro[m][0] if stage.embed else inputs[key], t)
+                    out = model.run(stage, micro[m][0] if stage.embed else inputs[key], each[m])
                     if stage.head:
                         out = model.loss(out, micro[m][1], t.sequence_tp) / scale
                         loss += out.detach()
@@ -188,12 +189,12 @@ class Pipeline:
         return loss
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, cache=None):
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, cache=None, documents=None):
         """One batch through every stage in order, on every pp rank: with labels the loss sum (a float),
-        else the full logits [b, s, vocab]."""
+        else the full logits [b, s, vocab]; with `documents` (ids [b, S]), attention within each document."""
         self.sharded.gather_all()
         model = self.model
-        t = model.tokens(*tokens.shape, tokens.device, cache)
+        t = model.tokens(*tokens.shape, tokens.device, cache, documents)
         x = None
         for s in range(self.last + 1):
             if self.place[s] != self.rank:

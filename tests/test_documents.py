@@ -1,0 +1,68 @@
+"""Document masking (data.document_mask): a document packed after another reads as if alone, training with it
+keeps parity in layouts of every cp mode, and it changes what a run learns from packed documents."""
+import json
+
+import pytest
+import torch
+
+from sixfold.config import load_config
+from sixfold.model.documents import document_ids
+from sixfold.model.llama import Llama, init_weights
+from sixfold.train import train
+from helpers import TINY, sixfold
+
+
+def test_the_end_of_text_closes_its_document():
+    tokens = torch.tensor([[5, 0, 7, 7, 0, 0, 9], [1, 2, 3, 4, 5, 6, 7]])
+    assert document_ids(tokens, 0).tolist() == [[0, 0, 1, 1, 1, 2, 3], [0] * 7]
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_a_document_packed_after_another_reads_as_if_alone(recompute):
+    """Logits of a document inside a window, after the end of another, equal those of the document alone at the
+    window's start (rotary scores depend on distances only), to fp32 round-off; without the mask they do not."""
+    cfg = load_config(TINY, [f"model.recompute={recompute}"]).model
+    model = Llama(cfg)
+    init_weights(model, 0)
+    g = torch.Generator().manual_seed(0)
+    first, second = torch.randint(1, 256, (2, 11), generator=g), torch.randint(1, 256, (2, 21), generator=g)
+    first[:, -1] = 256  # the byte tokenizer's end of text
+    window = torch.cat([first, second], 1)
+    ids = document_ids(window, 256)
+    t = model.tokens(*window.shape, window.device, documents=ids)
+    packed = model.full_logits(model.logits(model.run(model.stages[0], window, t), False)).view(2, 32, -1)
+    alone = model(second)
+    assert torch.allclose(packed[:, 11:], alone, atol=2e-5, rtol=0), float((packed[:, 11:] - alone).abs().max())
+    assert torch.allclose(packed[:, :11], model(first), atol=2e-5, rtol=0)
+    assert not torch.allclose(model(window)[:, 11:], alone, atol=1e-2, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Short documents (about 40 bytes): every window of 32 tokens crosses one."""
+    path = tmp_path_factory.mktemp("documents") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i * i % 7}\n"}) + "\n"
+                            for i in range(400)))
+    return path
+
+
+@pytest.mark.parametrize("layout", [
+    ["parallel.pp=2", "parallel.tp=2", "parallel.cp=2", "train.micro_batches=2"],
+    ["parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3"],
+    ["parallel.cp=2", "parallel.cp_mode=allgather", "parallel.cp_zigzag=false", "parallel.dp_replicate=2"],
+], ids=["pp2-cp2-ring-tp2", "cp2-ulysses-tp2-zero3", "cp2-allgather-contiguous-dp2"])
+def test_training_within_documents_keeps_parity(corpus, tmp_path, layout):
+    proc = sixfold("check", TINY, f"data.source={corpus}", "data.document_mask=true",
+                   f"data.cache_dir={tmp_path / 'cache'}", "train.eval_every=3", *layout, "--steps", "3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("parity OK"), proc.stdout
+
+
+def test_the_mask_changes_what_a_run_computes(corpus, tmp_path):
+    losses = {}
+    for masked in (False, True):
+        cfg = load_config(TINY, [f"log.run_dir={tmp_path / str(masked)}", f"data.source={corpus}",
+                                 f"data.cache_dir={tmp_path / 'cache'}", f"data.document_mask={masked}",
+                                 "train.steps=2", "train.eval_every=2", "train.eval_batches=1"])
+        losses[masked] = [(m["loss"], m.get("val_loss")) for m in train(cfg)]
+    assert losses[True][0][0] != losses[False][0][0] and losses[True][-1][1] != losses[False][-1][1], losses
