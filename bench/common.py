@@ -136,7 +136,7 @@ def torch_worker(cfg, wrap, grads_to_none: bool, build=None, data_parallel=True,
     out = {"step_s": [], "loss": []}
     for step in range(t.steps):
         start = time.perf_counter()
-        x, y = loader.batch(step)
+        x, y, _ = loader.batch(step)
         counts = torch.tensor([float((y != IGNORE_INDEX).sum())], dtype=torch.float64)
         if group:
             dist.all_reduce(counts, group=group)
@@ -216,7 +216,8 @@ def pipeline_worker(cfg, build: Callable, schedule: str, loss_context=contextlib
     out = {"step_s": [], "loss": []}
     for step in range(t.steps):
         start = time.perf_counter()
-        x, y = (torch.cat(v) for v in zip(*loader.micro_batches(step, t.micro_batches)))
+        micro = loader.micro_batches(step, t.micro_batches)
+        x, y = (torch.cat([m[k] for m in micro]) for k in (0, 1))
         counts = torch.tensor([float((y != IGNORE_INDEX).sum())], dtype=torch.float64)
         if pipe.dp_group:
             dist.all_reduce(counts, group=pipe.dp_group)

@@ -31,6 +31,7 @@ import torch
 
 from sixfold.checkpoint import META, META_SHA256, file_sha256
 from sixfold.config import RUN_CONFIG_HEAD, DataConfig
+from sixfold.model.documents import document_ids
 from sixfold.parallel.tensor import IGNORE_INDEX
 
 EOT = "<|endoftext|>"  # sixfold's BPE's end of text, and GPT-2's
@@ -637,15 +638,17 @@ def load_data(cfg: DataConfig) -> TokenData:
 
 # ---- batches ----
 
-def _windows(tokens: np.ndarray, starts, seq_len: int, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, labels) of the windows at `starts`; a prompt's token (id + shift) is no label."""
+def _windows(tokens: np.ndarray, starts, seq_len: int, shift: int, eot: int | None) -> tuple:
+    """(inputs, labels, document ids of the inputs or None) of the windows at `starts`; a prompt's token (id + shift)
+    is no label, and a prompt's end of text (a chat template's marker) closes no document."""
     rows = np.stack([np.asarray(tokens[s:s + seq_len + 1]) for s in starts]).astype(np.int64)
     rows = torch.from_numpy(rows)
+    ids = None if eot is None else document_ids(rows[:, :-1], eot)
     if shift:
         prompt = rows >= shift
         rows = rows - shift * prompt
-        return rows[:, :-1].contiguous(), rows[:, 1:].masked_fill(prompt[:, 1:], IGNORE_INDEX)
-    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        return rows[:, :-1].contiguous(), rows[:, 1:].masked_fill(prompt[:, 1:], IGNORE_INDEX), ids
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), ids
 
 
 def _rank_rows(batch: int, batch_index: int, batch_count: int) -> range:
@@ -660,7 +663,7 @@ class BatchLoader:
     """Deterministic batches: the global sample order is a function of (seed, step) only."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int,
-                 batch_index: int = 0, batch_count: int = 1, shift: int = 0):
+                 batch_index: int = 0, batch_count: int = 1, shift: int = 0, eot: int | None = None):
         self.samples = (len(tokens) - 1) // seq_len if seq_len > 0 else 0
         if self.samples <= 0:
             raise DataError(f"the train split has fewer than seq_len+1 = {seq_len + 1} tokens ({len(tokens)}); "
@@ -669,6 +672,7 @@ class BatchLoader:
         self.batch_index, self.batch_count = batch_index, batch_count
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
         self.shift = shift  # TokenData.shift
+        self.eot = eot  # the tokenizer's end of text: batches give document ids (data.document_mask)
         self.next_step = 0
         self._epoch, self._perm = -1, None
 
@@ -680,15 +684,16 @@ class BatchLoader:
             self._epoch = epoch
         return self._perm
 
-    def batch(self, step: int, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, labels), int64 [rows of this rank, seq_len]; labels are inputs shifted by one."""
+    def batch(self, step: int, rows=None) -> tuple:
+        """(inputs, labels, document ids or None), int64 [rows of this rank, seq_len]; labels are inputs shifted by
+        one; ids only if the loader was given `eot`."""
         starts = []
         for j in self.rows if rows is None else rows:
             g = step * self.global_batch + j
             starts.append(int(self._order(g // self.samples)[g % self.samples]) * self.seq_len)
-        return _windows(self.tokens, starts, self.seq_len, self.shift)
+        return _windows(self.tokens, starts, self.seq_len, self.shift, self.eot)
 
-    def micro_batches(self, step: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def micro_batches(self, step: int, n: int) -> list[tuple]:
         """This rank's part of each of the n micro-batches of the step. Micro-batch i is the same slice
         i of the global batch in every layout (what MoE load statistics are taken over)."""
         if n < 1 or len(self.rows) % n:
@@ -710,12 +715,14 @@ class BatchLoader:
 
 
 def eval_batches(tokens: np.ndarray, seq_len: int, batch: int, count: int, batch_index: int = 0,
-                 batch_count: int = 1, shift: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`count` fixed batches of the first windows of `tokens` in order (wrapping), this rank's rows of each."""
+                 batch_count: int = 1, shift: int = 0, eot: int | None = None) -> list[tuple]:
+    """`count` fixed batches (as BatchLoader.batch's) of the first windows of `tokens` in order (wrapping), this
+    rank's rows of each."""
     n = (len(tokens) - 1) // seq_len if seq_len > 0 else 0
     if n <= 0:
         raise DataError(f"the val split has fewer than seq_len+1 = {seq_len + 1} tokens ({len(tokens)}); lower "
                         f"train.seq_len, add documents or raise data.val_fraction (the split takes whole documents, "
                         f"by a hash of their names), or set train.eval_every=0 to train without validation")
     rows = _rank_rows(batch, batch_index, batch_count)
-    return [_windows(tokens, [((i * batch + j) % n) * seq_len for j in rows], seq_len, shift) for i in range(count)]
+    return [_windows(tokens, [((i * batch + j) % n) * seq_len for j in rows], seq_len, shift, eot)
+            for i in range(count)]

@@ -27,7 +27,6 @@ from .logs import RunLog, start_metrics
 from .errors import on_every_rank
 from .generate import prompt_ids, sample_text
 from .mesh import ParallelContext
-from .model.documents import document_ids
 from .model.hf import carried_files, end_ids, imported
 from .model.llama import Llama, init_weights, no_decay
 from .optim import AdamW, clip_grad_norm, learning_rate
@@ -94,7 +93,7 @@ class Trainer:
         self.pipeline = Pipeline(self.model, schedule, self.comm, self.sharded, self.tracer) if schedule else None
         self.optim = AdamW(self.sharded, t, no_decay)
         self.loader = BatchLoader(self.data.train, t.seq_len, t.global_batch, t.seed,
-                                  ctx.batch_index, ctx.size("batch"), self.data.shift)
+                                  ctx.batch_index, ctx.size("batch"), self.data.shift, self._eot)
         self.step = self.skipped = 0
         self.saver = train_state.Saver(ctx, self.comm, cfg)
         self.carried: dict[str, bytes] = {}  # hf.CARRIED files of the checkpoint it started from, kept in its own
@@ -112,18 +111,23 @@ class Trainer:
                 return load_data(data_settings(self.cfg))
         return self.ctx.local_first(load)
 
-    def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A batch's tokens and labels on this rank's device, cut to its part of each sequence under cp, and with
-        data.document_mask the document ids of the whole sequences."""
-        ids = document_ids(x, self.data.tokenizer.eot).to(self.ctx.device) if self.cfg.data.document_mask else None
+    def _local(self, x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None) -> tuple:
+        """A batch's tokens and labels on this rank's device, cut to its part of each sequence under cp, and its
+        document ids (data.document_mask) of the whole sequences."""
+        ids = None if ids is None else ids.to(self.ctx.device)
         return self.cp.shard(x.to(self.ctx.device)), self.cp.shard(y.to(self.ctx.device)), ids
+
+    @property
+    def _eot(self) -> int | None:
+        """The end of text whose positions batches give as document ids, with data.document_mask."""
+        return self.data.tokenizer.eot if self.cfg.data.document_mask else None
 
     # one step ---------------------------------------------------------------------------------
     def train_step(self) -> dict:
         t = self.cfg.train
         start = time.perf_counter()
         with self.tracer.span("data", "data"):
-            micro = [self._local(x, y) for x, y in self.loader.micro_batches(self.step, t.micro_batches)]
+            micro = [self._local(*batch) for batch in self.loader.micro_batches(self.step, t.micro_batches)]
         local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y, _ in micro)
         (global_tokens,) = self.comm.sum_scalars([local_tokens], "loss")
         empty = global_tokens == 0  # a batch of prompts only (data.jsonl_prompt_field): skipped, not 0 / 0
@@ -206,15 +210,15 @@ class Trainer:
         None once a rank has received a signal (asked before each batch, by all ranks together)."""
         t = self.cfg.train
         batches = eval_batches(self.data.val, t.seq_len, t.global_batch, t.eval_batches,
-                               self.ctx.batch_index, self.ctx.size("batch"), self.data.shift)
+                               self.ctx.batch_index, self.ctx.size("batch"), self.data.shift, self._eot)
         total = count = 0.0
         tracing, self.tracer.enabled = self.tracer.enabled, False
         try:
-            for x, y in batches:
+            for batch in batches:
                 if stop is not None and self._stop_heard(stop):
                     self.sharded.release()
                     return None
-                x, y, ids = self._local(x, y)
+                x, y, ids = self._local(*batch)
                 total += self.pipeline.forward(x, y, documents=ids) if self.pipeline else \
                     float(self.model.loss_sum(x, y, ids))
                 count += int((y != IGNORE_INDEX).sum())
@@ -543,7 +547,7 @@ def check_inputs(cfg: Config, data: TokenData) -> None:
             warnings.warn(f"train.eval_batches={t.eval_batches} batches of {t.global_batch} sequences go round the "
                           f"val split's {windows} sequences more than once: {-(-windows // t.global_batch)} cover it, "
                           f"in less time")
-    if data.shift and t.eval_every and all((y == IGNORE_INDEX).all() for _, y in eval_batches(
+    if data.shift and t.eval_every and all((y == IGNORE_INDEX).all() for _, y, _ in eval_batches(
             data.val, t.seq_len, t.global_batch, t.eval_batches, shift=data.shift)):
         warnings.warn(f"the validation's {t.eval_batches} batch(es) hold prompts only (data.jsonl_prompt_field): its "
                       f"loss, which counts answers only, is nan; raise data.val_fraction or train.eval_batches")

@@ -124,11 +124,11 @@ def test_a_prompts_tokens_are_inputs_but_not_targets(tmp_path):
     train_docs, _ = split_documents(docs, 0.1)
     stream = [i for _, text, k in train_docs for i in [*(b + 257 for b in text[:k].encode()), *text[k:].encode(), 256]]
     assert data.shift == 257 and data.train.tolist() == stream
-    [(x, y)] = eval_batches(data.train, 16, 2, 1, shift=data.shift)  # the windows at 0 and 16
+    [(x, y, _)] = eval_batches(data.train, 16, 2, 1, shift=data.shift)  # the windows at 0 and 16
     ids = [i - 257 * (i >= 257) for i in stream[:33]]
     assert x.tolist() == [ids[:16], ids[16:32]]
     assert y.tolist() == [[IGNORE_INDEX if stream[j] >= 257 else ids[j] for j in range(r + 1, r + 17)] for r in (0, 16)]
-    x, y = BatchLoader(data.train, 16, 4, 0, shift=data.shift).batch(0)
+    x, y, _ = BatchLoader(data.train, 16, 4, 0, shift=data.shift).batch(0)
     labels = y[y != IGNORE_INDEX].tolist()
     assert ((x >= 0) & (x < 257)).all() and labels and set(labels) <= set(b"0123456789 \n") | {256}
 
@@ -350,7 +350,7 @@ def test_batches_shard_across_ranks():
     t = tokens()
     whole = BatchLoader(t, 16, 8, seed=3)
     for step in (0, 1, 7):
-        x, y = whole.batch(step)
+        x, y, _ = whole.batch(step)
         parts = [BatchLoader(t, 16, 8, seed=3, batch_index=r, batch_count=4).batch(step) for r in range(4)]
         assert torch.equal(torch.cat([p[0] for p in parts]), x) and torch.equal(torch.cat([p[1] for p in parts]), y)
         assert x.shape == (8, 16) and x.dtype == torch.int64

@@ -2,10 +2,12 @@
 keeps parity in layouts of every cp mode, and it changes what a run learns from packed documents."""
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from sixfold.config import load_config
+from sixfold.data import BatchLoader, _windows
 from sixfold.model.documents import document_ids
 from sixfold.model.llama import Llama, init_weights
 from sixfold.train import train
@@ -15,6 +17,15 @@ from helpers import TINY, sixfold
 def test_the_end_of_text_closes_its_document():
     tokens = torch.tensor([[5, 0, 7, 7, 0, 0, 9], [1, 2, 3, 4, 5, 6, 7]])
     assert document_ids(tokens, 0).tolist() == [[0, 0, 1, 1, 1, 2, 3], [0] * 7]
+
+
+def test_a_prompts_end_of_text_closes_no_document():
+    """A chat template's marker that is the end of text (Llama 2's `</s>`) inside a prompt (held as id + shift):
+    the answer after it stays in the prompt's document; the end of text after the answer closes it."""
+    stream = np.array([1, 10 + 0, 10 + 2, 3, 0, 10 + 1, 4, 0, 5], dtype=np.uint16)  # shift 10, end of text 0
+    x, y, ids = _windows(stream, [0], 8, 10, 0)
+    assert x.tolist() == [[1, 0, 2, 3, 0, 1, 4, 0]] and ids.tolist() == [[0, 0, 0, 0, 0, 1, 1, 1]]
+    assert BatchLoader(stream, 8, 1, 0, shift=10).batch(0)[2] is None  # without data.document_mask
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective"])

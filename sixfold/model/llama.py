@@ -111,7 +111,7 @@ class Attention(nn.Module):
         qkv = linear(self.tp, x, self.stacked(), "column", sp, laid_out=self.laid_out)
         q, k, v = attention_heads(qkv.view(b, s, self.n_heads + 2 * self.n_kv_heads, self.head_dim),
                                   self.n_heads, self.n_kv_heads, t.cos, t.sin)
-        attend = partial(self.cp.attention, mask=t.mask) if t.context else \
+        attend = partial(_context_attention, self.cp, t=t) if t.context else \
             partial(self._local_attention, cache=t.cache, mask=t.mask)
         if self.recompute == "selective" and torch.is_grad_enabled() and t.cache is None:
             out = checkpoint(attend, q, k, v, use_reentrant=False)  # the core again in backward, not its saves
@@ -131,6 +131,13 @@ class Attention(nn.Module):
             causal = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               enable_gqa=self.n_kv_heads != self.n_heads)
+
+
+@torch.compiler.disable
+def _context_attention(cp: ContextParallel, q, k, v, t: Tokens) -> torch.Tensor:
+    """Attention over the cp group, eager in a compiled block: its collectives, and the ring's chunk pairs, which
+    follow the documents (a compiled block would guard on them, and compile again for each new pattern)."""
+    return cp.attention(q, k, v, t.mask)
 
 
 class MLP(nn.Module):

@@ -163,7 +163,7 @@ def document_masks(rank: Rank) -> int:
     (ContextParallel.document_mask): additive, in the compute dtype, over its b sequences of S tokens: [b, 1, S, S] on
     one rank and under Ulysses, [b, 1, S/cp, S] under all-gather KV; under the ring at most one [b, 1, n, n] and
     a flag per query [b, n] for each chunk pair it computes, with n = S / chunks (a pair that needs no mask has
-    none)."""
+    none), on the cp rank that computes the most pairs."""
     if not rank.cfg.data.document_mask or not rank.blocks:
         return 0
     cp, seq, b = rank.model.cp, rank.cfg.train.seq_len, rank.compute_bytes
@@ -172,7 +172,8 @@ def document_masks(rank: Rank) -> int:
         return b * rows * seq * seq
     if cp.mode == "allgather":
         return b * rows * seq // cp.size * seq
-    n, pairs = seq // cp.n_chunks, sum(a + 1 for a in cp.chunks)
+    n = seq // cp.n_chunks
+    pairs = max(sum(a + 1 for a in cp.chunks_of(r)) for r in range(cp.size))  # contiguous: the last rank's
     return pairs * rows * n * (b * n + 1)
 
 

@@ -51,8 +51,7 @@ memory = [e["args"] for e in sorted(json.loads(events.read_text())["traceEvents"
 peak = max(m["Total Allocated"] for m in memory) - (memory[0]["Total Allocated"] - memory[0]["Bytes"])
 saved = None
 if not trainer.pipeline:
-    x, y = next(iter(trainer.loader.micro_batches(1, cfg.train.micro_batches)))
-    x, y, ids = trainer._local(x, y)
+    x, y, ids = trainer._local(*trainer.loader.micro_batches(1, cfg.train.micro_batches)[0])
     with SavedTensors(trainer.model) as tensors:
         loss = trainer.model.loss_sum(x, y, ids)
     saved = tensors.nbytes
