@@ -78,11 +78,8 @@ class Trainer:
         self.model = self._build(lambda: Llama(cfg.model, tp, self.cp, mine, ExpertParallel(self.comm)).to(ctx.device))
         init_weights(self.model, t.seed)
         self.moe = {int(n.split(".")[1]): m for n, m in self.model.named_modules() if isinstance(m, MoE)}
-        if t.compile:  # the blocks' forward only: the sharding hooks around them stay eager
-            for m in self.moe.values():  # eager: its shapes and collectives follow the routing
-                m.forward = torch.compiler.disable(m.forward)
-            for block in self.model.layers.values():
-                block.forward = torch.compile(block.forward)
+        if t.compile:
+            self.model.compile_blocks()
         routing = routing_warning(cfg.model)
         if ctx.is_main and routing:
             warnings.warn(routing)

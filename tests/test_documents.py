@@ -1,6 +1,7 @@
 """Document masking (data.document_mask): a document packed after another reads as if alone, training with it
 keeps parity in layouts of every cp mode, and it changes what a run learns from packed documents."""
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from sixfold.config import load_config
 from sixfold.data import BatchLoader, _windows
 from sixfold.model.documents import document_ids
 from sixfold.model.llama import Llama, init_weights
+from sixfold.parallel.context import ring_masks
 from sixfold.train import train
 from helpers import TINY, sixfold
 
@@ -77,3 +79,23 @@ def test_the_mask_changes_what_a_run_computes(corpus, tmp_path):
                                  "train.steps=2", "train.eval_every=2", "train.eval_batches=1"])
         losses[masked] = [(m["loss"], m.get("val_loss")) for m in train(cfg)]
     assert losses[True][0][0] != losses[False][0][0] and losses[True][-1][1] != losses[False][-1][1], losses
+
+
+def test_a_compiled_block_keeps_the_rings_masks_out_of_its_guards():
+    """train.compile keeps context-parallel attention eager: a block compiled once runs every pattern of documents
+    (which ring chunk pairs are skipped, masked or left to causality) without compiling again, as eager does."""
+    model, eager = Llama(load_config(TINY).model), Llama(load_config(TINY).model)
+    init_weights(model, 0)
+    init_weights(eager, 0)
+    model.compile_blocks(backend="eager")
+    x = torch.randn(64, model.cfg.dim)
+    patterns, base = set(), model.tokens(2, 32, x.device)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for ends in ([], [5], [15, 16], [20], [3, 30], [16, 17, 18]):
+            tokens = torch.ones(2, 32, dtype=torch.long)
+            tokens[0, ends] = 0
+            masks = ring_masks(model.cp, document_ids(tokens, 0), torch.float32)
+            patterns.add(tuple((pair, m is None) for pair, (m, _) in sorted(masks.items())))
+            t = replace(base, context=True, mask=masks)
+            assert torch.allclose(model.layers["0"](x, t), eager.layers["0"](x, t), atol=1e-6, rtol=0)
+    assert len(patterns) >= 4

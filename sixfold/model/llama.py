@@ -111,13 +111,17 @@ class Attention(nn.Module):
         qkv = linear(self.tp, x, self.stacked(), "column", sp, laid_out=self.laid_out)
         q, k, v = attention_heads(qkv.view(b, s, self.n_heads + 2 * self.n_kv_heads, self.head_dim),
                                   self.n_heads, self.n_kv_heads, t.cos, t.sin)
-        attend = partial(_context_attention, self.cp, t=t) if t.context else \
+        attend = partial(self.context_attention, t=t) if t.context else \
             partial(self._local_attention, cache=t.cache, mask=t.mask)
         if self.recompute == "selective" and torch.is_grad_enabled() and t.cache is None:
             out = checkpoint(attend, q, k, v, use_reentrant=False)  # the core again in backward, not its saves
         else:
             out = attend(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b * s, -1), sp)
+
+    def context_attention(self, q, k, v, t: Tokens) -> torch.Tensor:
+        """Attention over the cp group."""
+        return self.cp.attention(q, k, v, t.mask)
 
     def _local_attention(self, q, k, v, cache: KVCache | None, mask: torch.Tensor | None) -> torch.Tensor:
         s, causal = q.shape[2], mask is None
@@ -131,13 +135,6 @@ class Attention(nn.Module):
             causal = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               enable_gqa=self.n_kv_heads != self.n_heads)
-
-
-@torch.compiler.disable
-def _context_attention(cp: ContextParallel, q, k, v, t: Tokens) -> torch.Tensor:
-    """Attention over the cp group, eager in a compiled block: its collectives, and the ring's chunk pairs, which
-    follow the documents (a compiled block would guard on them, and compile again for each new pattern)."""
-    return cp.attention(q, k, v, t.mask)
 
 
 class MLP(nn.Module):
@@ -251,6 +248,17 @@ class Llama(nn.Module):
         for i in stage.layers:
             x = self.layers[str(i)](x, t)
         return self.norm(x) if stage.head else x
+
+    def compile_blocks(self, **options) -> None:
+        """torch.compile each block's forward (train.compile; the sharding hooks around them stay eager). Inside, an
+        MoE layer stays eager (its shapes and collectives follow the routing), and so does context-parallel
+        attention (its collectives; the ring's chunk pairs follow the documents, and a compiled block would guard
+        on them and compile again for each pattern)."""
+        for block in self.layers.values():
+            if isinstance(block.mlp, MoE):
+                block.mlp.forward = torch.compiler.disable(block.mlp.forward)
+            block.attn.context_attention = torch.compiler.disable(block.attn.context_attention)
+            block.forward = torch.compile(block.forward, **options)
 
     @property
     def head_layer(self) -> nn.Module:
