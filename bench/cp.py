@@ -1,11 +1,14 @@
 """Context parallelism against sequence length: time of a forward and backward and bytes saved per rank.
 
     python bench/cp.py --seq 256 512 1024 2048 --cp 2 [--write]
+    python bench/cp.py --seq 256 1024 2048 --cp 2 --documents 100 [--write]
 
 One sequence of the benchmark model (configs/bench.yaml), fp32, on one process (cp=1) and on cp ranks in each
 mode (zigzag chunks); each a torchrun job (bench/common.py). A job counts the bytes autograd saves in its first
 forward (bench/activations.py), then times forward+backward after the warm-up; a repeat's time is the slowest
-rank's, the table shows the median over repeats (range).
+rank's, the table shows the median over repeats (range). With --documents N, each layout runs twice, causal over
+the whole sequence and within documents of N tokens (data.document_mask; the masks made in each forward), the
+two jobs next to each other.
 """
 from __future__ import annotations
 
@@ -23,13 +26,16 @@ SEQUENCES = 1
 
 
 def worker(args) -> None:
+    import torch
     import torch.distributed as dist
 
     from sixfold.activations import SavedTensors
 
     ctx, model, tokens = setup(args.config, "cp", args.seq_len, SEQUENCES, mode=args.mode)
+    # documents of args.documents tokens: each one's end of text is its last token
+    ids = torch.arange(args.seq_len)[None] // args.documents if args.documents else None
     with SavedTensors(model) as saved:
-        loss = model.loss_sum(tokens, tokens)
+        loss = model.loss_sum(tokens, tokens, ids)
     loss.backward()  # the first warm-up step
     times = []
     for _ in range(WARMUP - 1 + args.repeats):
@@ -37,10 +43,14 @@ def worker(args) -> None:
         if ctx.world_size > 1:
             dist.barrier()
         start = time.perf_counter()
-        model.loss_sum(tokens, tokens).backward()
+        model.loss_sum(tokens, tokens, ids).backward()
         times.append(time.perf_counter() - start)
     save_result(args.out, {"saved": saved.nbytes, "step_s": times[WARMUP - 1:]})
     ctx.close()
+
+
+def name(world: int, mode: str) -> str:
+    return f"cp={world}, {mode}" if world > 1 else "cp=1"
 
 
 def main() -> None:
@@ -50,6 +60,7 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--repeats", type=int, default=5, help=f"timed steps per job, after {WARMUP} warm-up steps")
     p.add_argument("--config", default=str(ROOT / "configs" / "bench.yaml"))
+    p.add_argument("--documents", type=int, default=0, help="also time attention within documents of this many tokens")
     add_write(p)
     p.add_argument("--worker", action="store_true")
     p.add_argument("--mode", choices=MODES, default="ring", help="(internal) the worker's cp mode")
@@ -60,28 +71,45 @@ def main() -> None:
         worker(args)
         return
     rev, load, others = revision(), os.getloadavg()[0], []
-    rows = ["| sequence | layout | s per forward+backward | vs cp=1 | saved per rank MiB | vs cp=1 |",
-            "|---|---|---|---|---|---|"]
+
+    def job(world: int, mode: str, seq: int, documents: int) -> tuple[list[float], int]:
+        ranks, busy = torchrun(__file__, world, "--worker", "--config", args.config, "--mode", mode, "--seq-len",
+                               str(seq), "--repeats", str(args.repeats), "--documents", str(documents))
+        others.append(busy)
+        return [max(r["step_s"][i] for r in ranks) for i in range(args.repeats)], max(r["saved"] for r in ranks)
+
+    layouts = [(1, "ring")] + [(args.cp, m) for m in args.modes]
+    if args.documents:
+        rows = ["| sequence | layout | causal s | within documents s | time ratio | causal saved MiB | within "
+                "documents saved MiB | memory ratio |", "|---|---|---|---|---|---|---|---|"]
+    else:
+        rows = ["| sequence | layout | s per forward+backward | vs cp=1 | saved per rank MiB | vs cp=1 |",
+                "|---|---|---|---|---|---|"]
     for seq in args.seq:
         base = None
-        for world, mode in [(1, "ring")] + [(args.cp, m) for m in args.modes]:
-            ranks, busy = torchrun(__file__, world, "--worker", "--config", args.config, "--mode", mode,
-                                   "--seq-len", str(seq), "--repeats", str(args.repeats))
-            others.append(busy)
-            step = [max(r["step_s"][i] for r in ranks) for i in range(args.repeats)]
-            saved = max(r["saved"] for r in ranks)
-            base = base or (statistics.median(step), saved)
-            name = f"cp={world}, {mode}" if world > 1 else "cp=1"
-            rows.append(f"| {seq} | {name} | {spread(step, 3)} | {statistics.median(step) / base[0]:.2f} | "
-                        f"{saved / 2 ** 20:.1f} | {saved / base[1]:.3f} |")
-            print(rows[-1], f"(other processes: {busy:.2f} cores)", flush=True)
+        for world, mode in layouts:
+            step, saved = job(world, mode, seq, 0)
+            if args.documents:
+                within, within_saved = job(world, mode, seq, args.documents)
+                rows.append(f"| {seq} | {name(world, mode)} | {spread(step, 3)} | {spread(within, 3)} | "
+                            f"{statistics.median(within) / statistics.median(step):.2f} | {saved / 2 ** 20:.1f} | "
+                            f"{within_saved / 2 ** 20:.1f} | {within_saved / saved:.3f} |")
+            else:
+                base = base or (statistics.median(step), saved)
+                rows.append(f"| {seq} | {name(world, mode)} | {spread(step, 3)} | "
+                            f"{statistics.median(step) / base[0]:.2f} | {saved / 2 ** 20:.1f} | {saved / base[1]:.3f} |")
+            print(rows[-1], flush=True)
     body = "\n".join([
         f"Command: `python bench/cp.py {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}  ", f"sixfold: {rev}  ",
-        f"Date: {time.strftime('%Y-%m-%d')}; {args.repeats} timed steps per job after {WARMUP} warm-up steps. Other "
+        f"Date: {time.strftime('%Y-%m-%d')}; {args.repeats} timed steps per job after {WARMUP} warm-up steps"
+        + (f"; documents of {args.documents} tokens" if args.documents else "") + ". Other "
         f"processes kept {statistics.median(others):.2f} cores busy in the median job, {max(others):.2f} at most; "
         f"load average (1 min) {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end"
         + (": a shared machine, read the times as rough." if max(others) > 0.5 else "."), "", *rows])
-    write_doc("cp", "Context parallelism against sequence length", body, args.write)
+    if args.documents:
+        write_doc("cp-documents", "Context parallelism within documents", body, args.write)
+    else:
+        write_doc("cp", "Context parallelism against sequence length", body, args.write)
     print(body)
 
 

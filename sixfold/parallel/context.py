@@ -333,7 +333,7 @@ class _Ring(torch.autograd.Function):
             ks, vs = (t.chunk(parts, dim=2) for t in kv)
             for i, j, causal, mask, empty in _blocks(cp, (cp.rank - step) % cp.size, masks):
                 attend = _kernels(q, mask is not None)[0]
-                block_out, block_lse, aux = attend(qs[i], ks[j], vs[j], causal and mask is None, scale, mask)
+                block_out, block_lse, aux = attend(qs[i], ks[j], vs[j], causal, scale, mask)
                 if mask is None:
                     ctx.aux[causal] = aux
                 block_out, block_lse = block_out.to(_sum_dtype(q.dtype)), block_lse.to(_sum_dtype(q.dtype))
@@ -375,7 +375,7 @@ class _Ring(torch.autograd.Function):
             for i, j, causal, mask, _ in _blocks(cp, (cp.rank - step) % cp.size, ctx.masks):
                 grads = _kernels(q, mask is not None)[1]
                 dqi, dk, dv = grads(dout[:, :, :, i], delta[:, :, :, i], qs[i], ks[j], vs[j], out[:, :, :, i],
-                                    lse[:, :, :, i], causal and mask is None, scale,
+                                    lse[:, :, :, i], causal, scale,
                                     ctx.aux[causal] if mask is None else None, mask)
                 dq[:, :, :, i] += dqi
                 dks[j].add_(dk)
