@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from .documents import within_documents
 from .fused import attention_heads, rms_norm, swiglu
 from .head_loss import chunked_head_loss
 from .moe import MoE
@@ -124,7 +125,9 @@ class Attention(nn.Module):
         return self.cp.attention(q, k, v, t.mask)
 
     def _local_attention(self, q, k, v, cache: KVCache | None, mask: torch.Tensor | None) -> torch.Tensor:
-        s, causal = q.shape[2], mask is None
+        if mask is not None:
+            return within_documents(q, k, v, mask)
+        s, causal = q.shape[2], True
         if cache is not None:
             past = cache.length
             k, v = cache.extend(self.layer, k, v)

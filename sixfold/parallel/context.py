@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import Comm
-from ..model.documents import additive, visible
+from ..model.documents import additive, visible, within_documents
 
 MODES = ("ring", "allgather", "ulysses")
 
@@ -129,8 +129,8 @@ class ContextParallel:
             k, v = (t.repeat_interleave(self.size // t.shape[1], dim=1) for t in (k, v))
         order = self._rank_order(q.shape[2], q.device).argsort()
         q, k, v = (_AllToAll.apply(t, self, _heads_to_tokens, _tokens_to_heads)[:, :, order] for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=k.shape[1] != q.shape[1])
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]) \
+            if mask is None else within_documents(q, k, v, mask)
         return _AllToAll.apply(out[:, :, order.argsort()], self, _tokens_to_heads, _heads_to_tokens)
 
 
