@@ -110,8 +110,7 @@ class Trainer:
 
     def _local(self, x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None) -> tuple:
         """A batch's tokens and labels on this rank's device, cut to its part of each sequence under cp, and its
-        document ids (data.document_mask) of the whole sequences."""
-        ids = None if ids is None else ids.to(self.ctx.device)
+        document ids (data.document_mask) of the whole sequences, left on the CPU (ContextParallel.document_mask)."""
         return self.cp.shard(x.to(self.ctx.device)), self.cp.shard(y.to(self.ctx.device)), ids
 
     @property

@@ -85,6 +85,31 @@ def test_the_ring_keeps_each_token_to_its_document(heads, kv_heads, kernels, mon
     assert all(m == (None, None) for m in ring_masks(ContextParallel(), whole_rows, torch.float64).values())
 
 
+@pytest.mark.parametrize("zigzag", [True, False])
+def test_the_ring_keeps_exactly_the_chunk_pairs_in_which_a_query_sees_a_key(zigzag):
+    """ring_masks decides from the documents of each chunk's first and last token: against each pair's whole
+    visibility, over random documents (short to longer than a row), on every rank of cp 2, 3 and 4."""
+    gen = torch.Generator().manual_seed(0)
+    for size in (2, 3, 4):
+        for rate in (0.01, 0.05, 0.2, 0.6):
+            ids = document_ids((torch.rand(3, 48 * size, generator=gen) < rate).long(), 1)
+            for rank in range(size):
+                cp = FakeRank(size, rank, zigzag)
+                n = ids.shape[1] // cp.n_chunks
+                span, usual = torch.arange(n), torch.ones(n, n, dtype=torch.bool)
+                masks = ring_masks(cp, ids, torch.float64)
+                for a in cp.chunks:
+                    for c in range(a + 1):
+                        seen = visible(ids, span + a * n, span + c * n)
+                        if not seen.any():
+                            assert (a, c) not in masks
+                        elif (seen == (usual.tril() if a == c else usual)).all():
+                            assert masks[a, c] == (None, None)
+                        else:
+                            mask, empty = masks[a, c]
+                            assert torch.equal(mask == 0, seen) and torch.equal(empty, ~seen.any(-1)[:, :, None])
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 def test_ring_in_bf16_on_a_cpu_is_as_close_as_fused_attention(heads, kv_heads):
     """The CPU's flash-attention kernels (bf16) inside the ring: output and gradients as close to fp64 as fused

@@ -241,7 +241,7 @@ class Llama(nn.Module):
         if documents is None or not self.layers:
             return t
         dtype = next(self.parameters()).dtype
-        return replace(t, mask=self.cp.document_mask(documents, t.shape[1], dtype))
+        return replace(t, mask=self.cp.document_mask(documents, t.shape[1], dtype, t.cos.device))
 
     def run(self, stage: Stage, x: torch.Tensor, t: Tokens) -> torch.Tensor:
         """One stage's forward: token ids [b, s] into the first stage, the hidden state [tokens, dim] into the

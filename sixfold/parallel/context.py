@@ -69,18 +69,19 @@ class ContextParallel:
             return self._allgather(q, k, v, mask)
         return self._ulysses(q, k, v, mask)
 
-    def document_mask(self, ids: torch.Tensor, local_len: int, dtype: torch.dtype):
+    def document_mask(self, ids: torch.Tensor, local_len: int, dtype: torch.dtype, device=None):
         """What this rank's attention needs to keep each token to its document, from the document ids [b, S] of the
-        whole sequences: the additive mask of its queries over the keys they meet ([b, 1, S, S] on one rank and under
-        Ulysses, [b, 1, S/cp, S] under all-gather KV); for the ring, per chunk pair (mine, theirs) in which a query
-        sees a key, what ring_masks says."""
-        device = ids.device
+        whole sequences (best on the CPU; the masks are made on `device`): the additive mask of its queries over the
+        keys they meet ([b, 1, S, S] on one rank and under Ulysses, [b, 1, S/cp, S] under all-gather KV); for the
+        ring, per chunk pair (mine, theirs) in which a query sees a key, what ring_masks says."""
+        if self.size > 1 and self.mode == "ring":
+            return ring_masks(self, ids, dtype, device)
+        ids = ids.to(device or ids.device)
         if self.size == 1 or self.mode == "ulysses":
-            whole = torch.arange(ids.shape[1], device=device)
+            whole = torch.arange(ids.shape[1], device=ids.device)
             return additive(visible(ids, whole, whole), dtype)
-        if self.mode == "allgather":
-            return additive(visible(ids, self.positions(local_len, device), self._rank_order(local_len, device)), dtype)
-        return ring_masks(self, ids, dtype)
+        return additive(visible(ids, self.positions(local_len, ids.device), self._rank_order(local_len, ids.device)),
+                        dtype)
 
     def comm_bytes(self, batch: int, heads: int, kv_heads: int, local: int, head_dim: int,
                    itemsize: int = 4, forward_only: bool = False) -> dict[str, int]:
@@ -277,19 +278,25 @@ def _pairs(cp: ContextParallel, owner: int):
     return [(i, j, a == c) for i, a in enumerate(mine) for j, c in enumerate(theirs) if c <= a]
 
 
-def ring_masks(cp: ContextParallel, ids: torch.Tensor, dtype: torch.dtype) -> dict:
+def ring_masks(cp: ContextParallel, ids: torch.Tensor, dtype: torch.dtype, device=None) -> dict:
     """Per chunk pair (mine, theirs) of global chunk indices in which a query sees a key: (additive mask
-    [b, 1, n, n], queries that see no key [b, 1, 1, n]), or (None, None) where causality alone is exact."""
-    n, device = ids.shape[1] // cp.n_chunks, ids.device
-    span = torch.arange(n, device=device)
-    pairs = [(a, c) for a in cp.chunks for c in range(a + 1)]
-    seen = torch.stack([visible(ids, span + a * n, span + c * n) for a, c in pairs])  # [pairs, b, 1, n, n]
-    usual = torch.ones(n, n, dtype=torch.bool, device=device)
-    exact = torch.stack([(s == (usual.tril() if a == c else usual)).all() for s, (a, c) in zip(seen, pairs)])
+    [b, 1, n, n] on `device`, queries that see no key [b, 1, 1, n]), or (None, None) where causality alone is exact.
+    Which pairs those are follows from the documents of each chunk's first and last token (a row's ids never
+    fall): given `ids` on the CPU, deciding it does not wait for the device."""
+    n = ids.shape[1] // cp.n_chunks
+    first, last = ids[:, ::n].cpu(), ids[:, n - 1::n].cpu()  # [b, chunks]
+    ids = ids.to(device or ids.device)
+    span = torch.arange(n, device=ids.device)
     masks = {}
-    for s, pair, (some, plain) in zip(seen, pairs, torch.stack([seen.flatten(1).any(1), exact], 1).tolist()):
-        if some:
-            masks[pair] = (None, None) if plain else (additive(s, dtype), ~s.any(-1)[:, :, None])
+    for a in cp.chunks:
+        for c in range(a + 1):
+            if c < a and not (last[:, c] == first[:, a]).any():
+                continue  # in every row the keys' documents end before the queries' first begins
+            if (first[:, c] == last[:, a]).all():
+                masks[a, c] = None, None  # one document in each row holds both chunks
+                continue
+            seen = visible(ids, span + a * n, span + c * n)
+            masks[a, c] = additive(seen, dtype), ~seen.any(-1)[:, :, None]
     return masks
 
 
