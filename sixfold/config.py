@@ -202,10 +202,14 @@ def _fields(obj) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(obj)}
 
 
-def _unknown(key: str, choices, where: str) -> ConfigError:
-    """Names the keys it may stand for: those it begins (dp: dp_replicate, dp_shard), else the closest."""
-    near = sorted(c for c in choices if c.startswith(key)) or difflib.get_close_matches(key, list(choices), n=1,
-                                                                                         cutoff=0.5)
+def _unknown(key: str, obj, where: str) -> ConfigError:
+    """Names the keys it may stand for: those it begins (dp: dp_replicate, dp_shard), else the closest, else (a key
+    given without its section: steps, dp) the sections' keys it begins."""
+    choices = _fields(obj)
+    near = sorted(c for c in choices if c.startswith(key)) or \
+        difflib.get_close_matches(key, list(choices), n=1, cutoff=0.5) or \
+        sorted(f"{c}.{k}" for c in choices if dataclasses.is_dataclass(getattr(obj, c))
+               for k in _fields(getattr(obj, c)) if k.startswith(key))
     named = " or ".join(f"'{where}{c}'" for c in near)
     hint = f"; did you mean {named}?" if near else f"; valid keys: {', '.join(sorted(choices))}"
     return ConfigError(f"unknown config key '{where}{key}'{hint}")
@@ -257,7 +261,7 @@ def _set(obj, path: list[str], value, where: str = "") -> None:
     fields = _fields(obj)
     key = path[0]
     if key not in fields:
-        raise _unknown(key, fields, where)
+        raise _unknown(key, obj, where)
     current = getattr(obj, key)
     if dataclasses.is_dataclass(current):
         if len(path) == 1:
@@ -486,6 +490,14 @@ def inert(m: ModelConfig) -> tuple[str, ...]:
             "linear": ("rope_low_freq", "rope_high_freq", "rope_original_len")}.get(m.rope_scaling, ())
 
 
+def check_bpe_size(cfg: Config) -> None:
+    """A BPE to be trained (data.tokenizer=bpe) must fit the model's vocabulary."""
+    if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"data.bpe_vocab_size={cfg.data.bpe_vocab_size} is more than model.vocab_size="
+                          f"{cfg.model.vocab_size}, which must hold every token: lower data.bpe_vocab_size or raise "
+                          f"model.vocab_size")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Refuse layouts and settings that cannot work, naming the setting to change."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -590,7 +602,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"parallel.zero=3 (sharded weights) and this layout has zero={p.zero}: leave it unset or "
                           f"set parallel.zero=3")
     if t.seq_len > m.max_seq_len:
-        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}: set train.seq_len to "
+                          f"at most {m.max_seq_len}, or raise model.max_seq_len")
     if t.skip_nonfinite < 0:
         raise ConfigError(f"train.skip_nonfinite={t.skip_nonfinite} must be 0 (stop at the first) or more")
     if not 0 <= t.seed < SEEDS:
@@ -645,12 +658,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not cfg.data.cache_dir.strip():
         raise ConfigError("data.cache_dir is empty: set it to the directory that keeps the tokenized corpus "
                           "(by default ~/.cache/sixfold)")
-    # (a run from a checkpoint named, which may hold its tokenizer, may train none: refused with the size if it must)
-    if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > m.vocab_size and \
-            cfg.checkpoint.resume in ("", "auto"):
-        raise ConfigError(f"data.bpe_vocab_size={cfg.data.bpe_vocab_size} is more than model.vocab_size="
-                          f"{m.vocab_size}, which must hold every token: lower data.bpe_vocab_size or raise "
-                          f"model.vocab_size")
+    if not cfg.checkpoint.resume:  # (a checkpoint may hold its tokenizer: then no BPE is trained, see data_settings)
+        check_bpe_size(cfg)
     for key in ("precision", "grad_reduce"):
         if getattr(t, key) not in DTYPES:
             raise ConfigError(f"train.{key}={getattr(t, key)!r}: choose fp32 or bf16")
@@ -660,7 +669,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if d.jsonl_prompt_field and (d.source == "stdlib" or d.format in ("text", "bin")):
         raise ConfigError(f"data.jsonl_prompt_field={d.jsonl_prompt_field!r} reads prompts from JSON lines, and "
                           f"data.source={d.source!r} with data.format={d.format} is not; point data.source at .jsonl "
-                          f"files, or leave it unset")
+                          f"files, or leave data.jsonl_prompt_field unset")
     if d.jsonl_prompt_field == d.jsonl_field:
         raise ConfigError(f"data.jsonl_prompt_field={d.jsonl_prompt_field!r} is data.jsonl_field too; name the field "
                           f"of the prompt and the field of the text that follows it")

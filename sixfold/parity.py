@@ -1,7 +1,8 @@
 """The parity contract: a layout reproduces the single-process run of the same global batch.
 
 Metrics (fp32):
-- losses: relative difference |layout - reference| / |reference| at every step, at most LOSS_RTOL;
+- losses: relative difference |layout - reference| / |reference| at every step, at most LOSS_RTOL (a step both
+  skipped without a loss, nan, as a batch of prompts only is, agrees);
 - weights: per parameter, RMS(layout - reference) / RMS(reference) after the last step, at most WEIGHT_RTOL.
 A run resumed from a checkpoint is compared from the step it resumed at.
 
@@ -118,9 +119,14 @@ def _weight_diff(layout_dir: Path, reference_dir: Path) -> tuple[float, str]:
     return weight_rel, worst
 
 
+def _lossless(step: dict) -> bool:
+    return step.get("skipped", False) and math.isnan(step["loss"])
+
+
 def compare(layout_dir: Path, reference_dir: Path, layout: str) -> ParityResult:
     a, b = _steps(layout_dir, reference_dir)
-    loss_rel = max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(a, b))
+    loss_rel = max(0.0 if _lossless(x) and _lossless(y) else abs(x["loss"] - y["loss"]) / abs(y["loss"])
+                   for x, y in zip(a, b))
     if math.isnan(loss_rel):
         loss_rel = math.inf
     return ParityResult(layout, len(a), loss_rel, *_weight_diff(layout_dir, reference_dir))

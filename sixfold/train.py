@@ -19,8 +19,8 @@ import torch
 from . import checkpoint as ckpt
 from . import ledger, train_state
 from .comm import Comm
-from .config import (DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, check_available, check_tensorboard,
-                     SUMMARIES, make_run_dir, shown)
+from .config import (DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, check_available, check_bpe_size,
+                     check_tensorboard, SUMMARIES, make_run_dir, shown)
 from .console import console
 from .data import BatchLoader, BPETokenizer, DataError, TokenData, eval_batches, load_data, with_tokenizer
 from .logs import RunLog, start_metrics
@@ -170,7 +170,8 @@ class Trainer:
                           f"; step skipped, weights unchanged")
         elapsed = time.perf_counter() - start
         expert_load = self._expert_load()
-        return {"step": self.step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": skip,
+        return {"step": self.step, "loss": math.nan if empty else loss_value, "grad_norm": grad_norm, "lr": lr,
+                "skipped": skip,
                 "tokens_per_s": t.global_batch * t.seq_len / elapsed, "step_s": elapsed,
                 "comm_bytes": self.comm.ledger.end_step(self.step), **expert_load}
 
@@ -281,10 +282,15 @@ class Trainer:
             if changed and self.ctx.is_main:  # allowed (a lower lr after a divergence, more steps), but said
                 named = ", ".join(f"train.{k}={shown(b)} (the checkpoint's run: {shown(a)})"
                                   for k, (a, b) in changed.items())
-                before = learning_rate(replace(self.cfg.train, **{k: a for k, (a, _) in changed.items()}), self.step)
+                then = replace(self.cfg.train, **{k: a for k, (a, _) in changed.items()})
                 now = learning_rate(self.cfg.train, self.step)
-                lr = (f"; the learning rate of step {self.step + 1} is {now:.3g} ({before:.3g} in the checkpoint's "
-                      f"run)") if now != before else ""
+                if self.step >= then.steps:  # a step the checkpoint's run did not have
+                    lr = (f"; the learning rate of step {self.step + 1} is {now:.3g} (the checkpoint's run ended at "
+                          f"step {then.steps}, at {learning_rate(then, then.steps - 1):.3g})")
+                else:
+                    before = learning_rate(then, self.step)
+                    lr = (f"; the learning rate of step {self.step + 1} is {now:.3g} ({before:.3g} in the checkpoint's "
+                          f"run)") if now != before else ""
                 warnings.warn(f"resuming {checkpoint.path} with {named}: the learning-rate schedule and AdamW go "
                               f"on with the new values from step {self.step}{lr}")
             micro = diffs.get("micro_batches")
@@ -510,21 +516,24 @@ def resume_path(cfg: Config) -> str:
 def data_settings(cfg: Config) -> DataConfig:
     """cfg.data; but with data.tokenizer=bpe, a run resuming a checkpoint that holds its trained tokenizer reads
     that one: trained again on a changed corpus, BPE would give the model's token ids other meanings. A checkpoint
-    that is not there is refused before the corpus is read."""
+    that is not there, or a BPE to be trained that the model's vocabulary cannot hold, is refused before the corpus
+    is read."""
     resume = resume_path(cfg)
     if resume:
         ckpt.find_checkpoint(resume)
-    if cfg.data.tokenizer != "bpe" or not resume:
+    if cfg.data.tokenizer != "bpe":
         return cfg.data
-    try:
-        with warnings.catch_warnings():  # said again where the checkpoint is loaded
-            warnings.simplefilter("ignore")
-            checkpoint = ckpt.Checkpoint(resume)
-    except ckpt.CheckpointError:  # refused where it is loaded
-        return cfg.data
-    if "tokenizer.json" not in checkpoint.meta.get("files", {}):  # a byte-level run's, or an imported model's
-        return cfg.data
-    return with_tokenizer(cfg.data, checkpoint.blob("tokenizer.json"))
+    if resume:
+        try:
+            with warnings.catch_warnings():  # said again where the checkpoint is loaded
+                warnings.simplefilter("ignore")
+                checkpoint = ckpt.Checkpoint(resume)
+        except ckpt.CheckpointError:  # refused where it is loaded
+            return cfg.data
+        if "tokenizer.json" in checkpoint.meta.get("files", {}):  # not a byte-level run's, nor an imported model's
+            return with_tokenizer(cfg.data, checkpoint.blob("tokenizer.json"))
+    check_bpe_size(cfg)
+    return cfg.data
 
 
 def check_inputs(cfg: Config, data: TokenData) -> None:
@@ -533,15 +542,18 @@ def check_inputs(cfg: Config, data: TokenData) -> None:
     sample prompt longer than the model takes, a checkpoint to resume from that is not there."""
     t = cfg.train
     if data.tokenizer.vocab_size > cfg.model.vocab_size:
+        resume = resume_path(cfg)  # its embeddings are that many
+        fix = f"train from {resume} with the tokenizer it was trained with (data.tokenizer=bpe reads the one it " \
+              f"holds, if it holds one)" if resume else f"set model.vocab_size>={data.tokenizer.vocab_size}"
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                          f"{data.tokenizer.vocab_size} tokens; set model.vocab_size>={data.tokenizer.vocab_size}")
+                          f"{data.tokenizer.vocab_size} tokens (data.tokenizer={cfg.data.tokenizer}); {fix}")
     BatchLoader(data.train, t.seq_len, t.global_batch, t.seed)
     if t.eval_every:
         eval_batches(data.val, t.seq_len, t.global_batch, 1)
         windows = (len(data.val) - 1) // t.seq_len
         if (t.eval_batches - 1) * t.global_batch >= windows:
             warnings.warn(f"train.eval_batches={t.eval_batches} batches of {t.global_batch} sequences go round the "
-                          f"val split's {windows} sequences more than once: {-(-windows // t.global_batch)} cover it, "
+                          f"val split's {windows} sequences more than once: {-(-windows // t.global_batch)} batch(es) cover it, "
                           f"in less time")
     if data.shift and t.eval_every and all((y == IGNORE_INDEX).all() for _, y, _ in eval_batches(
             data.val, t.seq_len, t.global_batch, t.eval_batches, shift=data.shift)):

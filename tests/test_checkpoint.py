@@ -14,13 +14,13 @@ from sixfold import cli
 from sixfold.checkpoint import (Checkpoint, CheckpointError, complete_steps, find_checkpoint, publish, start_staging,
                                 write_tensors)
 from sixfold.config import RUN_CONFIG_HEAD, ConfigError, load_config
-from sixfold.data import DataError
+from sixfold.data import BPETokenizer, DataError, load_data
 from sixfold.logs import read_metrics
 from sixfold.mesh import ParallelContext
 from sixfold.parallel.tensor import Split
 from sixfold.run_lock import RunLock
 from sixfold.slices import Cut, Reader
-from sixfold.train import Trainer, data_settings, train
+from sixfold.train import Trainer, check_inputs, data_settings, train
 from sixfold.train_state import build_index, slice_key
 from helpers import TINY, sixfold
 
@@ -353,7 +353,7 @@ def test_resuming_on_other_text_of_the_same_length_or_with_other_settings_warns(
     assert any("the training data differ from the checkpoint's (as many tokens, but other ones)" in m for m in said)
     assert any("with train.steps=2 (the checkpoint's run: 1), train.lr=0.001 (the checkpoint's run: 0.003): the "
                "learning-rate schedule and AdamW go on with the new values from step 1; the learning rate of step 2 "
-               "is 0.001 (0.003 in the checkpoint's run)" in m for m in said), said
+               "is 0.001 (the checkpoint's run ended at step 1, at 0.0015)" in m for m in said), said
 
 
 def test_a_checkpoint_to_start_from_that_is_not_there_is_named_before_the_corpus_is_read(tmp_path):
@@ -398,6 +398,17 @@ def test_resuming_with_another_tokenizer_is_refused(saved, tmp_path):
         Trainer(cfg, ParallelContext.single())
 
 
+def test_a_tokenizer_larger_than_the_checkpoint_s_vocabulary_is_refused_naming_the_checkpoint(saved, tmp_path):
+    """Raising model.vocab_size would not do: the checkpoint's embeddings are that many."""
+    tok = tmp_path / "tokenizer.json"
+    BPETokenizer.train([Path(json.__file__).read_text(), Path(shutil.__file__).read_text()], 400).save(tok)
+    cfg = load_config(TINY, [f"checkpoint.resume={saved}", f"data.tokenizer={tok}", f"data.cache_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=f"model.vocab_size=320 is smaller than the tokenizer's 400 tokens "
+                                          f"\\(data.tokenizer={tok}\\); train from {saved} with the tokenizer it was "
+                                          f"trained with \\(data.tokenizer=bpe reads the one it holds, if it holds one\\)"):
+        check_inputs(cfg, load_data(data_settings(cfg)))
+
+
 def test_a_bpe_run_resumes_with_its_own_tokenizer_after_the_corpus_changed(tmp_path):
     """data.tokenizer=bpe trained again on the changed corpus would be another tokenizer: the checkpoint's is read."""
     corpus = tmp_path / "corpus"
@@ -412,6 +423,21 @@ def test_a_bpe_run_resumes_with_its_own_tokenizer_after_the_corpus_changed(tmp_p
     with pytest.warns(UserWarning, match="the training data differ from the checkpoint's"):
         trainer = Trainer(load_config(TINY, [*common, "train.steps=2"]), ParallelContext.single())
     assert trainer.step == 1 and trainer.data.tokenizer.name == saved["data"]["tokenizer"]
+
+
+def test_a_bpe_run_of_a_small_vocabulary_resumes_by_auto_without_restating_its_size(tmp_path):
+    """data.bpe_vocab_size (2048 by default) above model.vocab_size is refused, before the corpus is read, only where
+    a BPE would be trained: not for a run going on with its checkpoint's tokenizer (checkpoint.resume=auto)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def alpha(x):\n    return x + 5\n" * 300)
+    common = [f"log.run_dir={tmp_path / 'run'}", f"data.source={corpus}", "data.tokenizer=bpe", "model.vocab_size=300",
+              f"data.cache_dir={tmp_path / 'cache'}", "checkpoint.resume=auto"]
+    with pytest.raises(ConfigError, match="data.bpe_vocab_size=2048 is more than model.vocab_size=300, which must "
+                                          "hold every token: lower data.bpe_vocab_size"):
+        data_settings(load_config(TINY, common))  # nothing to resume yet
+    train(load_config(TINY, [*common, "data.bpe_vocab_size=300", "train.steps=1"]))
+    trainer = Trainer(load_config(TINY, [*common, "train.steps=2"]), ParallelContext.single())
+    assert trainer.step == 1 and trainer.data.tokenizer.vocab_size <= 300
 
 
 def test_a_run_resumed_from_an_earlier_step_moves_the_later_checkpoints_aside(tmp_path):

@@ -30,6 +30,8 @@ def test_unknown_key_names_nearest():
         load_config(None, ["trian.lr=1"])
     with pytest.raises(ConfigError, match="'parallel.dp'; did you mean 'parallel.dp_replicate' or 'parallel.dp_shard'"):
         load_config(None, ["parallel.dp=2"])
+    with pytest.raises(ConfigError, match="unknown config key 'steps'; did you mean 'train.steps'\\?"):
+        load_config(None, ["steps=10"])  # its section left out
 
 
 def test_unknown_key_in_yaml(tmp_path):

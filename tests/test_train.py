@@ -289,8 +289,12 @@ def test_a_batch_of_prompts_only_is_skipped_and_a_validation_of_prompts_only_is_
     assert any("the validation's 2 batch(es) hold prompts only (data.jsonl_prompt_field)" in m for m in said), said
     assert math.isnan(history[-1]["val_loss"])
     empty = [m for m in history if m.get("skipped")]
-    assert empty and all(m["loss"] == 0 for m in empty), history
+    assert empty and all(math.isnan(m["loss"]) and m["grad_norm"] == 0 for m in empty), history
     assert any(f"step {empty[0]['step']}: its batch holds prompts only, no token to learn" in m for m in said), said
+    proc = sixfold("check", TINY, f"data.source={corpus}", "data.jsonl_field=answer", "data.jsonl_prompt_field=prompt",
+                   f"data.cache_dir={tmp_path / 'cache'}", "data.val_fraction=0.05", "train.micro_batches=2",
+                   "--steps", "3")  # the skipped steps have no loss in either run
+    assert proc.stdout.strip().splitlines()[-1].startswith("parity OK"), proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def test_check_removes_its_temporary_runs_when_parity_holds(tmp_path, monkeypatch, capsys):
