@@ -675,8 +675,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"of the prompt and the field of the text that follows it")
     if cfg.data.bin_dtype not in ("uint16", "uint32"):
         raise ConfigError(f"data.bin_dtype={cfg.data.bin_dtype!r}: choose uint16 or uint32")
-    if not 0 < cfg.data.val_fraction < 1:
+    if not 0 <= cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction}, the share held out for validation, must be "
-                          f"above 0 and below 1")
+                          f"0 or more and below 1")
+    if not cfg.data.val_fraction and t.eval_every:
+        raise ConfigError(f"train.eval_every={t.eval_every} evaluates on the val split, which data.val_fraction=0 "
+                          f"leaves empty: set data.val_fraction above 0, or train.eval_every=0")
     if cfg.log.every < 1:
         raise ConfigError("log.every must be at least 1")

@@ -397,8 +397,8 @@ def iter_documents(cfg: DataConfig) -> list[tuple]:
 
 def split_documents(docs, val_fraction: float):
     """(train, val) by a stable hash of each id; both non-empty when there are at least two documents (one
-    document is train, its tokens split later)."""
-    if len(docs) == 1:
+    document is train, its tokens split later) and val_fraction is above 0 (at 0, every document is train)."""
+    if len(docs) == 1 or not val_fraction:
         return list(docs), []
     keys = [int.from_bytes(hashlib.sha256(d.encode()).digest()[:8], "big") / 2 ** 64 for d, *_ in docs]
     is_val = [k < val_fraction for k in keys]
@@ -448,7 +448,12 @@ class TokenData:
 def _val_count(n: int, val_fraction: float) -> int:
     if n < 2:
         raise DataError(f"the corpus has {n} token(s); at least 2 are needed for train and val; add data")
-    return min(n - 1, max(1, int(n * val_fraction)))
+    return min(n - 1, max(1, int(n * val_fraction))) if val_fraction else 0
+
+
+def _open(path, dtype) -> np.ndarray:
+    """A token stream read in place (an empty one, as data.val_fraction=0 leaves the val split, cannot be mapped)."""
+    return np.memmap(path, dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
 
 
 def _chunks(docs, size: int = 1 << 23):
@@ -483,7 +488,7 @@ def _write_cache(tok, train_docs, val_docs, train_path: Path, val_path: Path, va
             _write_stream(train_tmp, tok, train_docs, dtype, shift)
             if val_docs:
                 _write_stream(val_tmp, tok, val_docs, dtype, shift)
-            else:  # a single document: its last val_fraction of tokens is the val split
+            else:  # a single document (or none held out): its last val_fraction of tokens is the val split
                 tokens = np.memmap(train_tmp, dtype, mode="r")
                 cut = len(tokens) - _val_count(len(tokens), val_fraction)
                 tokens[cut:].tofile(val_tmp)
@@ -584,8 +589,7 @@ def _from_index(index: Path) -> TokenData | None:
             return None
         dtype = np.dtype(entry["dtype"])
         tok = ByteTokenizer() if entry["tokenizer"] == "byte" else BPETokenizer.from_file(entry["tokenizer"])
-        data = TokenData(np.memmap(entry["train"], dtype, mode="r"), np.memmap(entry["val"], dtype, mode="r"), tok,
-                         entry["shift"])
+        data = TokenData(_open(entry["train"], dtype), _open(entry["val"], dtype), tok, entry["shift"])
         said = [str(w) for w in entry.get("warnings", [])]
     except (OSError, ValueError, KeyError, TypeError, DataError):
         return None
@@ -633,7 +637,7 @@ def load_data(cfg: DataConfig) -> TokenData:
                                        "shift": shift, "tokenizer": tok_file,
                                        "warnings": [str(w.message) for w in said],
                                        "stamps": [_stamp(train_path), _stamp(val_path)]}))
-    return TokenData(np.memmap(train_path, dtype, mode="r"), np.memmap(val_path, dtype, mode="r"), tok, shift)
+    return TokenData(_open(train_path, dtype), _open(val_path, dtype), tok, shift)
 
 
 # ---- batches ----

@@ -236,6 +236,23 @@ def test_single_file_is_split_by_tokens(tmp_path, val_fraction):
     assert data.val[-1] == 256 and data.train[0] == TEXT.encode()[0]
 
 
+def test_a_val_fraction_of_0_trains_on_every_token(tmp_path):
+    """Text files, one file, token files: the val split is empty (read again from the cache too), nothing is lost."""
+    root = write_corpus(tmp_path / "corpus")
+    held = load_data(cfg(tmp_path, source=str(root), val_fraction=0.1))
+    for _ in range(2):
+        data = load_data(cfg(tmp_path, source=str(root), val_fraction=0))
+        assert len(data.val) == 0 and len(data.train) == len(held.train) + len(held.val)
+    one = tmp_path / "one.txt"
+    one.write_text(TEXT)
+    assert len(load_data(cfg(tmp_path, source=str(one), val_fraction=0)).val) == 0
+    tokens = np.arange(300, dtype=np.uint16) % 257
+    tokens.tofile(tmp_path / "t.bin")
+    data = load_data(cfg(tmp_path, source=str(tmp_path / "t.bin"), val_fraction=0))
+    assert len(data.val) == 0 and np.array_equal(data.train, tokens)
+    BatchLoader(data.train, 8, 4, 0).batch(0)
+
+
 def test_max_bytes_reads_a_file_only_as_far_as_it_needs(tmp_path):
     """Bytes past data.max_bytes are not read: here they are not even UTF-8, and a character the limit cuts is
     left out."""
