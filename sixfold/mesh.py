@@ -7,6 +7,7 @@ pipeline ranks (a tied embedding and head), every other rank alone.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -106,6 +107,19 @@ class ParallelDims:
         if name == "ep":
             return a["edp"] == b["edp"]
         return a["ep"] == b["ep"]
+
+    @functools.lru_cache(maxsize=None)  # the planner asks for every group of every stage of every layout
+    def crosses_nodes(self, name: str, per_node: int) -> bool:
+        """Whether some group of kind `name` holds ranks of two nodes, ranks filling nodes of `per_node` in order."""
+        node = (torch.arange(self.world_size) // per_node).view([getattr(self, d) for d in reversed(ORDER)])
+        if name in ("ep", "edp"):  # [pp, dp_replicate, dp_shard * cp / ep, ep, tp]
+            node = node.flatten(2, 3).unflatten(2, (-1, self.ep))
+            vary = (3,) if name == "ep" else (1, 2)
+        elif name == "pp_ends":
+            node, vary = node[[0, self.pp - 1]], (0,)
+        else:
+            vary = tuple(ORDER[::-1].index(d) for d in GROUP_DIMS[name])
+        return bool((node.amax(vary) != node.amin(vary)).any())
 
     def all_groups(self, name: str) -> list[tuple[int, ...]]:
         """Every group of kind `name`: a partition of the world."""

@@ -54,3 +54,15 @@ def test_ep_with_replicas():
 def test_bad_ep():
     with pytest.raises(ConfigError, match="parallel.ep=3 must divide"):
         ParallelDims(dp_shard=2, ep=3)
+
+
+def test_a_group_crosses_nodes_where_any_of_its_kind_holds_ranks_of_two():
+    """Against every group's ranks: tp=4 on nodes of 6 GPUs crosses (ranks 4-7), though rank 0's group does not."""
+    shapes = [dict(tp=4, dp_shard=3), dict(cp=4, dp_replicate=3), dict(pp=3, tp=2, dp_shard=2),
+              dict(pp=2, dp_replicate=2, dp_shard=2, cp=2, tp=2, ep=4), dict(dp_shard=3, cp=2, ep=3)]
+    for shape, per_node in itertools.product(shapes, (1, 2, 3, 4, 6, 8, 12)):
+        d = ParallelDims(**shape)
+        for name in GROUP_NAMES:
+            whole = any(len({r // per_node for r in g}) > 1 for g in d.all_groups(name))
+            assert d.crosses_nodes(name, per_node) == whole, (shape, per_node, name)
+    assert ParallelDims(tp=4, dp_shard=3).crosses_nodes("tp", 6)

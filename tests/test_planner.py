@@ -139,7 +139,19 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     assert "lower train.seq_len, or add GPUs" in capsys.readouterr().err
     assert cli.main(["plan", TINY, "parallel.tp=2", "--gpus", "2", "--nodes", "2"]) == 0
     out = capsys.readouterr().out
-    assert "memory per rank (MB)" in out and "note: tp=2 spans nodes (1 GPU(s) each)" in out
+    assert "memory per rank (MB)" in out and "note: tp=2 groups span nodes (1 GPU(s) each)" in out
+
+
+def test_a_group_kind_pays_the_network_where_any_of_its_groups_spans_nodes(capsys):
+    """tp=4 on nodes of 6 GPUs: rank 0's group lies in node 0, ranks 4-7's across nodes 0 and 1."""
+    cfg = load_config("configs/llama3-8b.yaml", ["train.precision=bf16", "train.global_batch=6", "parallel.tp=4",
+                                                 "parallel.dp_shard=3", "parallel.zero=3"])
+    one, two = (plan(cfg, DEVICES["h100"], per_node).stages[0].estimate.comm_s for per_node in (12, 6))
+    h100 = DEVICES["h100"]
+    assert two["tp"] == pytest.approx(one["tp"] * h100.intra_bw / h100.inter_bw)
+    assert cli.main(["plan", "configs/llama3-8b.yaml", "train.precision=bf16", "train.global_batch=6",
+                     "parallel.tp=4", "parallel.dp_shard=3", "parallel.zero=3", "--gpus", "12", "--nodes", "2"]) == 0
+    assert "note: tp=4 groups span nodes (6 GPU(s) each)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])

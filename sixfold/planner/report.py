@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 
+from ..mesh import ParallelDims
 from .plan import Plan
 
 GB = 1e9
@@ -32,9 +33,13 @@ def describe(p: Plan, device: str, gpus: int, nodes: int) -> str:
                   f"{worst.bubble:.1%}, traffic ms on the wire: {comm or 'none'}",
               f"estimated step {num(p.step_s * 1e3)} ms, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}; "
               f"{'fits' if p.fits else 'does NOT fit'} in memory"]
-    if cfg.parallel.tp > gpus // nodes:
-        lines.append(f"note: tp={cfg.parallel.tp} spans nodes ({gpus // nodes} GPU(s) each), so its collectives, on "
-                     f"the critical path of every layer, cross the network; keep tp within a node")
+    dims = ParallelDims.from_config(cfg.parallel)
+    crossing = [g for g in ("tp", "cp") if getattr(cfg.parallel, g) > 1 and dims.crosses_nodes(g, gpus // nodes)]
+    if crossing:
+        named = " and ".join(f"{g}={getattr(cfg.parallel, g)}" for g in crossing)
+        lines.append(f"note: {named} groups span nodes ({gpus // nodes} GPU(s) each), so their collectives, on the "
+                     f"critical path of every layer, cross the network; keep them within a node (tp x cp dividing "
+                     f"the GPUs per node)")
     return "\n".join(lines)
 
 

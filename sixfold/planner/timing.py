@@ -95,19 +95,15 @@ def flops(rank: Rank) -> float:
     return matmul + attention + extra
 
 
-def _spans_nodes(rank: Rank, group: str, per_node: int) -> bool:
-    members = rank.ctx.members(group)
-    return len({r // per_node for r in members}) > 1
-
-
 def estimate(rank: Rank, device: Device, per_node: int) -> Estimate:
-    """`per_node`: GPUs per node; ranks fill nodes in order (tp innermost)."""
+    """`per_node`: GPUs per node; ranks fill nodes in order (tp innermost). A group kind's collectives run at the
+    network's bandwidth if any group of that kind spans nodes (the step waits for the slowest)."""
     compute = flops(rank) / (peak(device, rank.cfg.train.precision) * EFFICIENCY)
     comm: dict[str, float] = {}
     for key, nbytes in step_bytes(rank).items():
         group, op = key.split("/")
         n = rank.ctx.size(group)
-        bw = device.inter_bw if _spans_nodes(rank, group, per_node) else device.intra_bw
+        bw = device.inter_bw if rank.ctx.dims.crosses_nodes(group, per_node) else device.intra_bw  # any group
         comm[group] = comm.get(group, 0.0) + nbytes * WIRE[op](n) / bw
     bubble = rank.pipeline.bubble if rank.pipeline else 0.0
     hidden = sum(v for g, v in comm.items() if g in HIDDEN)
