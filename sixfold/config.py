@@ -498,8 +498,20 @@ def check_bpe_size(cfg: Config) -> None:
                           f"model.vocab_size")
 
 
+def _check_sizes(cfg: Config) -> None:
+    """Every whole-number setting below 2**31 (steps, batches, lengths, counts: a larger one overflows where it
+    is used), but data.max_bytes (below 2**63) and the seed (checked on its own)."""
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
+        for key, typ in typing.get_type_hints(type(obj)).items():
+            value, limit = getattr(obj, key), 63 if key == "max_bytes" else 31
+            if typ is int and key != "seed" and abs(value) >= 2**limit:
+                raise ConfigError(f"{section.name}.{key}={value} must be below 2**{limit}")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Refuse layouts and settings that cannot work, naming the setting to change."""
+    _check_sizes(cfg)
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero={p.zero}: choose 0 (replicate), 1 (optimizer state sharded), "
@@ -548,8 +560,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if not 0 <= getattr(m, key) < math.inf:
             raise ConfigError(f"model.{key}={getattr(m, key)} must be 0 (off) or a positive number")
     for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
-        if not 1 <= getattr(m, key) < 2**31:
-            raise ConfigError(f"model.{key}={getattr(m, key)} must be from 1 to 2**31 - 1")
+        if getattr(m, key) < 1:
+            raise ConfigError(f"model.{key}={getattr(m, key)} must be at least 1")
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
     if m.head_dim % 2:

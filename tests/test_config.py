@@ -115,9 +115,10 @@ def test_bad_values(tmp_path):
     (["data.val_fraction=1"], "data.val_fraction=1.0, the share held out for validation, must be 0 or more and below 1"),
     (["data.val_fraction=0", "train.eval_every=5"], "train.eval_every=5 evaluates on the val split, which "
      "data.val_fraction=0 leaves empty: set data.val_fraction above 0, or train.eval_every=0"),
-    (["model.vocab_size=99999999999999999999"], "model.vocab_size=99999999999999999999 must be from 1 to 2\\*\\*31 - 1"),
+    (["model.vocab_size=99999999999999999999"], "model.vocab_size=99999999999999999999 must be below 2\\*\\*31"),
+    (["train.global_batch=99999999999999999999"], "train.global_batch=99999999999999999999 must be below 2\\*\\*31"),
     (["data.cache_dir="], "data.cache_dir is empty: set it to the directory that keeps the tokenized corpus"),
-    (["data.tokenizer=bpe", "data.bpe_vocab_size=4294967295"], "data.bpe_vocab_size=4294967295 is more than "
+    (["data.tokenizer=bpe", "data.bpe_vocab_size=4096"], "data.bpe_vocab_size=4096 is more than "
      "model.vocab_size=320, which must hold every token"),
 ])
 def test_impossible_layouts(overrides, message):
