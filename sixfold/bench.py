@@ -48,6 +48,9 @@ def workload_config(path: str | None, overrides: list[str], steps: int) -> Confi
     """CONFIG (default configs/bench.yaml) with the overrides, for `steps` steps; train.global_batch 4 per
     data-parallel rank unless an override sets it."""
     path = path or str(BENCH)
+    given = [o for o in overrides if o.split("=", 1)[0].strip() == "train.steps"]
+    if given:
+        raise ConfigError(f"{given[0]}: sixfold bench runs --steps N steps (default 10); give --steps instead")
     dp = load_config(path, overrides, check=False).parallel.dp
     cfg = load_config(path, [f"train.global_batch={ROWS_PER_RANK * dp}", *overrides, f"train.steps={steps}"])
     check_available(cfg)

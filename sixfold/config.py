@@ -318,7 +318,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
             _set(cfg, [str(k)], v)
         given |= _model_keys(["model"], data.get("model"))
     for item in overrides:
-        if "=" not in item:
+        if "=" not in item or not item.split("=", 1)[0].strip():
             raise ConfigError(f"override '{item}' must look like section.key=value")
         key, raw = item.split("=", 1)
         path = key.strip().split(".")
@@ -410,7 +410,7 @@ def check_world_size(p: ParallelConfig, world_size: int, name: str = "world size
         raise ConfigError(
             f"{name} {world_size} does not equal pp*dp_replicate*dp_shard*cp*tp = "
             f"{p.pp}*{p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp} = {p.world_size}; change the parallel.* sizes or "
-            + (remedy or f"launch {p.world_size} processes (--nproc {p.world_size})"))
+            + (remedy or f"launch {p.world_size} process{'es' if p.world_size > 1 else ''} (--nproc {p.world_size})"))
 
 
 SEEDS = 2 ** 63  # a seed is below this (torch.Generator takes 64-bit seeds; sixfold's are non-negative)

@@ -258,7 +258,10 @@ class Trainer:
             raise on_every_rank(ckpt.CheckpointError(problem))
 
     def _load(self, where: str) -> None:
-        checkpoint = ckpt.Checkpoint(where)
+        with warnings.catch_warnings():  # what finding it warns of, said once
+            if not self.ctx.is_main:
+                warnings.simplefilter("ignore")
+            checkpoint = ckpt.Checkpoint(where)
         meta = checkpoint.meta
         own = _tokenizer_name(checkpoint)
         if own == self.data.tokenizer.name:  # its tokenizer's and generation's settings stay with the tokenizer
@@ -520,7 +523,7 @@ def data_settings(cfg: Config) -> DataConfig:
     is read."""
     resume = resume_path(cfg)
     if resume:
-        ckpt.find_checkpoint(resume)
+        _look_for(resume)
     if cfg.data.tokenizer != "bpe":
         return cfg.data
     if resume:
@@ -564,7 +567,14 @@ def check_inputs(cfg: Config, data: TokenData) -> None:
         raise ConfigError(f"log.sample_prompt is {prompt} tokens, more than model.max_seq_len={cfg.model.max_seq_len} "
                           f"that the sample after training may hold; shorten it, or set log.sample_tokens=0")
     if cfg.checkpoint.resume not in ("", "auto"):
-        ckpt.find_checkpoint(cfg.checkpoint.resume)
+        _look_for(cfg.checkpoint.resume)
+
+
+def _look_for(path: str) -> None:
+    """Refuse a checkpoint that is not there; what finding it warns of is said where it is loaded."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt.find_checkpoint(path)
 
 
 def resumes_here(cfg: Config) -> bool:

@@ -98,6 +98,8 @@ def test_max_seq_on_cpu_needs_a_budget(capsys):
     (["bench", TINY, "--table"], "model.vocab_size=320 (bench.yaml: 2048), model.dim=64 (bench.yaml: 256)"),
     (["bench", "--budget-gb", "1"], "--budget-gb: only with --max-seq"),
     (["bench", "--steps", "0"], "--steps 0: the first 2 steps are not timed"),
+    (["bench", TINY, "train.steps=4"], "train.steps=4: sixfold bench runs --steps N steps (default 10); give --steps"),
+    (["bench", "--table", "train.steps=3"], "train.steps=3: sixfold bench runs --steps N steps"),
     (["bench", "--max-seq", TINY, "--budget-gb", "-1"], "--budget-gb -1.0: give a positive, finite number of GB"),
     (["bench", "--max-seq", TINY, "--budget-gb", "inf"], "--budget-gb inf: give a positive, finite number of GB"),
     (["bench", "--max-seq", TINY, "--budget-gb", "1", "--max", "16"], "--min 32 (by default, train.seq_len) is "
@@ -105,6 +107,9 @@ def test_max_seq_on_cpu_needs_a_budget(capsys):
     (["bench", TINY, "model.vocab_size=200"], "model.vocab_size=200 is smaller than the tokenizer's"),
     (["bench", "--max-seq", TINY, "data.source=/nonexistent", "--budget-gb", "1"], "/nonexistent does not exist"),
     (["bench", "--max-seq", TINY, "model.vocab_size=200", "--budget-gb", "1"], "model.vocab_size=200 is smaller"),
+    (["bench", "--max-seq", TINY, "data.max_bytes=3000", "--budget-gb", "1", "--min", "8192"],
+     "tokens, fewer than a sequence of the first length to probe, 8192 (--min 8192), and one more: lower --min, or "
+     "give more text (or a larger data.max_bytes)"),
 ])
 def test_bad_input_is_refused_before_any_job(capsys, monkeypatch, argv, message):
     from sixfold import bench

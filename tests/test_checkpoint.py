@@ -241,8 +241,9 @@ def test_a_run_that_starts_over_moves_the_earlier_runs_checkpoints_aside(tmp_pat
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000001", "step_0000002"]
     (run / "checkpoints" / "latest").unlink()
     (run / "checkpoints" / "step_0000005").mkdir()  # no meta.json: not a checkpoint, nor counted by keep
-    with pytest.warns(UserWarning, match="latest is missing: reading the newest complete checkpoint"):
+    with pytest.warns(UserWarning) as said:
         train(load_config(TINY, [*common, "train.steps=3", "train.seed=7", "checkpoint.resume=auto"]))
+    assert sum("latest is missing: reading the newest complete checkpoint" in str(w.message) for w in said) == 1
     (later,) = set(run.glob("checkpoints-before-*")) - {aside}  # the unfinished later step, out of this run's way
     assert read_metrics(run)[-1]["step"] == 3 and [p.name for p in later.iterdir()] == ["step_0000005"]
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000002", "step_0000003"]
