@@ -155,8 +155,10 @@ def table(data: dict) -> str:
             rows[key][1] += t["calls"]
         for key, t in part["total"].items():
             rows[key][2] += t["bytes"]
+    runs = [run for part in ranks for run in part["steps"]]
+    span = f"steps {min(r['first'] for r in runs)}-{max(r['last'] for r in runs)}" if runs else "no training step"
     lines = [f"communication ledger, {len(ranks)} rank(s) summed; per step: mean over {steps} training step(s); "
-             f"total: the whole run, evaluation included",
+             f"total: {span}, evaluation included",
              f"{'group':<14}{'op':<16}{'bytes/step':>16}{'calls/step':>12}{'total bytes':>18}"]
     for key, (per_step, calls, total) in sorted(rows.items()):
         group, op = key.split("/")
