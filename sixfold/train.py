@@ -556,8 +556,8 @@ def check_inputs(cfg: Config, data: TokenData) -> None:
         windows = (len(data.val) - 1) // t.seq_len
         if (t.eval_batches - 1) * t.global_batch >= windows:
             warnings.warn(f"train.eval_batches={t.eval_batches} batches of {t.global_batch} sequences go round the "
-                          f"val split's {windows} sequences more than once: {-(-windows // t.global_batch)} batch(es) cover it, "
-                          f"in less time")
+                          f"val split's {windows} sequences more than once: {-(-windows // t.global_batch)} batch(es) "
+                          f"cover it, in less time")
     if data.shift and t.eval_every and all((y == IGNORE_INDEX).all() for _, y, _ in eval_batches(
             data.val, t.seq_len, t.global_batch, t.eval_batches, shift=data.shift)):
         warnings.warn(f"the validation's {t.eval_batches} batch(es) hold prompts only (data.jsonl_prompt_field): its "

@@ -112,7 +112,8 @@ def test_bad_values(tmp_path):
     (["train.lr=.inf"], "train.lr=inf must be a finite number above 0"),
     (["checkpoint.every=-1"], "checkpoint.every=-1 must be 0 \\(no periodic ones\\) or more"),
     (["checkpoint.keep=-1"], "checkpoint.keep=-1 must be 0 \\(keep all\\) or more"),
-    (["data.val_fraction=1"], "data.val_fraction=1.0, the share held out for validation, must be 0 or more and below 1"),
+    (["data.val_fraction=1"], "data.val_fraction=1.0, the share held out for validation, must be 0 or more and "
+                              "below 1"),
     (["data.val_fraction=0", "train.eval_every=5"], "train.eval_every=5 evaluates on the val split, which "
      "data.val_fraction=0 leaves empty: set data.val_fraction above 0, or train.eval_every=0"),
     (["model.vocab_size=99999999999999999999"], "model.vocab_size=99999999999999999999 must be below 2\\*\\*31"),

@@ -156,8 +156,8 @@ def _none_fits(plans: list[Plan], device: Device) -> str:
     held = max(_persistent(s) for s in lean.stages) / 1e9
     if held > usable:
         return (f"no layout fits: even {lean.cfg.parallel.describe()} holds {held:.1f} GB of weights, gradients and "
-                f"optimizer state per GPU, above the {usable:.0f} GB usable on an {device.name}: add GPUs (ZeRO, tp and "
-                f"pp divide those over them), or choose a GPU with more memory (--gpu)")
+                f"optimizer state per GPU, above the {usable:.0f} GB usable on an {device.name}: add GPUs (ZeRO, tp "
+                f"and pp divide those over them), or choose a GPU with more memory (--gpu)")
     best = min(plans, key=lambda p: p.peak)
     return (f"no layout fits: the leanest, {best.cfg.parallel.describe()} with recompute {best.cfg.model.recompute},"
             f" peaks at {best.peak / 1e9:.1f} GB per GPU, above the {usable:.0f} GB usable on an {device.name}, with "
