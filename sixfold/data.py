@@ -598,6 +598,17 @@ def _from_index(index: Path) -> TokenData | None:
     return data
 
 
+def _doubled_start(tok, docs) -> None:
+    """Warn of prompted documents whose text begins with the start token that the tokenizer puts before each (as a
+    chat template's output does): they hold it twice."""
+    mark = tok.start_token
+    count = sum(text.startswith(mark) for _, text, _ in docs) if mark else 0
+    if count:
+        warnings.warn(f"{count} of {len(docs)} prompt(s) begin with {mark}, and the tokenizer puts one before each "
+                      f"text: those documents begin with it twice (as transformers encodes such text); leave it out "
+                      f"of the prompts (a chat template writes it)")
+
+
 def load_data(cfg: DataConfig) -> TokenData:
     """Train and val token streams (memory-mapped, cached in data.cache_dir) and their tokenizer."""
     kind, root, files = _corpus(cfg)
@@ -620,6 +631,13 @@ def load_data(cfg: DataConfig) -> TokenData:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction)
     tok = build_tokenizer(cfg, train_docs)
+    if cfg.jsonl_prompt_field:
+        with warnings.catch_warnings(record=True) as doubled:  # given again from the cache, as the others
+            warnings.simplefilter("always")
+            _doubled_start(tok, docs)
+        for w in doubled:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        said += doubled
     shift = tok.vocab_size if cfg.jsonl_prompt_field else 0
     dtype = np.uint16 if tok.vocab_size + shift < 65536 else np.uint32
     key = _sha(CACHE_FORMAT, cfg.source == "stdlib", str(root), cfg.format, cfg.jsonl_field, cfg.jsonl_prompt_field,

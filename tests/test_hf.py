@@ -367,6 +367,23 @@ def test_a_prompt_and_answer_are_encoded_whole_with_their_chat_markers(tmp_path)
     assert (data.train.tolist() + data.val.tolist()) == stream
 
 
+def test_prompts_that_begin_with_the_start_token_are_named(tmp_path):
+    """A chat template's output begins with <|begin_of_text|>, which the tokenizer puts before each text again."""
+    (tmp_path / "tok.json").write_text(llama2_style_tokenizer(["<|begin_of_text|>", "<|end_of_text|>"],
+                                                              "<|begin_of_text|> $A"))
+    lines = [{"prompt": f"<|begin_of_text|>q{i}" if i % 2 else f"q{i}", "answer": " a"} for i in range(6)]
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cfg = DataConfig(source=str(tmp_path / "qa.jsonl"), tokenizer=str(tmp_path / "tok.json"), jsonl_field="answer",
+                     jsonl_prompt_field="prompt", cache_dir=str(tmp_path / "c"))
+    for _ in range(2):  # and from the cache
+        with pytest.warns(UserWarning, match="3 of 6 prompt\\(s\\) begin with <\\|begin_of_text\\|>, and the "
+                                             "tokenizer puts one before each text: those documents begin with it "
+                                             "twice"):
+            data = load_data(cfg)
+    stream, start = data.train.tolist() + data.val.tolist(), data.shift  # <|begin_of_text|>, id 0, a prompt's
+    assert sum(a == b == start for a, b in zip(stream, stream[1:])) == 3
+
+
 def test_a_token_across_the_end_of_a_prompt_is_the_answers(tmp_path):
     """A prompt that ends in a space: byte-level BPE makes " 1" one token, begun in the prompt; it is a target (the
     answer's), so that none of the answer is lost."""
