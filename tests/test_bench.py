@@ -100,6 +100,8 @@ def test_max_seq_on_cpu_needs_a_budget(capsys):
     (["bench", "--steps", "0"], "--steps 0: the first 2 steps are not timed"),
     (["bench", TINY, "train.steps=4"], "train.steps=4: sixfold bench runs --steps N steps (default 10); give --steps"),
     (["bench", "--table", "train.steps=3"], "train.steps=3: sixfold bench runs --steps N steps"),
+    (["bench", TINY, "train.micro_batches=3"], "(sixfold bench set train.global_batch=4, 4 sequences per data-parallel "
+                                               "rank, as none was given)"),
     (["bench", "--max-seq", TINY, "--budget-gb", "-1"], "--budget-gb -1.0: give a positive, finite number of GB"),
     (["bench", "--max-seq", TINY, "--budget-gb", "inf"], "--budget-gb inf: give a positive, finite number of GB"),
     (["bench", "--max-seq", TINY, "--budget-gb", "1", "--max", "16"], "--min 32 (by default, train.seq_len) is "
