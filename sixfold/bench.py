@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from .benchjob import BenchError, launch, quiet
-from .config import Config, ConfigError, check_available, load_config
+from .config import Config, ConfigError, check_available, load_config, override
 from .launch import under_torchrun
 from .measure import DOC, QUIET, ROOT, machine, revision, write_doc
 
@@ -48,23 +48,18 @@ def workload_config(path: str | None, overrides: list[str], steps: int) -> Confi
     """CONFIG (default configs/bench.yaml) with the overrides, for `steps` steps; train.global_batch 4 per
     data-parallel rank unless an override sets it."""
     path = path or str(BENCH)
-    if steps_set := _override(overrides, "train.steps"):
+    if steps_set := override(overrides, "train.steps"):
         raise ConfigError(f"{steps_set}: sixfold bench runs --steps N steps (default 10); give --steps instead")
     batch = ROWS_PER_RANK * load_config(path, overrides, check=False).parallel.dp
     try:
         cfg = load_config(path, [f"train.global_batch={batch}", *overrides, f"train.steps={steps}"])
     except ConfigError as e:
-        if "train.global_batch" not in str(e) or _override(overrides, "train.global_batch"):
+        if "train.global_batch" not in str(e) or override(overrides, "train.global_batch"):
             raise
         raise ConfigError(f"{e} (sixfold bench set train.global_batch={batch}, {ROWS_PER_RANK} sequences per "
                           f"data-parallel rank, as none was given)") from None
     check_available(cfg)
     return cfg
-
-
-def _override(overrides: list[str], key: str) -> str | None:
-    """The override that sets `key`, if one does."""
-    return next((o for o in overrides if o.split("=", 1)[0].strip() == key), None)
 
 
 def time_run(cfg: Config, threads: str | None = None) -> dict:

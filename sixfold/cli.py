@@ -12,7 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from .config import (PICTURES, ConfigError, check_available, check_tensorboard, check_text, check_world_size,
-                     load_config, make_run_dir, validate, writable_dir)
+                     load_config, make_run_dir, override, validate, writable_dir)
 from .console import gone, mute
 from .launch import run_torchrun, under_torchrun
 from .run_lock import check_free
@@ -113,7 +113,7 @@ def cmd_check(args, argv) -> int:
     if cfg.checkpoint.resume:
         raise ConfigError(f"sixfold check starts the layout and the single process from the same initial weights: "
                           f"checkpoint.resume={cfg.checkpoint.resume} would not be used; leave it out")
-    if any(o.startswith("train.steps=") for o in _split(args.config)[1]):
+    if override(_split(args.config)[1], "train.steps"):
         raise ConfigError(f"sixfold check runs --steps steps (now {args.steps}), not train.steps: give --steps "
                           f"instead")
     from .data import load_data

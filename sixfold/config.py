@@ -490,6 +490,11 @@ def inert(m: ModelConfig) -> tuple[str, ...]:
             "linear": ("rope_low_freq", "rope_high_freq", "rope_original_len")}.get(m.rope_scaling, ())
 
 
+def override(overrides: list[str], key: str) -> str | None:
+    """The override among `overrides` that sets `key` (section.key), if one does."""
+    return next((o for o in overrides if o.split("=", 1)[0].strip() == key), None)
+
+
 def check_bpe_size(cfg: Config) -> None:
     """A BPE to be trained (data.tokenizer=bpe) must fit the model's vocabulary."""
     if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > cfg.model.vocab_size:
@@ -506,7 +511,8 @@ def _check_sizes(cfg: Config) -> None:
         for key, typ in typing.get_type_hints(type(obj)).items():
             value, limit = getattr(obj, key), 63 if key == "max_bytes" else 31
             if typ is int and key != "seed" and abs(value) >= 2**limit:
-                raise ConfigError(f"{section.name}.{key}={value} must be below 2**{limit}")
+                raise ConfigError(f"{section.name}.{key}={value} must be {'below ' if value > 0 else 'above -'}"
+                                  f"2**{limit}")
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:

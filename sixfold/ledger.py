@@ -158,7 +158,7 @@ def table(data: dict) -> str:
     runs = [run for part in ranks for run in part["steps"]]
     span = f"steps {min(r['first'] for r in runs)}-{max(r['last'] for r in runs)}" if runs else "no training step"
     lines = [f"communication ledger, {len(ranks)} rank(s) summed; per step: mean over {steps} training step(s); "
-             f"total: {span}, evaluation included",
+             f"total: this run's, {span} and all else (evaluation, setup, checkpoints, the sample)",
              f"{'group':<14}{'op':<16}{'bytes/step':>16}{'calls/step':>12}{'total bytes':>18}"]
     for key, (per_step, calls, total) in sorted(rows.items()):
         group, op = key.split("/")

@@ -119,16 +119,19 @@ def _weight_diff(layout_dir: Path, reference_dir: Path) -> tuple[float, str]:
     return weight_rel, worst
 
 
+def _rel(loss: float, reference: float) -> float:
+    """|loss - reference| / |reference|; inf where either is nan (max() would pass a nan over)."""
+    rel = abs(loss - reference) / abs(reference)
+    return math.inf if math.isnan(rel) else rel
+
+
 def _lossless(step: dict) -> bool:
     return step.get("skipped", False) and math.isnan(step["loss"])
 
 
 def compare(layout_dir: Path, reference_dir: Path, layout: str) -> ParityResult:
     a, b = _steps(layout_dir, reference_dir)
-    loss_rel = max(0.0 if _lossless(x) and _lossless(y) else abs(x["loss"] - y["loss"]) / abs(y["loss"])
-                   for x, y in zip(a, b))
-    if math.isnan(loss_rel):
-        loss_rel = math.inf
+    loss_rel = max(0.0 if _lossless(x) and _lossless(y) else _rel(x["loss"], y["loss"]) for x, y in zip(a, b))
     return ParityResult(layout, len(a), loss_rel, *_weight_diff(layout_dir, reference_dir))
 
 
@@ -138,9 +141,7 @@ def compare_learning(layout_dir: Path, reference_dir: Path, layout: str) -> Pari
     if not b[0]["loss"] - b[-1]["loss"] >= LEARNED:
         raise ParityError(f"the fp32 reference went from loss {b[0]['loss']:.3f} to {b[-1]['loss']:.3f}, not "
                            f"{LEARNED} lower: too few steps to tell whether bf16 learns")
-    loss_rel = abs(a[-1]["loss"] - b[-1]["loss"]) / abs(b[-1]["loss"])
-    if math.isnan(loss_rel):
-        loss_rel = math.inf
+    loss_rel = _rel(a[-1]["loss"], b[-1]["loss"])
     return ParityResult(layout, len(a), loss_rel, *_weight_diff(layout_dir, reference_dir), loss_tol=BF16_LOSS_RTOL,
                         weight_tol=math.inf)
 

@@ -160,8 +160,8 @@ def test_ledger_steps_match_the_formulas(run):
             assert t["bytes"] == sum(p.get(key, {"bytes": 0})["bytes"] for p in part["phases"].values()), key
     rank0 = ledger.step_traffic(data["ranks"]["0"], 1)
     assert [m["comm_bytes"] for m in read_metrics(run_dir)] == [sum(t["bytes"] for t in rank0.values())] * STEPS
-    assert f"communication ledger, 4 rank(s) summed; per step: mean over {STEPS} training step(s); total: steps " \
-           f"1-{STEPS}, evaluation included" in output
+    assert f"communication ledger, 4 rank(s) summed; per step: mean over {STEPS} training step(s); total: this " \
+           f"run's, steps 1-{STEPS} and all else (evaluation, setup, checkpoints, the sample)" in output
     assert f"{'tp':<14}{'reduce_scatter':<16}{4 * 5 * a * MICRO:>16,}" in output
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sixfold import cli, ledger
+from sixfold import cli, ledger, parity
 from sixfold import train as train_module
 from sixfold.checkpoint import Checkpoint
 from sixfold.config import load_config
@@ -295,6 +295,16 @@ def test_a_batch_of_prompts_only_is_skipped_and_a_validation_of_prompts_only_is_
                    f"data.cache_dir={tmp_path / 'cache'}", "data.val_fraction=0.05", "train.micro_batches=2",
                    "--steps", "3")  # the skipped steps have no loss in either run
     assert proc.stdout.strip().splitlines()[-1].startswith("parity OK"), proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_a_step_that_only_one_run_has_a_loss_for_fails_parity(monkeypatch):
+    """Skipped in both (a batch of prompts only, loss nan) agrees; a nan in one run only, at any step, does not."""
+    reference = [{"loss": 6.0}, {"loss": 4.0}, {"loss": math.nan, "skipped": True}]
+    layout = [{"loss": 6.0}, {"loss": math.nan, "skipped": True}, {"loss": math.nan, "skipped": True}]
+    monkeypatch.setattr(parity, "_weight_diff", lambda *dirs: (0.0, "head.weight"))
+    for runs, rel in (((reference, reference), 0.0), ((layout, reference), math.inf)):
+        monkeypatch.setattr(parity, "_steps", lambda *dirs: runs)
+        assert parity.compare(None, None, "a layout").loss_rel == rel
 
 
 def test_check_removes_its_temporary_runs_when_parity_holds(tmp_path, monkeypatch, capsys):
