@@ -350,7 +350,8 @@ def _documents(cfg: DataConfig, root: Path, files) -> list[tuple]:
         jsonl = _format(cfg, path) == "jsonl"
         if cfg.jsonl_prompt_field and not jsonl:
             raise DataError(f"{path} is not JSON lines, and data.jsonl_prompt_field={cfg.jsonl_prompt_field!r} reads "
-                            f"prompts from JSON lines; point data.source at .jsonl files, or leave it unset")
+                            f"prompts from JSON lines; point data.source at .jsonl files, or leave "
+                            f"data.jsonl_prompt_field unset")
         left = cfg.max_bytes - taken if cfg.max_bytes else 0
         try:
             text, cut = _text(path, 0 if jsonl else left, binary_if_nul=not jsonl)  # a JSONL line: refused alone
@@ -598,6 +599,20 @@ def _from_index(index: Path) -> TokenData | None:
     return data
 
 
+@contextmanager
+def _recorded(said: list):
+    """The warnings given inside, added to `said` and given (also when it raises)."""
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        said += caught
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
 def _doubled_start(tok, docs) -> None:
     """Warn of prompted documents whose text begins with the start token that the tokenizer puts before each (as a
     chat template's output does): they hold it twice."""
@@ -615,29 +630,21 @@ def load_data(cfg: DataConfig) -> TokenData:
     if kind == "bin" and cfg.jsonl_prompt_field:
         raise DataError(f"data.source={cfg.source!r} holds pre-tokenized .bin files, which have no prompts for "
                         f"data.jsonl_prompt_field={cfg.jsonl_prompt_field!r}; point data.source at .jsonl files, or "
-                        f"leave it unset")
+                        f"leave data.jsonl_prompt_field unset")
     if kind == "bin":
         return _load_bin(cfg, root, files)
     index = _index_path(cfg, root, files)
     found = _from_index(index)
     if found is not None:
         return found
-    try:
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
-            docs = _documents(cfg, root, files)
-    finally:  # also when no document was found: the lines or files skipped say why
-        for w in said:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    said: list = []  # what reading the corpus warned of, given again when the cache is read
+    with _recorded(said):  # also when no document was found: the lines or files skipped say why
+        docs = _documents(cfg, root, files)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction)
     tok = build_tokenizer(cfg, train_docs)
     if cfg.jsonl_prompt_field:
-        with warnings.catch_warnings(record=True) as doubled:  # given again from the cache, as the others
-            warnings.simplefilter("always")
+        with _recorded(said):
             _doubled_start(tok, docs)
-        for w in doubled:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        said += doubled
     shift = tok.vocab_size if cfg.jsonl_prompt_field else 0
     dtype = np.uint16 if tok.vocab_size + shift < 65536 else np.uint32
     key = _sha(CACHE_FORMAT, cfg.source == "stdlib", str(root), cfg.format, cfg.jsonl_field, cfg.jsonl_prompt_field,
