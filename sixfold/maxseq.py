@@ -96,15 +96,13 @@ def max_seq(path: str, overrides: list[str], budget_gb: float | None, lo: int | 
     if first is None:
         raise ConfigError(f"no train.seq_len from --min {lo} to --max {hi} suits {cfg.parallel.describe()}")
     data = load_data(cfg.data)
+    more = "more text" + (" (or a larger data.max_bytes)" if cfg.data.max_bytes else "")
     if len(data.train) - 1 < first:
-        more = " (or a larger data.max_bytes)" if cfg.data.max_bytes else ""
         raise ConfigError(f"the corpus's train split holds {len(data.train):,} tokens, fewer than a sequence of the "
-                          f"first length to probe, {first} (--min {lo}), and one more: lower --min, or give more "
-                          f"text{more}")
+                          f"first length to probe, {first} (--min {lo}), and one more: lower --min, or give {more}")
     check_inputs(quiet(at_length(cfg, first)), data)  # what a probe trains, refused here, not by its ranks
     top = "the --max (raise --max to look further)"
     if len(data.train) - 1 < hi:  # a probe reads one sequence of seq_len + 1 tokens at least
-        more = "more text" + (", or a larger data.max_bytes," if cfg.data.max_bytes else "")
         hi, top = len(data.train) - 1, (f"the longest sequence the corpus's train split holds ({len(data.train):,} "
                                         f"tokens; give {more} to look further)")
     t = cfg.train
