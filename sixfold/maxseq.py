@@ -14,7 +14,7 @@ import copy
 import itertools
 from typing import Callable
 
-from .benchjob import launch, quiet
+from .benchjob import NO_RESUME, launch, quiet
 from .config import Config, ConfigError, check_available, load_config, validate
 
 PROBE_STEPS = 2
@@ -82,7 +82,7 @@ def max_seq(path: str, overrides: list[str], budget_gb: float | None, lo: int | 
     from .data import load_data
     from .train import check_inputs
 
-    cfg = load_config(path, overrides)
+    cfg = load_config(path, [*overrides, NO_RESUME])
     check_available(cfg)
     cuda = torch.cuda.is_available()
     if not cuda and budget_gb is None:

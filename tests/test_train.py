@@ -298,13 +298,17 @@ def test_a_batch_of_prompts_only_is_skipped_and_a_validation_of_prompts_only_is_
 
 
 def test_a_step_that_only_one_run_has_a_loss_for_fails_parity(monkeypatch):
-    """Skipped in both (a batch of prompts only, loss nan) agrees; a nan in one run only, at any step, does not."""
+    """Skipped in both (a batch of prompts only, loss nan) agrees; a nan in one run only, at any step, does not;
+    bf16 is compared at the last step with a loss."""
     reference = [{"loss": 6.0}, {"loss": 4.0}, {"loss": math.nan, "skipped": True}]
     layout = [{"loss": 6.0}, {"loss": math.nan, "skipped": True}, {"loss": math.nan, "skipped": True}]
     monkeypatch.setattr(parity, "_weight_diff", lambda *dirs: (0.0, "head.weight"))
     for runs, rel in (((reference, reference), 0.0), ((layout, reference), math.inf)):
         monkeypatch.setattr(parity, "_steps", lambda *dirs: runs)
         assert parity.compare(None, None, "a layout").loss_rel == rel
+    bf16 = [{"loss": 6.1}, {"loss": 4.02}, {"loss": math.nan, "skipped": True}]
+    monkeypatch.setattr(parity, "_steps", lambda *dirs: (bf16, reference))  # bf16 learns: the steps with a loss
+    assert parity.compare_learning(None, None, "bf16").loss_rel == pytest.approx(0.005)
 
 
 def test_check_removes_its_temporary_runs_when_parity_holds(tmp_path, monkeypatch, capsys):
