@@ -265,8 +265,8 @@ def start_staging(path: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     except OSError as e:
-        raise CheckpointError(f"cannot write a checkpoint under {path.parent}: {e}; choose a writable "
-                              f"directory (log.run_dir, or the output path)") from None
+        raise CheckpointError(f"cannot write a checkpoint under {path.parent}: {e}; make it writable or choose "
+                              f"another directory") from None
     return tmp
 
 

@@ -436,6 +436,13 @@ def make_run_dir(cfg: Config) -> Path:
         if (name != "tensorboard" or cfg.log.tensorboard) and path.exists() and path.is_dir() != is_dir:
             raise ConfigError(f"{path} is not a {'directory' if is_dir else 'file'}, and this run writes one there: "
                               f"set log.run_dir to another directory, or move it away")
+    checkpoints = directory / "checkpoints"
+    if checkpoints.is_dir():  # where its checkpoints and its pointer to the latest go, on resuming too
+        try:
+            _probe(checkpoints)
+        except OSError as e:
+            raise ConfigError(f"{checkpoints} cannot be written ({e.strerror or e}), and this run writes its "
+                              f"checkpoints there: make it writable, or set log.run_dir to another directory") from None
     own = directory / "config.yaml"
     if own.is_file() and not _run_config(directory):
         raise ConfigError(f"{own} was not written by a sixfold run, and this run would replace it with its resolved "
@@ -452,6 +459,13 @@ def _run_config(directory: Path) -> bool:
         (directory / "checkpoints").is_dir()
 
 
+def _probe(directory: Path) -> None:
+    """A file written into `directory` and removed (OSError if it cannot be)."""
+    probe = directory / f".write-test-{socket.gethostname()}-{os.getpid()}"  # ranks of other machines too
+    probe.write_text("")
+    probe.unlink()
+
+
 def writable_dir(path: str | Path, setting: str) -> Path:
     """Directory `path` (given as `setting`), created and checked writable."""
     directory = Path(path)
@@ -460,9 +474,7 @@ def writable_dir(path: str | Path, setting: str) -> Path:
                           f"file away)")
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-test-{socket.gethostname()}-{os.getpid()}"  # ranks of other machines too
-        probe.write_text("")
-        probe.unlink()
+        _probe(directory)
     except OSError as e:
         raise ConfigError(f"{setting}={path} cannot be written ({e.strerror or e}); set {setting} to a writable "
                           f"directory") from None

@@ -36,7 +36,8 @@ from sixfold.parallel.tensor import IGNORE_INDEX
 
 EOT = "<|endoftext|>"  # sixfold's BPE's end of text, and GPT-2's
 OTHER_ENDS = ("<|end_of_text|>", "</s>")  # as special tokens, the end of text of Llama 3's, and Llama 2's and Mistral's
-CACHE_FORMAT = "sixfold-tokens-1"
+CACHE_FORMAT = "sixfold-tokens-2"  # 2: few documents split by tokens (split_documents)
+SPLIT_SLACK = 4
 _READER = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # a changed reader makes new cache indexes
 STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__"}
 # the names of the files this module writes in data.cache_dir
@@ -285,10 +286,11 @@ def _corpus(cfg: DataConfig) -> tuple[str, Path, list[tuple[str, Path]]]:
         files = [f for f in files if f[1].suffix == ".bin"]
     if not files:
         raise DataError(f"data.source={cfg.source!r}: {root} holds no {'.bin ' if cfg.format == 'bin' else ''}files")
-    kinds = {_format(cfg, p) == "bin" for _, p in files}
+    kinds = {_format(cfg, p) == "bin": p for _, p in files}
     if len(kinds) > 1:
-        raise DataError(f"data.source={cfg.source!r}: {root} mixes .bin token files with text files; "
-                        "point data.source at one kind or set data.format")
+        raise DataError(f"data.source={cfg.source!r}: {root} mixes .bin token files ({kinds[True]}, ...) with text "
+                        f"files ({kinds[False]}, ...); point data.source at a directory of one kind, or set "
+                        f"data.format=bin to read only the .bin files")
     return ("bin" if True in kinds else "text"), root, files
 
 
@@ -341,12 +343,12 @@ def _unreadable(path: Path, e: OSError) -> DataError:
     return DataError(f"{path} cannot be read ({e.strerror or e}); fix its permissions or remove it from data.source")
 
 
-def _documents(cfg: DataConfig, root: Path, files) -> list[tuple]:
+def _documents(cfg: DataConfig, root: Path, files) -> tuple[list[tuple], str]:
     """(id, text) of each document of the files in order (with data.jsonl_prompt_field, (id, text, prompt_chars)),
     up to data.max_bytes of text (a text file read only as far as that); non-UTF-8 files skipped with one warning,
-    an unreadable file refused."""
-    docs, taken, skipped = [], 0, []
-    for doc_id, path in files:
+    an unreadable file refused. And what was read, in words."""
+    docs, taken, skipped, read = [], 0, [], 0
+    for read, (doc_id, path) in enumerate(files, 1):
         jsonl = _format(cfg, path) == "jsonl"
         if cfg.jsonl_prompt_field and not jsonl:
             raise DataError(f"{path} is not JSON lines, and data.jsonl_prompt_field={cfg.jsonl_prompt_field!r} reads "
@@ -384,7 +386,9 @@ def _documents(cfg: DataConfig, root: Path, files) -> list[tuple]:
         raise DataError(f"data.source={cfg.source!r}: no non-empty UTF-8 documents in {root} "
                         f"({len(files)} file(s) looked at); point data.source at text data"
                         + (f", or set {fields}" if jsonl else ""))
-    return docs
+    stopped = f", data.max_bytes={cfg.max_bytes:,} reached" if cfg.max_bytes and taken >= cfg.max_bytes else ""
+    found = f"{len(docs):,} document{'s' * (len(docs) != 1)}"
+    return docs, f"{found} from {read:,} of {len(files):,} files in {root}{stopped}"
 
 
 def iter_documents(cfg: DataConfig) -> list[tuple]:
@@ -393,20 +397,23 @@ def iter_documents(cfg: DataConfig) -> list[tuple]:
     kind, root, files = _corpus(cfg)
     if kind == "bin":
         raise DataError(f"data.source={cfg.source!r} holds pre-tokenized .bin files, not documents")
-    return _documents(cfg, root, files)
+    return _documents(cfg, root, files)[0]
 
 
 def split_documents(docs, val_fraction: float):
-    """(train, val) by a stable hash of each id; both non-empty when there are at least two documents (one
-    document is train, its tokens split later) and val_fraction is above 0 (at 0, every document is train)."""
+    """(train, val) by a stable hash of each id, val taking about val_fraction of the documents (not all of them:
+    one stays train). Where none falls to val, or those that do hold more than SPLIT_SLACK times val_fraction of
+    the text (a corpus of few documents), every document is train and its stream's last val_fraction of tokens is
+    the val split, as for a single document. At val_fraction 0, every document is train and val is empty."""
     if len(docs) == 1 or not val_fraction:
         return list(docs), []
     keys = [int.from_bytes(hashlib.sha256(d.encode()).digest()[:8], "big") / 2 ** 64 for d, *_ in docs]
     is_val = [k < val_fraction for k in keys]
-    if not any(is_val):
-        is_val[min(range(len(keys)), key=keys.__getitem__)] = True
     if all(is_val):
         is_val[max(range(len(keys)), key=keys.__getitem__)] = False
+    held = sum(len(d[1]) for d, v in zip(docs, is_val) if v)
+    if not held or held > SPLIT_SLACK * val_fraction * sum(len(d[1]) for d in docs):
+        return list(docs), []
     return [d for d, v in zip(docs, is_val) if not v], [d for d, v in zip(docs, is_val) if v]
 
 
@@ -444,6 +451,11 @@ class TokenData:
     val: np.ndarray
     tokenizer: ByteTokenizer | BPETokenizer
     shift: int = 0  # a prompt's token, which the loss does not count, is held as id + shift (0: none is)
+    read: str = ""  # what was read and how it was split, in words
+
+    @property
+    def summary(self) -> str:
+        return f"{self.read}; {len(self.train):,} train and {len(self.val):,} val tokens"
 
 
 def _val_count(n: int, val_fraction: float) -> int:
@@ -489,7 +501,7 @@ def _write_cache(tok, train_docs, val_docs, train_path: Path, val_path: Path, va
             _write_stream(train_tmp, tok, train_docs, dtype, shift)
             if val_docs:
                 _write_stream(val_tmp, tok, val_docs, dtype, shift)
-            else:  # a single document (or none held out): its last val_fraction of tokens is the val split
+            else:  # a single document, or too few to hold out whole: the last val_fraction of tokens is val
                 tokens = np.memmap(train_tmp, dtype, mode="r")
                 cut = len(tokens) - _val_count(len(tokens), val_fraction)
                 tokens[cut:].tofile(val_tmp)
@@ -538,7 +550,8 @@ def _load_bin(cfg: DataConfig, root: Path, files) -> TokenData:
                             shutil.copyfileobj(f, out, 1 << 24)
     tokens = np.memmap(path, dtype, mode="r")
     cut = len(tokens) - _val_count(len(tokens), cfg.val_fraction)
-    return TokenData(tokens[:cut], tokens[cut:], tok)
+    return TokenData(tokens[:cut], tokens[cut:], tok,
+                     read=f"{len(files):,} token files in {root}, their last tokens held out")
 
 
 def _index_path(cfg: DataConfig, root: Path, files) -> Path:
@@ -590,7 +603,8 @@ def _from_index(index: Path) -> TokenData | None:
             return None
         dtype = np.dtype(entry["dtype"])
         tok = ByteTokenizer() if entry["tokenizer"] == "byte" else BPETokenizer.from_file(entry["tokenizer"])
-        data = TokenData(_open(entry["train"], dtype), _open(entry["val"], dtype), tok, entry["shift"])
+        data = TokenData(_open(entry["train"], dtype), _open(entry["val"], dtype), tok, entry["shift"],
+                         entry.get("read", ""))
         said = [str(w) for w in entry.get("warnings", [])]
     except (OSError, ValueError, KeyError, TypeError, DataError):
         return None
@@ -639,8 +653,10 @@ def load_data(cfg: DataConfig) -> TokenData:
         return found
     said: list = []  # what reading the corpus warned of, given again when the cache is read
     with _recorded(said):  # also when no document was found: the lines or files skipped say why
-        docs = _documents(cfg, root, files)
+        docs, read = _documents(cfg, root, files)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction)
+    read += f", {len(val_docs):,} of them held out" if val_docs else \
+        ", their last tokens held out" if cfg.val_fraction else ""
     tok = build_tokenizer(cfg, train_docs)
     if cfg.jsonl_prompt_field:
         with _recorded(said):
@@ -659,10 +675,10 @@ def load_data(cfg: DataConfig) -> TokenData:
         tok_file = "byte" if isinstance(tok, ByteTokenizer) else str(tok.path)
         with _written(index) as tmp:
             tmp.write_text(json.dumps({"train": str(train_path), "val": str(val_path), "dtype": np.dtype(dtype).name,
-                                       "shift": shift, "tokenizer": tok_file,
+                                       "shift": shift, "tokenizer": tok_file, "read": read,
                                        "warnings": [str(w.message) for w in said],
                                        "stamps": [_stamp(train_path), _stamp(val_path)]}))
-    return TokenData(_open(train_path, dtype), _open(val_path, dtype), tok, shift)
+    return TokenData(_open(train_path, dtype), _open(val_path, dtype), tok, shift, read)
 
 
 # ---- batches ----
@@ -750,8 +766,9 @@ def eval_batches(tokens: np.ndarray, seq_len: int, batch: int, count: int, batch
     n = (len(tokens) - 1) // seq_len if seq_len > 0 else 0
     if n <= 0:
         raise DataError(f"the val split has fewer than seq_len+1 = {seq_len + 1} tokens ({len(tokens)}); lower "
-                        f"train.seq_len, add documents or raise data.val_fraction (the split takes whole documents, "
-                        f"by a hash of their names), or set train.eval_every=0 to train without validation")
+                        f"train.seq_len, add documents or raise data.val_fraction (the split holds out whole documents "
+                        f"by a hash of their names, or a few documents' last tokens), or set train.eval_every=0 to "
+                        f"train without validation")
     rows = _rank_rows(batch, batch_index, batch_count)
     return [_windows(tokens, [((i * batch + j) % n) * seq_len for j in rows], seq_len, shift, eot)
             for i in range(count)]

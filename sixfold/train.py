@@ -633,6 +633,22 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
     ctx.barrier()
 
 
+def _check_same_config(cfg: Config, ctx: ParallelContext) -> None:
+    """Every rank trains rank 0's config (a machine launched with other overrides would go on silently with other
+    settings, or hang at the end of the shorter run): else every rank stops, naming the settings that differ.
+    data.cache_dir is each machine's own."""
+    mine = {f"{s}.{k}": v for s, values in cfg.to_dict().items() for k, v in values.items() if f"{s}.{k}" !=
+            "data.cache_dir"}
+    configs = ctx.all_gather_objects(mine)
+    for rank, other in enumerate(configs):
+        differ = [f"{k}={other[k]!r} where rank 0 has {v!r}" for k, v in configs[0].items() if other[k] != v]
+        if differ:
+            raise on_every_rank(ConfigError(
+                f"rank {rank} was launched with another config than rank 0: {'; '.join(differ[:4])}"
+                f"{f' (and {len(differ) - 4} more)' if len(differ) > 4 else ''}; give every machine's launch the "
+                f"same config file and overrides"))
+
+
 def _claim_run_dir(cfg: Config, ctx: ParallelContext, held: contextlib.ExitStack) -> None:
     """Rank 0 makes the run directory and takes its lock (held until `held` closes); its refusal stops every rank
     with the same message, none waiting in a collective for it."""
@@ -682,12 +698,15 @@ def _holds(path: Path, text: str) -> bool:
 def run(cfg: Config, ctx: ParallelContext, data: TokenData | None = None) -> list[dict]:
     """Train in the ranks of `ctx` (and with `data`, if loaded already)."""
     with contextlib.ExitStack() as held:
+        _check_same_config(cfg, ctx)
         _claim_run_dir(cfg, ctx, held)
         if ctx.is_main and cfg.log.progress:
             console(functools.partial(print, flush=True), f"sixfold: {cfg.parallel.describe()} on {ctx.world_size} "
                     f"process(es), {ctx.backend}, {cfg.model.num_params():,} parameters\n--- config ---\n"
                     f"{cfg.to_yaml()}--------------")
         trainer = Trainer(cfg, ctx, data)
+        if ctx.is_main and cfg.log.progress and trainer.data.read:
+            console(functools.partial(print, flush=True), f"data: {trainer.data.summary}")
         start_run_dir(cfg, ctx, trainer.step)
         history = trainer.fit()
         ctx.barrier()  # the ranks leave together: none tears down its groups while a peer still uses them

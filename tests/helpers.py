@@ -49,10 +49,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_machines(count: int, nproc: int, *args: str, restarts: int = 0, rdzv: str = "c10d") -> list[subprocess.Popen]:
+def start_machines(count: int, nproc: int, *args: str, restarts: int = 0, rdzv: str = "c10d",
+                   own: dict[int, list[str]] | None = None) -> list[subprocess.Popen]:
     """`sixfold ARGS` as `count` machines of `nproc` ranks each, as on a cluster: one torchrun agent per machine,
     all meeting at one rendezvous endpoint (on this host, a free port): c10d's, or with `rdzv="static"` the first
-    machine's (torchrun's default, given --node-rank and --master-addr)."""
+    machine's (torchrun's default, given --node-rank and --master-addr). `own`: more arguments of some machines."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     agents = []
@@ -60,16 +61,16 @@ def start_machines(count: int, nproc: int, *args: str, restarts: int = 0, rdzv: 
         meet = [f"--node-rank={n}", "--master-addr=127.0.0.1", f"--master-port={port}"] if rdzv == "static" else \
             ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job-{port}"]
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={count}", f"--nproc-per-node={nproc}", *meet,
-               f"--max-restarts={restarts}", "-m", "sixfold.cli", *args]
+               f"--max-restarts={restarts}", "-m", "sixfold.cli", *args, *(own or {}).get(n, [])]
         agents.append(subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE))
     return agents
 
 
-def machines(count: int, nproc: int, *args: str, timeout: int = 300, rdzv: str = "c10d"
-             ) -> list[subprocess.CompletedProcess]:
+def machines(count: int, nproc: int, *args: str, timeout: int = 300, rdzv: str = "c10d",
+             own: dict[int, list[str]] | None = None) -> list[subprocess.CompletedProcess]:
     """start_machines(), waited for: each agent's exit code and output."""
-    agents = start_machines(count, nproc, *args, rdzv=rdzv)
+    agents = start_machines(count, nproc, *args, rdzv=rdzv, own=own)
     try:
         outputs = [a.communicate(timeout=timeout) for a in agents]
     finally:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sixfold import cli
+from sixfold import cli, config
 from sixfold.checkpoint import (Checkpoint, CheckpointError, complete_steps, find_checkpoint, publish, start_staging,
                                 write_tensors)
 from sixfold.config import RUN_CONFIG_HEAD, ConfigError, load_config
@@ -186,7 +186,7 @@ def test_a_training_checkpoint_resumes_with_rope_fields_its_scaling_does_not_use
     assert Trainer(cfg, ParallelContext.single()).step == 2
 
 
-def test_an_unwritable_run_directory_is_refused_before_training(tmp_path, capsys):
+def test_an_unwritable_run_directory_is_refused_before_training(tmp_path, capsys, monkeypatch):
     (tmp_path / "file").write_text("")
     assert cli.main(["train", TINY, f"log.run_dir={tmp_path / 'file' / 'run'}"]) == 2
     assert "log.run_dir=" in capsys.readouterr().err
@@ -204,6 +204,19 @@ def test_an_unwritable_run_directory_is_refused_before_training(tmp_path, capsys
     (run / "timeline.png").mkdir()  # a picture drawn at the run's end
     with pytest.raises(ConfigError, match="timeline.png is not a file"):
         train(cfg)
+    (run / "timeline.png").rmdir()
+    (run / "checkpoints").mkdir()  # read-only (as root, whom file modes do not stop, by its probe failing)
+    probe = config._probe
+
+    def read_only(directory):
+        if directory.name == "checkpoints":
+            raise PermissionError(13, "Permission denied")
+        probe(directory)
+    monkeypatch.setattr(config, "_probe", read_only)
+    for resume in ("", "auto"):  # a resumed run points `latest` there before its first step
+        with pytest.raises(ConfigError, match=f"{run / 'checkpoints'} cannot be written \\(Permission denied\\), and "
+                                              "this run writes its checkpoints there: make it writable, or set"):
+            train(load_config(TINY, [f"log.run_dir={run}", "train.steps=1", f"checkpoint.resume={resume}"]))
 
 
 def test_an_unfinished_save_is_ignored_and_cleared_and_the_last_k_are_kept(tmp_path):

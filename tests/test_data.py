@@ -51,7 +51,28 @@ def test_split_is_stable_when_files_are_added():
     train, val = split_documents(docs, 0.1)
     more_train, more_val = split_documents(docs + [(f"g{i}.py", "x") for i in range(50)], 0.1)
     assert set(val) <= set(more_val) and set(train) <= set(more_train)
-    assert split_documents(docs[:2], 0.01)[1] and split_documents(docs[:2], 0.99)[0]
+    assert split_documents(docs[:2], 0.99)[0] and split_documents(docs[:2], 0.99)[1]
+
+
+def test_a_corpus_of_few_documents_is_split_by_tokens(tmp_path):
+    """Two files: holding one out would take half the text, and none falls to val at 0.01 (forcing one out did):
+    the stream's last val_fraction of tokens is val, whichever way the names hash."""
+    root = tmp_path / "two"
+    root.mkdir()
+    for name in ("a.txt", "b.md"):
+        (root / name).write_text(TEXT * 20)
+    for val_fraction in (0.01, 0.1):
+        docs = iter_documents(cfg(tmp_path, source=str(root), val_fraction=val_fraction))
+        assert split_documents(docs, val_fraction) == (docs, [])
+        data = load_data(cfg(tmp_path, source=str(root), val_fraction=val_fraction))
+        total = 2 * (len(TEXT.encode()) * 20 + 1)
+        assert len(data.val) == int(total * val_fraction) and len(data.train) + len(data.val) == total
+        said = f"2 documents from 2 of 2 files in {root}, their last tokens held out; {len(data.train):,} train and "
+        assert data.summary == said + f"{len(data.val):,} val tokens"
+        assert load_data(cfg(tmp_path, source=str(root), val_fraction=val_fraction)).summary == data.summary  # cached
+    data = load_data(cfg(tmp_path, source=str(root), max_bytes=100))
+    assert data.read == f"1 document from 1 of 2 files in {root}, data.max_bytes=100 reached, their last tokens " \
+                        "held out"
 
 
 def test_text_directory_skips_undecodable_and_hidden(tmp_path):
@@ -182,6 +203,13 @@ def test_bin_errors(tmp_path):
     path.write_bytes(b"abc")
     with pytest.raises(DataError, match="bin_dtype"):
         load_data(cfg(tmp_path, source=str(path)))
+    np.array([1, 2, 3], dtype=np.uint16).tofile(path)
+    (tmp_path / "notes.txt").write_text(TEXT)
+    with pytest.raises(DataError, match=f"mixes .bin token files \\({path}, ...\\) with text files \\("
+                                        f"{tmp_path / 'notes.txt'}, ...\\); point data.source at a directory of one "
+                                        "kind, or set data.format=bin to read only the .bin files"):
+        load_data(cfg(tmp_path, source=str(tmp_path)))
+    assert load_data(cfg(tmp_path, source=str(tmp_path), format="bin", val_fraction=0.4)).train.tolist() == [1, 2]
 
 
 def test_byte_tokenizer_round_trip():
@@ -283,7 +311,7 @@ def test_a_tokenizer_with_gaps_in_its_ids_counts_up_to_its_largest(tmp_path):
     spec["model"]["vocab"]["<|endoftext|>"] = 70000
     (tmp_path / "gaps.json").write_text(json.dumps(spec))
     data = load_data(cfg(tmp_path, source=str(tmp_path / "c"), tokenizer=str(tmp_path / "gaps.json")))
-    assert data.tokenizer.vocab_size == 70001 and data.train.dtype == np.uint32 and data.train[-1] == 70000
+    assert data.tokenizer.vocab_size == 70001 and data.train.dtype == np.uint32 and data.val[-1] == 70000
 
 
 def test_load_data_stdlib_bytes(tmp_path):

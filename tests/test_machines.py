@@ -51,6 +51,20 @@ def test_a_layout_error_is_said_once_a_machine(tmp_path, rdzv):
                         "--nproc-per-node)"], proc.stderr[-3000:]
 
 
+def test_machines_launched_with_other_settings_are_refused(tmp_path):
+    """A machine given another override than the first (or a config it lacks) stops every rank before any step,
+    naming the settings; the cache directory may differ (each machine's own)."""
+    run = tmp_path / "run"
+    own = {1: ["train.lr=0.001", "train.steps=4", f"data.cache_dir={tmp_path / 'cache'}"]}
+    for proc in machines(2, 1, "train", TINY, "parallel.dp_shard=2", f"log.run_dir={run}", own=own):
+        assert proc.returncode != 0
+        said = [line for line in proc.stderr.splitlines() if line.startswith("sixfold error")]
+        assert said == ["sixfold error: rank 1 was launched with another config than rank 0: train.steps=4 where rank "
+                        "0 has 5; train.lr=0.001 where rank 0 has 0.003; give every machine's launch the same config "
+                        "file and overrides"], proc.stderr[-3000:]
+    assert not (run / "metrics.jsonl").exists()
+
+
 def _pending(pid: int) -> int:
     """The signals waiting for process `pid` (a stopped one does not take them), as a bit mask."""
     status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
