@@ -172,7 +172,8 @@ def cmd_plan(args, argv) -> int:
                 layouts, desc="plan", unit="layout", leave=False, disable=None))  # on a terminal only
         except ConfigError as e:  # with what the trainer refused, which may be why
             raise ConfigError("\n".join([str(e), *refusals(refused)])) from None
-        print(ranking(plans, refused, len(plans) if args.top == 0 else args.top or 10))
+        print(ranking(plans, cfg, (args.gpu, args.gpus, args.nodes), refused,
+                      len(plans) if args.top == 0 else args.top or 10))
         return 0
     if args.top is not None:
         raise ConfigError(f"--top {args.top} chooses how many layouts --search shows: add --search, or leave it out")

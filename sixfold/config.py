@@ -577,6 +577,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for key in ("moe_aux_weight", "moe_z_weight"):
         if not 0 <= getattr(m, key) < math.inf:
             raise ConfigError(f"model.{key}={getattr(m, key)} must be 0 (off) or a positive number")
+    dense = ModelConfig()
+    routing = [f"model.{k}={shown(getattr(m, k))}" for k in ("moe_top_k", "moe_norm_topk", "moe_every",
+               "moe_shared_expert", "moe_aux_weight", "moe_z_weight") if getattr(m, k) != getattr(dense, k)]
+    if routing and not m.moe_experts:
+        raise ConfigError(f"{', '.join(routing)}: for MoE layers, and model.moe_experts=0 makes every layer dense; "
+                          f"set model.moe_experts, or leave {'those' if len(routing) > 1 else 'it'} out")
     for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
         if getattr(m, key) < 1:
             raise ConfigError(f"model.{key}={getattr(m, key)} must be at least 1")

@@ -296,6 +296,12 @@ class Trainer:
                           f"run)") if now != before else ""
                 warnings.warn(f"resuming {checkpoint.path} with {named}: the learning-rate schedule and AdamW go "
                               f"on with the new values from step {self.step}{lr}")
+            weights = {k: v for k, v in train_state.differences(meta, self.cfg).items() if k in train_state.OBJECTIVE}
+            if weights and self.ctx.is_main:
+                named = ", ".join(f"model.{k}={shown(b)} (the checkpoint's run: {shown(a)})"
+                                  for k, (a, b) in weights.items())
+                warnings.warn(f"resuming {checkpoint.path} with {named}: the run trains on the new objective from "
+                              f"step {self.step}")
             micro = diffs.get("micro_batches")
             if micro and self.cfg.model.moe_experts and self.cfg.model.moe_aux_weight and self.ctx.is_main:
                 warnings.warn(f"resuming {checkpoint.path} with train.micro_batches={micro[1]} (the checkpoint's run: "

@@ -219,7 +219,7 @@ class Saver:
 
 # model settings a run may change when it resumes
 FREE = ("max_seq_len", "init_std", *RUNTIME)
-# and those of the training objective only, which a run from weights alone (fine-tuning) may change unsaid
+# and those of the training objective only: a resumed run may change them (said), a run from weights alone unsaid
 OBJECTIVE = ("moe_aux_weight", "moe_z_weight")
 
 
@@ -249,7 +249,7 @@ def _unused(diffs: dict, cfg: Config) -> tuple[str, ...]:
 def load(checkpoint: Checkpoint, sharded: Sharded, optim: AdamW, cfg: Config) -> bool:
     """Read this rank's slices of the weights (and of the optimizer state, if the checkpoint has it: returns
     whether it had) from a checkpoint written in any layout. A training checkpoint (with optimizer state)
-    resumes only the same model: settings other than FREE must match."""
+    resumes only the same model: settings other than FREE and OBJECTIVE must match."""
     diffs = differences(checkpoint.meta, cfg)
     named = ", ".join(f"model.{k}={shown(a)} (here {shown(b)})" for k, (a, b) in diffs.items())
     hint = f"the checkpoint was written with {named}; set those to match" if diffs else \
@@ -261,7 +261,7 @@ def load(checkpoint: Checkpoint, sharded: Sharded, optim: AdamW, cfg: Config) ->
     if state is not None:
         ckpt.check_shapes({f"{n}.{k}": s for n, s in expected.items() for k in MOMENTS}, state.shapes(),
                           f"{checkpoint.path} (optim)", hint)
-    if state is not None and set(diffs) - set(FREE + _unused(diffs, cfg)):
+    if state is not None and set(diffs) - set(FREE + OBJECTIVE + _unused(diffs, cfg)):
         raise CheckpointError(f"{checkpoint.path} is a training checkpoint of another model: {hint} to resume from it")
     sharded.settle()  # no gather reads the masters while they are written
     flats = [torch.zeros_like(u.master) for u in sharded.units]

@@ -394,8 +394,9 @@ def test_a_warmup_stable_decay_run_extended_before_its_decay_ends_as_the_longer_
     assert short[-1]["lr"] < long[5]["lr"] == long[3]["lr"]
 
 
-def test_resuming_an_moe_model_with_other_micro_batches_warns(tmp_path):
-    """Its load-balancing loss is taken per micro-batch: the run would go on with another objective."""
+def test_resuming_an_moe_model_with_other_micro_batches_or_loss_weights_warns(tmp_path):
+    """Its load-balancing loss is taken per micro-batch: the run would go on with another objective; so does it with
+    other weights of the load-balancing and z losses, which a run may change (not the model's function)."""
     run = tmp_path / "run"
     train(load_config(TINY, [f"log.run_dir={run}", "model.moe_experts=4", "train.steps=1"]))
     with pytest.warns(UserWarning, match="with train.micro_batches=2 \\(the checkpoint's run: 1\\): an MoE layer's "
@@ -403,6 +404,11 @@ def test_resuming_an_moe_model_with_other_micro_batches_warns(tmp_path):
                                          "on another objective; set train.micro_batches=1"):
         train(load_config(TINY, [f"log.run_dir={run}", "model.moe_experts=4", "train.steps=2", "train.micro_batches=2",
                                  "checkpoint.resume=auto"]))
+    with pytest.warns(UserWarning, match="with model.moe_aux_weight=0.1 \\(the checkpoint's run: 0.01\\), "
+                                         "model.moe_z_weight=0.0 \\(the checkpoint's run: 0.001\\): the run trains "
+                                         "on the new objective from step 2"):  # as the guide advises, if shares drift
+        train(load_config(TINY, [f"log.run_dir={run}", "model.moe_experts=4", "train.steps=3", "train.micro_batches=2",
+                                 "model.moe_aux_weight=0.1", "model.moe_z_weight=0", "checkpoint.resume=auto"]))
 
 
 def test_resuming_with_another_tokenizer_is_refused(saved, tmp_path):

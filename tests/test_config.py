@@ -147,6 +147,10 @@ def test_shipped_configs_load():
     (["parallel.dp_shard=2", "parallel.ep=2"], "this model has none \\(model.moe_experts=0\\)"),
     (["model.moe_experts=4", "model.moe_aux_weight=nan"], "model.moe_aux_weight=nan must be 0 \\(off\\) or a positive"),
     (["model.moe_experts=4", "model.moe_z_weight=-1"], "model.moe_z_weight=-1.0 must be 0"),
+    (["model.moe_top_k=5", "model.moe_shared_expert=true"], "model.moe_top_k=5, model.moe_shared_expert=true: for "
+                                                             "MoE layers, and model.moe_experts=0 makes every layer "
+                                                             "dense; set model.moe_experts, or leave those out"),
+    (["model.moe_every=2"], "model.moe_every=2: for MoE layers, .* or leave it out"),
 ])
 def test_bad_expert_layouts_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -245,6 +245,10 @@ def test_mixtral_import_and_export_match_transformers(tmp_path):
     back = MixtralForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").float().eval()
     with torch.no_grad():
         assert max_diff(back(tokens()).logits, expected) <= TOL
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))  # experts unsaid
+    with pytest.raises(CheckpointError, match="its weights do not match its config.json"):
+        import_hf(tmp_path / "hf", tmp_path / "as_llama")
 
 
 @pytest.mark.parametrize("left_out", ["rope_parameters", "rms_norm_eps"])

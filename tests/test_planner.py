@@ -93,7 +93,7 @@ def test_the_ranking_keeps_its_columns_under_a_long_layout():
                               "parallel.pp_virtual_stages=2", "train.micro_batches=2", "train.global_batch=4"])
     plans = [SimpleNamespace(cfg=cfg, peak=1e9, step_s=0.5, tokens_per_s=1e4, mfu=0.4)
              for cfg in (load_config(TINY), long)]
-    head, *rows = ranking(plans).splitlines()[:3]
+    head, *rows = ranking(plans, long, ("h100", 8, 1)).splitlines()[1:4]
     assert len(long.parallel.describe()) > 48
     assert all(len(row) == len(head) and row.endswith("40.0%") for row in rows), [head, *rows]
 
@@ -106,8 +106,9 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     assert cli.main(["plan", *args, "--search"]) == 0
     table = capsys.readouterr().out.splitlines()
     end = next(i for i, line in enumerate(table) if "layouts fit; fastest first" in line)
-    steps = [float(line.split()[-3]) for line in table[1:end]]
-    assert table[0].startswith("layout") and steps == sorted(steps) and len(steps) == 10
+    steps = [float(line.split()[-3]) for line in table[2:end]]
+    assert table[0] == "layouts on 16 x h100 (2 node(s)); 8,030,261,248 parameters, global batch 8 x 8192 tokens, bf16"
+    assert table[1].startswith("layout ") and steps == sorted(steps) and len(steps) == 10
     assert table[end].endswith("layouts fit; fastest first, the first 10 shown: --top)")
     # what the trainer would refuse is said, not silently dropped: interleaved needs micro-batches in multiples of pp
     assert len(table) == end + 2 and table[-1].startswith("not planned: 10 parallel layout(s) that the trainer refuses")
@@ -121,10 +122,10 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     # long sequences: without pipelining, the fewest micro-batches that fit (one would not)
     assert cli.main(["plan", "configs/llama3-1b.yaml", "train.precision=bf16", "train.global_batch=128",
                      "train.seq_len=8192", "--gpus", "8", "--search"]) == 0
-    best = capsys.readouterr().out.splitlines()[1].split()
+    best = capsys.readouterr().out.splitlines()[2].split()
     assert best[:2] == ["dp_shard8,", "zero1"] and best[2] == "8"
     assert cli.main(["plan", TINY, "model.moe_experts=4", "--gpus", "4", "--search"]) == 0  # ep is searched too
-    rows = [line.split(",")[0] for line in capsys.readouterr().out.splitlines()[1:-1]]
+    rows = [line.split(",")[0] for line in capsys.readouterr().out.splitlines()[2:-1]]
     assert "dp_shard4 x ep4" in rows
     tried = {(c.parallel.pp_schedule, c.parallel.pp_virtual_stages) for c in layouts(load_config(TINY), 4, 4)
              if c.parallel.pp > 1}
@@ -152,6 +153,24 @@ def test_a_group_kind_pays_the_network_where_any_of_its_groups_spans_nodes(capsy
     assert cli.main(["plan", "configs/llama3-8b.yaml", "train.precision=bf16", "train.global_batch=6",
                      "parallel.tp=4", "parallel.dp_shard=3", "parallel.zero=3", "--gpus", "12", "--nodes", "2"]) == 0
     assert "note: tp=4 groups span nodes (6 GPU(s) each)" in capsys.readouterr().out
+
+
+def test_experts_under_sequence_tp_compute_their_own_rows(capsys):
+    """An MoE layer's experts are whole on every tp rank, which routes its own rows of the hidden state: under
+    sequence-TP 1/tp of the tokens (a rank of tp2 x dp_shard8 computes what one of dp_shard16 does, but the router's
+    rows), without it all of them (the experts' work done tp times). ep groups that span nodes are noted."""
+    base = ["train.precision=bf16", "train.global_batch=16", "parallel.ep=8", "parallel.zero=3"]
+
+    def compute(*layout: str) -> float:
+        cfg = load_config("configs/mixtral-8x7b.yaml", [*base, *layout])
+        return plan(cfg, DEVICES["h100"], 16).stages[0].estimate.compute_s
+    sequence, dp = compute("parallel.tp=2", "parallel.dp_shard=8"), compute("parallel.dp_shard=16")
+    assert sequence == pytest.approx(dp, rel=1e-3)
+    assert compute("parallel.tp=2", "parallel.dp_shard=8", "parallel.sequence_parallel=false") > 1.8 * sequence
+    assert cli.main(["plan", "configs/mixtral-8x7b.yaml", *base, "parallel.tp=2", "parallel.dp_shard=8", "--gpus",
+                     "16", "--nodes", "2"]) == 0  # ep groups of 8 x tp 2 ranks, on nodes of 8
+    assert "note: ep=8 groups span nodes (8 GPU(s) each), so their collectives, on the critical path of every layer, " \
+           "cross the network; keep them within a node (tp x ep dividing the GPUs per node)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])

@@ -67,8 +67,9 @@ def sixfold_name(name: str) -> str:
 
 def _stack_experts(out: dict[str, torch.Tensor], n_layers: int, n_experts: int) -> None:
     """Mixtral's expert tensors, in either HF form, stacked per layer under sixfold names, in place (others
-    untouched): each layer's separate tensors are dropped as its stack is made."""
-    for i in range(n_layers):
+    untouched): each layer's separate tensors are dropped as its stack is made. None for a dense model's config
+    (its check of the shapes names the experts' tensors it does not expect)."""
+    for i in range(n_layers if n_experts else 0):
         legacy = f"model.layers.{i}.block_sparse_moe.experts"
         fused = f"model.layers.{i}.mlp.experts"
         if f"{fused}.gate_up_proj" in out:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 
+from ..config import Config
 from ..mesh import ParallelDims
 from .plan import Plan
 
@@ -17,9 +18,8 @@ def num(x: float) -> str:
 def describe(p: Plan, device: str, gpus: int, nodes: int) -> str:
     cfg = p.cfg
     unit, scale = ("GB", GB) if p.peak >= GB / 10 else ("MB", 1e6)
-    lines = [f"{cfg.parallel.describe()} on {gpus} x {device} ({nodes} node(s)); {cfg.model.num_params():,} "
-             f"parameters, global batch {cfg.train.global_batch} x {cfg.train.seq_len} tokens, "
-             f"{cfg.train.micro_batches} micro-batch(es), {cfg.train.precision}, recompute {cfg.model.recompute}",
+    lines = [f"{cfg.parallel.describe()} {_workload(cfg, device, gpus, nodes)}, {cfg.train.micro_batches} "
+             f"micro-batch(es), recompute {cfg.model.recompute}",
              "", f"memory per rank ({unit})    params  grads  optim  activ  working  transient   peak",
              ]
     for s in p.stages:
@@ -34,19 +34,28 @@ def describe(p: Plan, device: str, gpus: int, nodes: int) -> str:
               f"estimated step {num(p.step_s * 1e3)} ms, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}; "
               f"{'fits' if p.fits else 'does NOT fit'} in memory"]
     dims = ParallelDims.from_config(cfg.parallel)
-    crossing = [g for g in ("tp", "cp") if getattr(cfg.parallel, g) > 1 and dims.crosses_nodes(g, gpus // nodes)]
+    crossing = [g for g in ("tp", "cp", "ep") if getattr(cfg.parallel, g) > 1 and dims.crosses_nodes(g, gpus // nodes)]
     if crossing:
         named = " and ".join(f"{g}={getattr(cfg.parallel, g)}" for g in crossing)
+        within = " and ".join(dict.fromkeys("tp x ep" if g == "ep" else "tp x cp" for g in crossing))
         lines.append(f"note: {named} groups span nodes ({gpus // nodes} GPU(s) each), so their collectives, on the "
-                     f"critical path of every layer, cross the network; keep them within a node (tp x cp dividing "
+                     f"critical path of every layer, cross the network; keep them within a node ({within} dividing "
                      f"the GPUs per node)")
     return "\n".join(lines)
 
 
-def ranking(plans: list[Plan], refused: dict[str, str] | None = None, top: int = 10) -> str:
-    """The fastest `top` plans; then the layouts left out because the trainer would refuse them (refusals)."""
+def _workload(cfg: Config, device: str, gpus: int, nodes: int) -> str:
+    return (f"on {gpus} x {device} ({nodes} node(s)); {cfg.model.num_params():,} parameters, global batch "
+            f"{cfg.train.global_batch} x {cfg.train.seq_len} tokens, {cfg.train.precision}")
+
+
+def ranking(plans: list[Plan], cfg: Config, where: tuple[str, int, int], refused: dict[str, str] | None = None,
+            top: int = 10) -> str:
+    """What was searched (cfg on `where`: device, GPUs, nodes); the fastest `top` plans; then the layouts left out
+    because the trainer would refuse them (refusals)."""
     wide = max([48] + [len(p.cfg.parallel.describe()) for p in plans[:top]])  # the layout column, to its longest
-    lines = [f"{'layout':<{wide}} {'micro':>5} {'recompute':>9} {'peak GB':>8} {'step ms':>8} {'tokens/s':>11} "
+    lines = [f"layouts {_workload(cfg, *where)}",
+             f"{'layout':<{wide}} {'micro':>5} {'recompute':>9} {'peak GB':>8} {'step ms':>8} {'tokens/s':>11} "
              f"{'MFU':>6}"]
     for p in plans[:top]:
         lines.append(f"{p.cfg.parallel.describe():<{wide}} {p.cfg.train.micro_batches:>5} {p.cfg.model.recompute:>9} "

@@ -73,24 +73,33 @@ def _whole_model_params(fields: tuple) -> tuple[int, int]:
         return matmul_params(Llama(ModelConfig(*fields)))
 
 
-def _active(cfg: ModelConfig, dense: int, experts: int, ep: int = 1) -> float:
-    """The parameters a token multiplies: the dense ones and top_k of all the experts, from `experts` expert
-    parameters that are 1/ep of them."""
-    return dense + experts * cfg.moe_top_k * ep / max(cfg.moe_experts, 1)
+def _active(cfg: ModelConfig, dense: int, experts: int) -> float:
+    """The parameters a token multiplies: the dense ones and top_k of the experts' `experts` parameters."""
+    return dense + experts * cfg.moe_top_k / max(cfg.moe_experts, 1)
+
+
+def _forward(rank: Rank, dense: int, experts: int) -> float:
+    """One forward's matrix FLOPs on this rank for its `dense` and `experts` (its 1/ep of them) multiplying
+    parameters: 2 per dense parameter per token; per expert parameter, 2 for each of the top_k of all the experts
+    that a routed token visits. An MoE layer's experts are whole on every tp rank, which routes its own rows of the
+    hidden state: 1/tp of the tokens under sequence-TP, all of them without."""
+    m, ep = rank.cfg.train.micro_batches, rank.ctx.size("ep")
+    expert = experts * rank.cfg.model.moe_top_k * ep / max(rank.cfg.model.moe_experts, 1)
+    return 2 * (dense * rank.micro_tokens + expert * rank.hidden_tokens) * m
 
 
 def flops(rank: Rank) -> float:
-    """Training FLOPs of one step on this rank: 6 per multiplying parameter per token for its stages' weights
-    (2 in forward, 4 in backward; each token visits top_k of the experts), attention_flops per block, and the
-    forward again of what recomputation rebuilds (the blocks but an MoE layer's MLP, or their attention cores);
-    under tp each rank does 1/tp, under cp each its tokens."""
+    """Training FLOPs of one step on this rank: 3 forwards' (backward twice the forward) of its stages' weights,
+    attention_flops per block, and the forward again of what recomputation rebuilds (the blocks but an MoE
+    layer's MLP, or their attention cores); under tp each rank does 1/tp of the dense work, under cp each its
+    tokens."""
     cfg, t = rank.cfg.model, rank.cfg.train
-    tokens, ep = rank.micro_tokens * t.micro_batches, rank.ctx.size("ep")
-    matmul = 6 * _active(cfg, *matmul_params(rank.model), ep) * tokens
+    matmul = 3 * _forward(rank, *matmul_params(rank.model))
+    tokens = rank.micro_tokens * t.micro_batches
     attention = attention_flops(t.seq_len, cfg.dim) * tokens * len(rank.blocks) / rank.model.tp.size
     again = ((n, p) for n, p in rank.model.layers.named_parameters()  # an MoE layer's MLP is not run again
              if not (n.split(".")[1] == "mlp" and rank.moe(int(n.split(".")[0])) is not None))
-    blocks = 2 * _active(cfg, *_multiplying(again), ep) * tokens
+    blocks = _forward(rank, *_multiplying(again))
     extra = {"full": blocks + attention / 3, "selective": attention / 3}.get(cfg.recompute, 0.0)
     return matmul + attention + extra
 
