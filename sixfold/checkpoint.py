@@ -156,16 +156,22 @@ def set_aside(run_dir: str | Path, after: int | None = None) -> Path | None:
     return aside
 
 
+def _elsewhere(path: Path) -> str:
+    """The newest other complete checkpoint of the run of checkpoint `path`, to name beside a damaged file."""
+    others = [p for p in complete_in(path.parent) if p != path]
+    return f"; the newest other complete checkpoint of this run is {others[-1]}" if others else ""
+
+
 def read_meta(path: str | Path) -> dict:
     path = find_checkpoint(path)
     try:
         text = (path / META).read_bytes()
         meta = json.loads(text)
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path / META} is unreadable: {e}") from None
+        raise CheckpointError(f"{path / META} is unreadable: {e}{_elsewhere(path)}") from None
     digest = path / META_SHA256
     if digest.is_file() and digest.read_text().strip() != hashlib.sha256(text).hexdigest():
-        raise CheckpointError(f"{path / META} is corrupt: its sha256 does not match {META_SHA256}")
+        raise CheckpointError(f"{path / META} is corrupt: its sha256 does not match {META_SHA256}{_elsewhere(path)}")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise CheckpointError(f"{path / META} has format {found!r}, expected {FORMAT!r}")
@@ -207,15 +213,11 @@ class Checkpoint:
         if entry is None:
             raise CheckpointError(f"{self.path} has no {fname} (its files: {', '.join(self.meta['files'])})")
         if not file.is_file():
-            raise CheckpointError(f"{file} is missing{self._elsewhere()}")
+            raise CheckpointError(f"{file} is missing{_elsewhere(self.path)}")
         if file.stat().st_size != entry["bytes"] or file_sha256(file) != entry["sha256"]:
-            raise CheckpointError(f"{file} is corrupt: its size or checksum does not match {META}{self._elsewhere()}")
+            raise CheckpointError(f"{file} is corrupt: its size or checksum does not match {META}"
+                                  f"{_elsewhere(self.path)}")
         return file
-
-    def _elsewhere(self) -> str:
-        """The newest other complete checkpoint of the same run, to name beside a damaged file."""
-        others = [p for p in complete_in(self.path.parent) if p != self.path]
-        return f"; the newest other complete checkpoint of this run is {others[-1]}" if others else ""
 
     def tensor(self, fname: str, key: str) -> torch.Tensor:
         if fname not in self._open:

@@ -270,6 +270,10 @@ def test_a_damaged_checkpoint_names_the_runs_newest_other_one(tmp_path):
     with pytest.raises(CheckpointError, match="step_0000002/model-00000.safetensors is corrupt: .*; the newest other "
                                               "complete checkpoint of this run is .*step_0000001"):
         Trainer(load_config(TINY, [f"log.run_dir={run}", "checkpoint.resume=auto"]), ParallelContext.single())
+    (run / "checkpoints" / "step_0000002" / "meta.json").write_text("{")  # its meta.json too
+    with pytest.raises(CheckpointError, match="step_0000002/meta.json is unreadable: .*; the newest other complete "
+                                              "checkpoint of this run is .*step_0000001"):
+        Trainer(load_config(TINY, [f"log.run_dir={run}", "checkpoint.resume=auto"]), ParallelContext.single())
 
 
 def test_checkpoints_are_ordered_by_step_number(tmp_path):
