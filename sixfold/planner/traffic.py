@@ -98,13 +98,17 @@ def _experts(rank: Rank, out: Counter) -> None:
 
 
 def _tensor(rank: Rank, out: Counter) -> None:
-    """One micro-batch's tp collectives: each block (full recomputation runs its forward's again), the
+    """One micro-batch's tp collectives: each block (an MoE layer's experts, whole on every tp rank, send nothing
+    over tp: without a shared expert, its attention's half; full recomputation runs its forward's again), the
     embedding lookup and the head with the loss on the stages that hold them."""
     tp, t = rank.model.tp, rank.micro_tokens
     if tp.size == 1:
         return
     a = t * rank.cfg.model.dim * rank.compute_bytes
-    parts = [block_bytes(a, tp.sequence)] * len(rank.blocks)
+    whole, parts = block_bytes(a, tp.sequence), []
+    for layer in rank.blocks:
+        moe = rank.moe(layer)
+        parts.append(whole if moe is None or moe.shared is not None else {op: v // 2 for op, v in whole.items()})
     if rank.cfg.model.recompute == "full":  # an MoE layer's MLP is not run again: its attention's half
         for layer in rank.blocks:
             again = block_bytes(a, tp.sequence, forward_only=True)
