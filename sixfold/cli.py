@@ -149,6 +149,9 @@ def cmd_trace(args, argv) -> int:
                           f"log.trace=true for the timeline)")
     for path in written:
         print(f"wrote {path}")
+    for name, source in ((PICTURES[0], "trace.json"), (PICTURES[2], "comm_ledger.json")):
+        if (run / name).is_file() and run / name not in written:  # left by an earlier run in this directory
+            print(f"kept {run / name}, not redrawn: the run has no {source} (or no events in it) to draw it from")
     if (run / "trace.json").is_file():
         from .trace import overlap_table, read_chrome_trace
         print(overlap_table(read_chrome_trace(run / "trace.json")))

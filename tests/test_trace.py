@@ -76,6 +76,15 @@ def test_pictures_are_drawn_and_redrawn(run, capsys):
     with mock.patch("sixfold.pictures.read_chrome_trace", side_effect=denied):
         assert main(["trace", str(run_dir)]) == 2
     assert f"cannot read {trace}: Permission denied; make it readable" in capsys.readouterr().err
+    ledger = run_dir / "comm_ledger.json"
+    ledger.rename(run_dir / "ledger.json")  # mesh.png then stays as it was: said, not passed over
+    mesh.write_bytes(b"an earlier run's picture")
+    try:
+        assert main(["trace", str(run_dir)]) == 0
+    finally:
+        (run_dir / "ledger.json").rename(ledger)
+    assert f"kept {mesh}, not redrawn: the run has no comm_ledger.json" in capsys.readouterr().out
+    assert main(["trace", str(run_dir)]) == 0 and mesh.stat().st_size > 10_000
 
 
 def test_trace_command_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
