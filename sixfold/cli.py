@@ -105,11 +105,12 @@ def cmd_train(args, argv) -> int:
 
 
 def cmd_check(args, argv) -> int:
+    from .parity import LEARN_STEPS
     cfg = _config(args)
-    for key in ("precision", "grad_reduce"):
-        if getattr(cfg.train, key) != "fp32":
-            raise ConfigError(f"sixfold check compares fp32 runs to round-off; set train.{key}=fp32 (bf16 training "
-                              f"is checked against fp32 by its learning test)")
+    if cfg.train.precision == "fp32" and cfg.train.grad_reduce != "fp32":
+        raise ConfigError("sixfold check compares fp32 runs to round-off; set train.grad_reduce=fp32 (or check "
+                          "bf16 training, train.precision=bf16, which is held to learn like fp32)")
+    args.steps = args.steps or (5 if cfg.train.precision == "fp32" else LEARN_STEPS)
     if cfg.checkpoint.resume:
         raise ConfigError(f"sixfold check starts the layout and the single process from the same initial weights: "
                           f"checkpoint.resume={cfg.checkpoint.resume} would not be used; leave it out")
@@ -262,7 +263,7 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="compare a layout with the single-process run: parity OK / FAILED")
     c.add_argument("config", nargs="*", help="an optional YAML file, then section.key=value overrides")
     c.add_argument("--nproc", type=_at_least(1), help="the layout's world size (the default)")
-    c.add_argument("--steps", type=_at_least(1), default=5)
+    c.add_argument("--steps", type=_at_least(1), help="steps of both runs (default 5; with train.precision=bf16, 50)")
     c.add_argument("--workdir", default=None, help="keep both runs here (default: a temporary directory)")
     c.set_defaults(fn=cmd_check)
     r = sub.add_parser("trace", help="redraw a run directory's pictures from its trace.json, comm_ledger.json and "

@@ -223,6 +223,12 @@ def _listed(numbers: list[int]) -> str:
     return ", ".join(map(str, numbers))
 
 
+def _multiples(value: int, k: int) -> str:
+    """The multiples of k either side of `value` (at least k), as a setting to choose from."""
+    below = value // k * k
+    return " or ".join(map(str, sorted({max(below, k), below + k})))
+
+
 def _coerce(value, typ, name: str):
     if typ == bool | None:
         return None if value is None or value == "" else _coerce(value, bool, name)
@@ -592,29 +598,38 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"head dimension {m.head_dim} (model.dim/model.n_heads) must be even for RoPE: change "
                           f"model.dim or model.n_heads")
     if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
+        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}: set "
+                          f"model.n_kv_heads to one of {_listed(divisors(m.n_heads))}")
     if p.tp > 1 and m.n_heads % p.tp:
         raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}: set parallel.tp to one "
                           f"of {_listed(divisors(m.n_heads))}")
     if p.tp > 1 and m.n_kv_heads % p.tp and p.tp % m.n_kv_heads:
-        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} and parallel.tp={p.tp}: one must divide the other")
+        fits = [d for d in divisors(m.n_heads) if m.n_kv_heads % d == 0 or d % m.n_kv_heads == 0]
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} and parallel.tp={p.tp}: one must divide the other (the "
+                          f"kv heads are split over tp, or each repeated on several tp ranks); set parallel.tp to one "
+                          f"of {_listed(fits)}")
     if p.cp_mode not in ("ring", "allgather", "ulysses"):
         raise ConfigError(f"parallel.cp_mode={p.cp_mode!r}: choose ring, allgather or ulysses")
     chunks = 2 * p.cp if p.cp_zigzag else p.cp
     if p.cp > 1 and t.seq_len % chunks:
-        raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by {chunks} ({'2*' if p.cp_zigzag else ''}"
-                          f"parallel.cp={p.cp} {'zigzag ' if p.cp_zigzag else ''}chunks)")
+        how = ("2 * parallel.cp, the zigzag chunks of a sequence; or set parallel.cp_zigzag=false"
+               if p.cp_zigzag else "parallel.cp, the chunks of a sequence")
+        raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by {chunks}: set it to "
+                          f"{_multiples(t.seq_len, chunks)} ({how})")
     if p.cp > 1 and p.tp > 1 and p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
         raise ConfigError(f"train.seq_len/parallel.cp={t.seq_len // p.cp} must be divisible by parallel.tp={p.tp} "
                           f"under sequence-TP; change train.seq_len or set parallel.sequence_parallel=false")
     if p.cp > 1 and p.cp_mode == "ulysses" and m.n_heads % p.tp == 0:
         heads, kv_heads = m.n_heads // p.tp, max(m.n_kv_heads // p.tp, 1)
-        if heads % p.cp or (kv_heads % p.cp and p.cp % kv_heads):
-            raise ConfigError(f"parallel.cp_mode=ulysses splits heads over cp: the {heads} query heads and {kv_heads} "
-                              f"kv heads per tp rank must divide by parallel.cp={p.cp} (kv heads may be fewer if "
-                              f"they divide it); use cp_mode=ring or allgather")
+        wrong = ([f"the {heads} query head(s)"] if heads % p.cp else []) + \
+            ([f"the {kv_heads} kv head(s)"] if kv_heads % p.cp and p.cp % kv_heads else [])
+        if wrong:
+            raise ConfigError(f"parallel.cp_mode=ulysses splits heads over cp: {' and '.join(wrong)} per tp rank "
+                              f"must be divisible by parallel.cp={p.cp} (kv heads may be fewer if they divide it); use "
+                              f"cp_mode=ring or allgather, or a cp that divides them")
     if p.tp > 1 and m.ffn_dim % p.tp:
-        raise ConfigError(f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={p.tp}")
+        raise ConfigError(f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={p.tp}: set it to "
+                          f"{_multiples(m.ffn_dim, p.tp)}")
     if p.tp > 1 and p.sequence_parallel and t.seq_len % p.tp:
         raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} under sequence-TP; "
                           f"change it or set parallel.sequence_parallel=false")

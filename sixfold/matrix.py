@@ -13,11 +13,10 @@ from pathlib import Path
 from .checkpoint import step_dir
 from .config import ConfigError, load_config
 from .launch import run_torchrun
-from .parity import (ParityResult, compare, compare_learning, layout_config, reference_config, reference_key, runs_dir,
-                     settle)
+from .parity import (LEARN_STEPS, ParityResult, compare, compare_learning, layout_config, reference_config,
+                     reference_key, runs_dir, settle)
 
 STEPS = 4  # fp32 parity
-LEARN_STEPS = 50  # bf16 learns like fp32
 RESUME_AT = 2  # a resumed layout starts from its source's checkpoint of this step
 TIMEOUT_S = 120  # a collective of a layout that waits longer fails it (the job goes on)
 

@@ -33,6 +33,7 @@ LOSS_RTOL = 1e-5
 WEIGHT_RTOL = 1e-5
 BF16_LOSS_RTOL = 0.02
 LEARNED = 1.0
+LEARN_STEPS = 50  # bf16 learns like fp32 over as many steps
 
 
 class ParityError(RuntimeError):
@@ -142,7 +143,7 @@ def compare_learning(layout_dir: Path, reference_dir: Path, layout: str) -> Pari
     first, last = (pairs[0][1]["loss"], pairs[-1][1]["loss"]) if pairs else (math.nan, math.nan)
     if not first - last >= LEARNED:
         raise ParityError(f"the fp32 reference went from loss {first:.3f} to {last:.3f}, not {LEARNED} lower: too "
-                          "few steps to tell whether bf16 learns")
+                          "few steps to tell whether bf16 learns (sixfold check: give more --steps)")
     loss_rel = _rel(pairs[-1][0]["loss"], last)
     return ParityResult(layout, len(a), loss_rel, *_weight_diff(layout_dir, reference_dir), loss_tol=BF16_LOSS_RTOL,
                         weight_tol=math.inf)
@@ -173,7 +174,8 @@ def settle(root: Path, workdir: str | None, ok: bool) -> str:
 
 
 def check(cfg: Config, steps: int, workdir: str | None = None) -> ParityResult:
-    """Run the layout under torchrun and the reference in this process; compare the two. Without `workdir` the
+    """Run the layout under torchrun and the reference in this process; compare the two (a bf16 layout: that it
+    learns like the fp32 reference, compare_learning). Without `workdir` the
     runs go to a temporary directory, removed when parity holds or a signal stops the check, and kept (and named)
     when parity fails."""
     with runs_dir(workdir, "check") as root:
@@ -189,6 +191,7 @@ def check(cfg: Config, steps: int, workdir: str | None = None) -> ParityResult:
             else:
                 train(layout_cfg)
             train(reference_config(cfg, root / "reference", steps))
-        result = compare(root / "layout", root / "reference", cfg.parallel.describe())
+        against = compare if cfg.train.precision == "fp32" else compare_learning
+        result = against(root / "layout", root / "reference", cfg.parallel.describe())
     result.kept = settle(root, workdir, result.ok)
     return result

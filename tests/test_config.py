@@ -75,21 +75,26 @@ def test_bad_values(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.n_heads=3"], "model.dim=64 is not divisible by model.n_heads=3"),
-    (["model.n_kv_heads=3"], "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
+    (["model.n_kv_heads=3"], "model.n_heads=4 is not divisible by model.n_kv_heads=3: set model.n_kv_heads to one "
+                             "of 1, 2, 4"),
     (["parallel.dp_replicate=3"], "train.global_batch=8 must be divisible by data-parallel size .*: set "
                                   "train.global_batch to a multiple of 3 \\(such as 9\\)$"),
     (["train.micro_batches=3"], "train.global_batch=8 must be divisible .*: set train.global_batch to a multiple of 3 "
                                 "\\(such as 9\\), or train.micro_batches to one of 1, 2, 4, 8"),
-    (["parallel.cp=2", "train.seq_len=30"], "train.seq_len=30 must be divisible by 4 \\(2\\*parallel.cp=2 zigzag"),
-    (["parallel.cp=8", "parallel.cp_mode=ulysses"], "4 query heads and 2 kv heads per tp rank must divide by parallel.cp=8"),
+    (["parallel.cp=2", "train.seq_len=30"], "train.seq_len=30 must be divisible by 4: set it to 28 or 32 "
+                                            "\\(2 \\* parallel.cp, the zigzag chunks of a sequence; or set "
+                                            "parallel.cp_zigzag=false\\)"),
+    (["parallel.cp=8", "parallel.cp_mode=ulysses"], "the 4 query head\\(s\\) per tp rank must be divisible by "
+                                                    "parallel.cp=8"),
     (["parallel.cp=2", "parallel.cp_mode=rings"], "parallel.cp_mode='rings': choose ring, allgather or ulysses"),
     (["parallel.tp=2", "train.seq_len=31"], "train.seq_len=31 must be divisible by parallel.tp=2"),
     (["parallel.tp=8", "model.n_heads=4"], "model.n_heads=4 is not divisible by parallel.tp=8: set parallel.tp to "
                                            "one of 1, 2, 4"),
     (["model.dim=60"], "head dimension 15 .* must be even for RoPE: change model.dim or model.n_heads"),
-    (["parallel.tp=4", "model.ffn_dim=170"], "model.ffn_dim=170 is not divisible by parallel.tp=4"),
+    (["parallel.tp=4", "model.ffn_dim=170"], "model.ffn_dim=170 is not divisible by parallel.tp=4: set it to 168 or "
+                                             "172"),
     (["parallel.tp=2", "model.n_heads=6", "model.dim=96", "model.n_kv_heads=3"],
-     "model.n_kv_heads=3 and parallel.tp=2: one must divide the other"),
+     "model.n_kv_heads=3 and parallel.tp=2: one must divide the other .*; set parallel.tp to one of 1, 3, 6"),
     (["parallel.ep=2"], "parallel.ep=2 splits a model's experts, and this model has none"),
     (["model.moe_experts=-1"], "model.moe_experts must be 0 or more"),
     (["model.moe_experts=4", "model.moe_top_k=5"], "model.moe_top_k=5 must be between 1"),

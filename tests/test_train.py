@@ -326,6 +326,16 @@ def test_check_removes_its_temporary_runs_when_parity_holds(tmp_path, monkeypatc
         assert said in capsys.readouterr().err and not list(tmp_path.iterdir())
 
 
+def test_check_holds_a_bf16_layout_to_learn_like_fp32(tmp_path, monkeypatch, capsys):
+    """50 steps by default: the last loss within 2% of the fp32 reference's, which fell by at least 1."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert cli.main(["check", TINY, "train.precision=bf16"]) == 0
+    assert capsys.readouterr().out.startswith("parity OK: single process, 50 steps, max loss rel diff")
+    assert cli.main(["check", TINY, "train.precision=bf16", "--steps", "2"]) == 2
+    assert "not 1.0 lower: too few steps to tell whether bf16 learns (sixfold check: give more --steps)" in \
+        capsys.readouterr().err
+
+
 def test_nproc_0_is_refused(capsys):
     for command in ("train", "check"):
         with pytest.raises(SystemExit):
@@ -512,10 +522,12 @@ def test_a_signal_ends_an_evaluation_between_its_batches(tmp_path):
 
 
 def _launch(run: Path, *args: str) -> subprocess.Popen:
-    """`sixfold train --nproc 2` of LONG, once it has logged 3 steps; its output unbuffered."""
+    """`sixfold train --nproc 2` of LONG, once it has logged 3 steps; its output unbuffered. It takes SIGINT as in a
+    terminal, whether or not these tests ignore it (as a shell's background job does, which the launcher keeps)."""
     cmd = [sys.executable, "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}", *LONG, *args, "--nproc", "2"]
     job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = run / "metrics.jsonl"
     while job.poll() is None and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
         time.sleep(0.05)
