@@ -40,15 +40,19 @@ def test_two_machines_train_as_one(tmp_path, one_machine, rdzv):
     assert ours.keys() == theirs.keys() and all(w.equal(theirs[name]) for name, w in ours.items())
 
 
+def _errors(proc) -> list[str]:
+    """The lines of a machine's output that give sixfold's errors."""
+    return [line for line in proc.stderr.splitlines() if line.startswith("sixfold error")]
+
+
 @pytest.mark.parametrize("rdzv", ["c10d", "static"])
 def test_a_layout_error_is_said_once_a_machine(tmp_path, rdzv):
     """Every rank finds the layout impossible: each machine's first rank says so, once, naming no rank."""
     for proc in machines(2, 2, "train", TINY, "parallel.dp_shard=2", f"log.run_dir={tmp_path / 'run'}", rdzv=rdzv):
-        assert proc.returncode != 0
-        said = [line for line in proc.stderr.splitlines() if line.startswith("sixfold error")]
-        assert said == ["sixfold error: world size 4 does not equal pp*dp_replicate*dp_shard*cp*tp = 1*1*2*1*1 = 2; "
-                        "change the parallel.* sizes or start 2 ranks in all (torchrun's --nnodes times "
-                        "--nproc-per-node)"], proc.stderr[-3000:]
+        assert proc.returncode != 0 and _errors(proc) == [
+            "sixfold error: world size 4 does not equal pp*dp_replicate*dp_shard*cp*tp = 1*1*2*1*1 = 2; change the "
+            "parallel.* sizes or start 2 ranks in all (torchrun's --nnodes times --nproc-per-node)"], \
+            proc.stderr[-3000:]
 
 
 def test_machines_launched_with_other_settings_are_refused(tmp_path):
@@ -57,11 +61,10 @@ def test_machines_launched_with_other_settings_are_refused(tmp_path):
     run = tmp_path / "run"
     own = {1: ["train.lr=0.001", "train.steps=4", f"data.cache_dir={tmp_path / 'cache'}"]}
     for proc in machines(2, 1, "train", TINY, "parallel.dp_shard=2", f"log.run_dir={run}", own=own):
-        assert proc.returncode != 0
-        said = [line for line in proc.stderr.splitlines() if line.startswith("sixfold error")]
-        assert said == ["sixfold error: rank 1 was launched with another config than rank 0: train.steps=4 where rank "
-                        "0 has 5; train.lr=0.001 where rank 0 has 0.003; give every machine's launch the same config "
-                        "file and overrides"], proc.stderr[-3000:]
+        assert proc.returncode != 0 and _errors(proc) == [
+            "sixfold error: rank 1 was launched with another config than rank 0: train.steps=4 where rank 0 has 5; "
+            "train.lr=0.001 where rank 0 has 0.003; give every machine's launch the same config file and overrides"], \
+            proc.stderr[-3000:]
     assert not (run / "metrics.jsonl").exists()
 
 
