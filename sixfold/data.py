@@ -37,7 +37,7 @@ from sixfold.parallel.tensor import IGNORE_INDEX
 EOT = "<|endoftext|>"  # sixfold's BPE's end of text, and GPT-2's
 OTHER_ENDS = ("<|end_of_text|>", "</s>")  # as special tokens, the end of text of Llama 3's, and Llama 2's and Mistral's
 CACHE_FORMAT = "sixfold-tokens-2"  # 2: few documents split by tokens (split_documents)
-SPLIT_SLACK = 4
+SPLIT_SLACK = 4  # the held-out documents hold at most this many times data.val_fraction of the text
 _READER = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # a changed reader makes new cache indexes
 STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__"}
 # the names of the files this module writes in data.cache_dir
