@@ -94,6 +94,7 @@ class Trainer:
         self.step = self.skipped = 0
         self.saver = train_state.Saver(ctx, self.comm, cfg)
         self.carried: dict[str, bytes] = {}  # hf.CARRIED files of the checkpoint it started from, kept in its own
+        self.started_from: Path | None = None  # that checkpoint
         resume = resume_path(cfg)
         if resume:
             self.load(resume)
@@ -262,6 +263,7 @@ class Trainer:
             if not self.ctx.is_main:
                 warnings.simplefilter("ignore")
             checkpoint = ckpt.Checkpoint(where)
+        self.started_from = checkpoint.path
         meta = checkpoint.meta
         own = _tokenizer_name(checkpoint)
         if own == self.data.tokenizer.name:  # its tokenizer's and generation's settings stay with the tokenizer
@@ -711,8 +713,12 @@ def run(cfg: Config, ctx: ParallelContext, data: TokenData | None = None) -> lis
                     f"process(es), {ctx.backend}, {cfg.model.num_params():,} parameters\n--- config ---\n"
                     f"{cfg.to_yaml()}--------------")
         trainer = Trainer(cfg, ctx, data)
-        if ctx.is_main and cfg.log.progress and trainer.data.read:
-            console(functools.partial(print, flush=True), f"data: {trainer.data.summary}")
+        if ctx.is_main and cfg.log.progress:
+            said = [f"data: {trainer.data.summary}"] if trainer.data.read else []
+            if trainer.started_from:
+                said.append(f"from checkpoint {trainer.started_from}: step {trainer.step} of {cfg.train.steps}")
+            if said:
+                console(functools.partial(print, flush=True), "\n".join(said))
         start_run_dir(cfg, ctx, trainer.step)
         history = trainer.fit()
         ctx.barrier()  # the ranks leave together: none tears down its groups while a peer still uses them

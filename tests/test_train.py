@@ -86,8 +86,10 @@ def test_resume_is_bit_exact(tmp_path, layout):
     assert _train(full, *common, "checkpoint.every=3", "checkpoint.keep=5").returncode == 0
     shutil.copytree(full / "checkpoints" / "step_0000003", resumed / "checkpoints" / "step_0000003")
     (resumed / "checkpoints" / "latest").write_text("step_0000003")
-    proc = _train(resumed, *common, "checkpoint.resume=auto")
+    proc = _train(resumed, *common, "checkpoint.resume=auto", "log.progress=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    said = f"\nfrom checkpoint {resumed / 'checkpoints' / 'step_0000003'}: step 3 of 6\n"
+    assert said in proc.stdout and "\ndata: 150 documents from 150 of " in proc.stdout, proc.stdout[-3000:]
     a, b = read_metrics(full)[3:], read_metrics(resumed)
     assert [m["step"] for m in b] == [4, 5, 6]
     assert [m["loss"] for m in a] == [m["loss"] for m in b]
