@@ -128,8 +128,9 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     best = capsys.readouterr().out.splitlines()[2].split()
     assert best[:2] == ["dp_shard8,", "zero1"] and best[2] == "8"
     assert cli.main(["plan", TINY, "model.moe_experts=4", "--gpus", "4", "--search"]) == 0  # ep is searched too
-    rows = [line.split(",")[0] for line in capsys.readouterr().out.splitlines()[2:-1]]
-    assert "dp_shard4 x ep4" in rows
+    table = capsys.readouterr().out.splitlines()
+    rows = [line.split(",")[0] for line in table[2:-1]]
+    assert "dp_shard4 x ep4" in rows and " peak MB " in table[1]  # a test model's peaks in MB, as a plan's
     tried = {(c.parallel.pp_schedule, c.parallel.pp_virtual_stages) for c in layouts(load_config(TINY), 4, 4)
              if c.parallel.pp > 1}
     assert tried == {("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)}

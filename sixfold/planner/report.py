@@ -15,9 +15,14 @@ def num(x: float) -> str:
     return f"{x:.1f}" if x >= 0.1 or x == 0 else f"{x:.2g}"
 
 
+def _unit(peak: float) -> tuple[str, float]:
+    """GB, or MB for a peak under 0.1 GB (a test model's), and its size in bytes."""
+    return ("GB", GB) if peak >= GB / 10 else ("MB", 1e6)
+
+
 def describe(p: Plan, device: str, gpus: int, nodes: int) -> str:
     cfg = p.cfg
-    unit, scale = ("GB", GB) if p.peak >= GB / 10 else ("MB", 1e6)
+    unit, scale = _unit(p.peak)
     lines = [f"{cfg.parallel.describe()} {_workload(cfg, device, gpus, nodes)}, {cfg.train.micro_batches} "
              f"micro-batch(es), recompute {cfg.model.recompute}",
              "", f"memory per rank ({unit})    params  grads  optim  activ  working  transient   peak",
@@ -54,12 +59,13 @@ def ranking(plans: list[Plan], cfg: Config, where: tuple[str, int, int], refused
     """What was searched (cfg on `where`: device, GPUs, nodes); the fastest `top` plans; then the layouts left out
     because the trainer would refuse them (refusals)."""
     wide = max([48] + [len(p.cfg.parallel.describe()) for p in plans[:top]])  # the layout column, to its longest
+    unit, scale = _unit(max((p.peak for p in plans[:top]), default=GB))
     lines = [f"layouts {_workload(cfg, *where)}",
-             f"{'layout':<{wide}} {'micro':>5} {'recompute':>9} {'peak GB':>8} {'step ms':>8} {'tokens/s':>11} "
+             f"{'layout':<{wide}} {'micro':>5} {'recompute':>9} {'peak ' + unit:>8} {'step ms':>8} {'tokens/s':>11} "
              f"{'MFU':>6}"]
     for p in plans[:top]:
         lines.append(f"{p.cfg.parallel.describe():<{wide}} {p.cfg.train.micro_batches:>5} {p.cfg.model.recompute:>9} "
-                     f"{num(p.peak / GB):>8} {num(p.step_s * 1e3):>8} {p.tokens_per_s:>11,.0f} {p.mfu:>6.1%}")
+                     f"{num(p.peak / scale):>8} {num(p.step_s * 1e3):>8} {p.tokens_per_s:>11,.0f} {p.mfu:>6.1%}")
     lines.append(f"({len(plans)} layouts fit; fastest first" + (f", the first {top} shown: --top" if top < len(plans)
                                                                  else "") + ")")
     return "\n".join(lines + refusals(refused or {}))
