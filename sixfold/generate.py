@@ -24,9 +24,10 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Genera
 
 @torch.no_grad()
 def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0, stop: Collection[int] = ()) -> list[int]:
+             top_k: int = 0, seed: int = 0, stop: Collection[int] = (), vocab: int | None = None) -> list[int]:
     """New tokens after prompt_ids (ending with a stop token if one was drawn); the total stays within max_seq_len.
-    `model` is the whole model, or a pipeline run on every one of its ranks."""
+    `model` is the whole model, or a pipeline run on every one of its ranks. `vocab`: the tokenizer's size, the ids
+    from which on (a model's vocabulary padded beyond its tokenizer's) are never drawn."""
     limit = model.cfg.max_seq_len
     if not 0 < len(prompt_ids) <= limit:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; give one of 1 to {limit} tokens (the model's "
@@ -41,7 +42,7 @@ def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int
     tokens = torch.tensor([prompt_ids], device=device)
     out: list[int] = []
     while len(out) < max_new_tokens and len(prompt_ids) + len(out) < limit:
-        logits = model(tokens, cache)[0, -1].float().cpu()
+        logits = model(tokens, cache)[0, -1, :vocab].float().cpu()
         out.append(pick(logits, temperature, top_k, gen))
         if out[-1] in stop:
             break
@@ -61,7 +62,7 @@ def sample_text(model: Llama | Pipeline, tokenizer, prompt: str, max_new_tokens:
     out)."""
     ids = prompt_ids(tokenizer, prompt)
     stop = {tokenizer.eot, *stop}
-    out = generate(model, ids, max_new_tokens, temperature, top_k, seed, stop)
+    out = generate(model, ids, max_new_tokens, temperature, top_k, seed, stop, tokenizer.vocab_size)
     if out and out[-1] in stop:
         out = out[:-1]
     return continued(tokenizer, prompt, ids, out)

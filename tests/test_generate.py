@@ -66,6 +66,16 @@ def test_sample_text_starts_with_prompt():
     assert text.startswith("def ") and len(text) > 4
 
 
+def test_ids_beyond_the_tokenizer_are_never_drawn():
+    """A vocabulary padded beyond the tokenizer's (320 against the byte tokenizer's 257): an untrained model's
+    logits there are as high as anywhere, and those ids would decode to nothing."""
+    model = tiny()
+    drawn = [t for seed in range(5) for t in generate(model, PROMPT, 30, temperature=1.0, seed=seed)]
+    assert max(drawn) >= 257  # the model alone draws them
+    kept = [t for seed in range(5) for t in generate(model, PROMPT, 30, temperature=1.0, seed=seed, vocab=257)]
+    assert max(kept) < 257 and max(generate(model, PROMPT, 30, vocab=257)) < 257 <= max(generate(model, PROMPT, 30))
+
+
 def test_a_continuation_keeps_the_space_a_llama_2_tokenizer_drops_when_it_decodes():
     """Sentencepiece-style tokens ("▁world") decode without their leading space on their own."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
