@@ -262,20 +262,22 @@ def parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=cmd_train)
     c = sub.add_parser("check", help="compare a layout with the single-process run: parity OK / FAILED")
     c.add_argument("config", nargs="*", help="an optional YAML file, then section.key=value overrides")
-    c.add_argument("--nproc", type=_at_least(1), help="the layout's world size (the default)")
+    c.add_argument("--nproc", type=_at_least(1), help="ranks of the layout's run (default and only choice: the "
+                                                        "layout's world size)")
     c.add_argument("--steps", type=_at_least(1), help="steps of both runs (default 5; with train.precision=bf16, 50)")
     c.add_argument("--workdir", default=None, help="keep both runs here (default: a temporary directory)")
     c.set_defaults(fn=cmd_check)
     r = sub.add_parser("trace", help="redraw a run directory's pictures from its trace.json, comm_ledger.json and "
                                       "config.yaml")
-    r.add_argument("run")
+    r.add_argument("run", metavar="RUN", help="a run directory (log.run_dir)")
     r.set_defaults(fn=cmd_trace)
     pl = sub.add_parser("plan", help="memory per rank and estimated step time of a layout on a cluster, or "
                                      "--search: every layout ranked")
     pl.add_argument("config", nargs="*", help="a YAML file, then section.key=value overrides")
-    pl.add_argument("--gpus", type=_at_least(1), required=True)
-    pl.add_argument("--gpu", choices=["h100", "h200", "a100"], default="h100")
-    pl.add_argument("--nodes", type=_at_least(1), default=1)
+    pl.add_argument("--gpus", type=_at_least(1), required=True, help="GPUs in all (the layout's world size)")
+    pl.add_argument("--gpu", choices=["h100", "h200", "a100"], default="h100", help="their kind (default h100)")
+    pl.add_argument("--nodes", type=_at_least(1), default=1, help="machines the GPUs are spread over, in equal "
+                                                                  "numbers (default 1)")
     pl.add_argument("--search", action="store_true", help="rank every layout of --gpus GPUs that fits")
     pl.add_argument("--top", type=_at_least(0), default=None, help="with --search: the fastest N shown (default "
                     "10; 0: all that fit)")
@@ -305,7 +307,8 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--table", default=None, help="write the table here (docs/parity.md)")
     m.set_defaults(fn=cmd_matrix)
     g = sub.add_parser("generate", help="sample text from a checkpoint or run directory")
-    g.add_argument("checkpoint")
+    g.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT", help="a run directory (its latest checkpoint) or a "
+                                                                   "checkpoint")
     g.add_argument("--prompt", required=True, help="the text to continue")
     g.add_argument("--max-new-tokens", type=_at_least(0), default=200, help="tokens to generate (default 200)")
     g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8); 0: greedy, "
@@ -316,13 +319,14 @@ def parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_generate)
     i = sub.add_parser("import-hf", help="convert a transformers LlamaForCausalLM or MixtralForCausalLM directory "
                                          "to a checkpoint")
-    i.add_argument("hf_dir")
-    i.add_argument("out")
+    i.add_argument("hf_dir", metavar="HF_DIR", help="a directory written by save_pretrained")
+    i.add_argument("out", metavar="OUT_CHECKPOINT", help="the checkpoint directory to write (new)")
     i.set_defaults(fn=cmd_import_hf)
     e = sub.add_parser("export-hf", help="write a run or checkpoint as a transformers LlamaForCausalLM (or, with "
                                          "experts, MixtralForCausalLM) directory")
-    e.add_argument("checkpoint")
-    e.add_argument("out")
+    e.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT", help="a run directory (its latest checkpoint) or a "
+                                                                   "checkpoint")
+    e.add_argument("out", metavar="HF_DIR", help="the directory to write (new)")
     e.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="the weights' type in the files (default fp32, as sixfold keeps them; bf16 halves the size)")
     e.set_defaults(fn=cmd_export_hf)

@@ -243,6 +243,10 @@ def run(config: str | None, overrides: list[str] = (), workdir: str | None = Non
     in one job; compare each with its reference. Without `workdir` the runs go to a temporary directory, removed
     when every layout passes or a signal stops the job, and kept (and named) when one fails."""
     unknown = set(only or ()) - {layout.name for layout in LAYOUTS}
+    misplaced = sorted(name for name in unknown if "=" in name or name.endswith((".yaml", ".yml")))
+    if misplaced:  # --only takes every word after it
+        raise ConfigError(f"--only {' '.join(only)}: {', '.join(misplaced)} is no layout; give the config and its "
+                          f"overrides before --only (sixfold matrix CONFIG [key=value ...] --only NAME ...)")
     if unknown:
         raise ConfigError(f"no layout named {', '.join(sorted(unknown))} in the matrix; its layouts: "
                           f"{', '.join(layout.name for layout in LAYOUTS)}")

@@ -38,6 +38,10 @@ def test_a_passing_matrix_removes_its_temporary_runs(tmp_path, monkeypatch):
     with pytest.raises(ConfigError):  # a layout refuses the setting: nothing ran, nothing is left
         matrix.run(TINY, ["model.n_heads=3"], only=["dp2"])
     assert not list(tmp_path.iterdir())
+    for only, said in ((["dp2", "model.dim=abc"], "model.dim=abc is no layout; give the config and its overrides "
+                                                  "before --only"), (["dp9"], "no layout named dp9 in the matrix")):
+        with pytest.raises(ConfigError, match=said):
+            matrix.run(TINY, only=only)
 
 
 def test_docs_parity_lists_the_matrix():
