@@ -286,7 +286,9 @@ def parser() -> argparse.ArgumentParser:
                                       "layouts beside picotron's, torchtitan's and DeepSpeed's times on it), or "
                                       "--max-seq: the longest train.seq_len that fits")
     b.add_argument("config", nargs="*", help="a YAML file (default configs/bench.yaml), then section.key=value "
-                                             "overrides")
+                                             "overrides; a timed layout's train.global_batch is 4 sequences per "
+                                             "data-parallel rank unless an override gives it (--max-seq keeps the "
+                                             "config's)")
     b.add_argument("--steps", type=int, default=None, help="steps per run (default 10); the first 2 are not timed")
     b.add_argument("--table", action="store_true", help="time the table's 8 layouts, beside the other frameworks")
     b.add_argument("--write", action="store_true", help="with --table: write it into docs/benchmarks.md")
