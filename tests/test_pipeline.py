@@ -42,8 +42,8 @@ def test_too_many_stages_is_refused_naming_the_settings():
       "train.micro_batches=1", "model.n_layers=4"], "multiple of parallel.pp=2: set train.micro_batches to 2 or 4 "
                                                      "or 8,"),  # those that divide the 8 sequences
     (["parallel.pp=3", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2",
-      "train.micro_batches=2", "model.n_layers=4"], "no multiple of 3 divides the 8 sequence\(s\) per data-parallel "
-                                                     "rank \(train.global_batch / dp\): change train.global_batch"),
+      "train.micro_batches=2", "model.n_layers=4"], "no multiple of 3 divides the 8 sequence\\(s\\) per data-parallel "
+                                                     "rank \\(train.global_batch / dp\\): change train.global_batch"),
     (["parallel.pp=2", "parallel.pp_schedule=zb-v"], "pp_virtual_stages=2"),
     (["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero=3", "parallel.reshard_after_forward=true"],
      "once per step"),

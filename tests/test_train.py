@@ -240,8 +240,8 @@ def test_layout_errors_before_any_process_starts(tmp_path):
     assert proc.returncode == 2 and "world size 3 does not equal" in proc.stderr
     proc = _train(tmp_path / "run", "parallel.pp=8")
     assert proc.returncode == 2 and "model.n_layers to at least 6" in proc.stderr
-    proc = sixfold("check", TINY, "train.precision=bf16")
-    assert proc.returncode == 2 and "set train.precision=fp32" in proc.stderr
+    proc = sixfold("check", TINY, "train.grad_reduce=bf16")
+    assert proc.returncode == 2 and "set train.grad_reduce=fp32" in proc.stderr
     proc = sixfold("check", TINY, "parallel.dp_replicate=2", "--workdir", "/proc/sixfold")
     assert proc.returncode == 2 and "--workdir=/proc/sixfold cannot be written" in proc.stderr, proc.stderr
     proc = sixfold("matrix", TINY, "--table", "/proc/sixfold/parity.md")  # before any layout runs
