@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from .benchjob import NO_RESUME, BenchError, launch, quiet
-from .config import Config, ConfigError, check_available, load_config, override
+from .config import Config, ConfigError, check_available, differing, load_config, override
 from .launch import under_torchrun
 from .measure import DOC, QUIET, ROOT, machine, revision, write_doc
 
@@ -136,8 +136,8 @@ def table(path: str | None, overrides: list[str], steps: int, write: bool, argv:
     configs = [workload_config(path, [*overrides, *layout.overrides], steps) for layout in TABLE]  # all refused first
     # what the jobs train (no evaluation, checkpoints, sample), where the token cache lies aside
     mine, workload = (quiet(c).to_dict() for c in (configs[0], workload_config(None, [], steps)))
-    changed = [f"{s}.{k}={mine[s][k]} ({BENCH.name}: {workload[s][k]})" for s in ("model", "train", "data")
-               for k in workload[s] if mine[s][k] != workload[s][k] and f"{s}.{k}" != "data.cache_dir"]
+    changed = [f"{key}={ours} ({BENCH.name}: {theirs})"
+               for key, ours, theirs in differing(mine, workload, ("model", "train", "data"))]
     if changed:
         raise ConfigError(f"--table sets sixfold beside the peers' times on {BENCH.name}'s workload, which this "
                           f"config changes: {', '.join(changed)}; set them back, or time your own config without "

@@ -508,6 +508,13 @@ def inert(m: ModelConfig) -> tuple[str, ...]:
             "linear": ("rope_low_freq", "rope_high_freq", "rope_original_len")}.get(m.rope_scaling, ())
 
 
+def differing(a: dict, b: dict, sections: tuple[str, ...] | None = None) -> list[tuple[str, object, object]]:
+    """(section.key, a's value, b's) for each setting that two configs' to_dict() hold differently, in b's order
+    (of `sections`, or all); data.cache_dir, each machine's own, aside."""
+    return [(f"{s}.{k}", a[s][k], v) for s in sections or b for k, v in b[s].items()
+            if a[s][k] != v and f"{s}.{k}" != "data.cache_dir"]
+
+
 def override(overrides: list[str], key: str) -> str | None:
     """The override among `overrides` that sets `key` (section.key), if one does."""
     return next((o for o in overrides if o.split("=", 1)[0].strip() == key), None)

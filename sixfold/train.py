@@ -20,7 +20,7 @@ from . import checkpoint as ckpt
 from . import ledger, train_state
 from .comm import Comm
 from .config import (DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, check_available, check_bpe_size,
-                     check_tensorboard, SUMMARIES, make_run_dir, shown)
+                     check_tensorboard, differing, SUMMARIES, make_run_dir, shown)
 from .console import console
 from .data import BatchLoader, BPETokenizer, DataError, TokenData, eval_batches, load_data, with_tokenizer
 from .logs import RunLog, start_metrics
@@ -645,11 +645,9 @@ def _check_same_config(cfg: Config, ctx: ParallelContext) -> None:
     """Every rank trains rank 0's config (a machine launched with other overrides would go on silently with other
     settings, or hang at the end of the shorter run): else every rank stops, naming the settings that differ.
     data.cache_dir is each machine's own."""
-    mine = {f"{s}.{k}": v for s, values in cfg.to_dict().items() for k, v in values.items() if f"{s}.{k}" !=
-            "data.cache_dir"}
-    configs = ctx.all_gather_objects(mine)
+    configs = ctx.all_gather_objects(cfg.to_dict())
     for rank, other in enumerate(configs):
-        differ = [f"{k}={other[k]!r} where rank 0 has {v!r}" for k, v in configs[0].items() if other[k] != v]
+        differ = [f"{k}={ours!r} where rank 0 has {theirs!r}" for k, ours, theirs in differing(other, configs[0])]
         if differ:
             raise on_every_rank(ConfigError(
                 f"rank {rank} was launched with another config than rank 0: {'; '.join(differ[:4])}"

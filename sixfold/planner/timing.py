@@ -83,9 +83,8 @@ def _forward(rank: Rank, dense: int, experts: int) -> float:
     parameters: 2 per dense parameter per token; per expert parameter, 2 for each of the top_k of all the experts
     that a routed token visits. An MoE layer's experts are whole on every tp rank, which routes its own rows of the
     hidden state: 1/tp of the tokens under sequence-TP, all of them without."""
-    m, ep = rank.cfg.train.micro_batches, rank.ctx.size("ep")
-    expert = experts * rank.cfg.model.moe_top_k * ep / max(rank.cfg.model.moe_experts, 1)
-    return 2 * (dense * rank.micro_tokens + expert * rank.hidden_tokens) * m
+    routed = _active(rank.cfg.model, 0, experts * rank.ctx.size("ep"))
+    return 2 * (dense * rank.micro_tokens + routed * rank.hidden_tokens) * rank.cfg.train.micro_batches
 
 
 def flops(rank: Rank) -> float:
