@@ -10,6 +10,7 @@ import torch.distributed as dist
 from .ledger import Ledger
 from .errors import collective
 from .mesh import ParallelContext
+from .rollcall import RollCall
 from .trace import Tracer, now_us
 
 # torch 2.13 renamed these; 2.11 and 2.12 have only the old names
@@ -61,8 +62,9 @@ class Pending:
     how long wait() blocked."""
 
     def __init__(self, work, tracer: Tracer, name: str, start: float, args: dict, ranks: tuple[int, ...] = (),
-                 watcher: _Watcher | None = None):
+                 watcher: _Watcher | None = None, roll_call: RollCall | None = None):
         self.work, self.tracer, self.name, self.start, self.args, self.ranks = work, tracer, name, start, args, ranks
+        self.roll_call = roll_call
         self.works = work if isinstance(work, list) else [work]
         self.done_at: float | None = None
         self.step = tracer.step if tracer.enabled else None  # traced: a span of the step that issued it
@@ -73,7 +75,7 @@ class Pending:
     def wait(self) -> None:
         if self.work is not None:
             began = now_us()
-            with collective(self.name, self.ranks):
+            with collective(self.name, self.ranks, roll_call=self.roll_call):
                 for work in self.works:
                     work.wait()
             self.work, self.works = None, []
@@ -97,12 +99,13 @@ class Comm:
         self.ledger.record(group, op, nbytes)
         name = f"{op} {group}{' ' + label if label else ''}"
         start = now_us()
-        with collective(name, self.ctx.members(group)):
+        with collective(name, self.ctx.members(group), roll_call=self.ctx.roll_call):
             work = call(self.ctx.groups[group], async_op)
         args = {"group": group, "op": op, "bytes": nbytes, **({"async": True} if async_op else {})}
         if not async_op:
             self.tracer.add(name, "comm", start, now_us(), **args)
-        return Pending(work if async_op else None, self.tracer, name, start, args, self.ctx.members(group), self.watcher)
+        return Pending(work if async_op else None, self.tracer, name, start, args, self.ctx.members(group),
+                       self.watcher, self.ctx.roll_call)
 
     def all_reduce(self, t: torch.Tensor, group: str, async_op: bool = False, label: str = "",
                    op=dist.ReduceOp.SUM) -> Pending | None:
@@ -173,7 +176,7 @@ class Comm:
         if len(ranks) == 1:
             return [obj]
         out = [None] * len(ranks) if self.ctx.rank == ranks[0] else None
-        with collective(f"gather_object {group}", ranks):
+        with collective(f"gather_object {group}", ranks, roll_call=self.ctx.roll_call):
             dist.gather_object(obj, out, dst=ranks[0], group=self.ctx.groups[group])
         return out if out is not None else [obj]
 

@@ -8,21 +8,23 @@ import contextlib
 class CommError(RuntimeError):
     """A collective that failed or timed out; the message names its group and what to check."""
 
-    def __init__(self, name: str, ranks: tuple[int, ...], error: Exception, hint: str = ""):
-        super().__init__(f"{name} over ranks {list(ranks)} failed: {error}. " + (hint or (
+    def __init__(self, name: str, ranks: tuple[int, ...], error: Exception, hint: str = "", absent: str = ""):
+        said = f"{name} over ranks {list(ranks)} failed: {error}. " + (hint or (
             "A rank of that group crashed or did not reach the same collective within parallel.timeout_s; see its "
-            "log")))
+            "log"))
+        super().__init__(said.rstrip(".") + "." + absent if absent else said)
 
 
 @contextlib.contextmanager
-def collective(name: str, ranks, hint: str = ""):
-    """The failure of the collective inside (a rank crashed, or a timeout) as a CommError naming it."""
+def collective(name: str, ranks, hint: str = "", roll_call=None):
+    """The failure of the collective inside (a rank crashed, or a timeout) as a CommError naming it, and with a
+    RollCall (rollcall.py) the ranks of the group to look at."""
     try:
         yield
     except CommError:
         raise
     except RuntimeError as e:  # torch.distributed's DistError too
-        raise CommError(name, tuple(ranks), e, hint) from None
+        raise CommError(name, tuple(ranks), e, hint, roll_call.absent(name, ranks) if roll_call else "") from None
 
 
 class PeerStopped(RuntimeError):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 
 from .errors import collective
+from .rollcall import RollCall
 
 POST_EVERY_S = 1.0  # how often rank 0 posts a start's number again to the ranks that have not taken it
 
@@ -115,8 +116,8 @@ def _started() -> float:
         return 0.0
 
 
-def join_job(timeout: timedelta) -> int:
-    """Join the torchrun job (its world group); returns this process's rank."""
+def join_job(timeout: timedelta) -> tuple[int, RollCall]:
+    """Join the torchrun job (its world group); returns this process's rank and its roll call in the job's store."""
     backend, device = pick_device()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     with collective(f"joining the job as rank {rank}", range(world), "Check MASTER_ADDR and MASTER_PORT (torchrun's "
@@ -124,7 +125,8 @@ def join_job(timeout: timedelta) -> int:
         store = _attempt_store(_store(timeout, rank, world), rank, world, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
-    return rank
+        roll_call = RollCall(store, rank, timeout.total_seconds())
+    return rank, roll_call
 
 
 def leave_job() -> None:

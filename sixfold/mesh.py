@@ -21,6 +21,7 @@ from .errors import PeerStopped, collective, on_every_rank
 from .heartbeat import PeerFailed, PeerLost, in_turn
 from .join import join_job, leave_job, pick_device
 from .launch import under_torchrun
+from .rollcall import RollCall
 
 ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")  # innermost first
 
@@ -154,11 +155,13 @@ class ParallelContext:
     """Ranks, named process groups and the device of one process; built once and passed around."""
 
     def __init__(self, dims: ParallelDims, rank: int, backend: str, device: torch.device,
-                 groups: dict[str, dist.ProcessGroup | None], job: bool = False, timeout: timedelta | None = None):
+                 groups: dict[str, dist.ProcessGroup | None], job: bool = False, timeout: timedelta | None = None,
+                 roll_call: RollCall | None = None):
         self.dims, self.rank, self.backend, self.device = dims, rank, backend, device
         self.groups = groups
         self.job = job  # this process joined the job itself (not a layout inside sixfold.multirun's)
         self.timeout = timeout  # parallel.timeout_s, where this process joined the job
+        self.roll_call = roll_call  # there too: a failed collective names the ranks to look at
         self._patient: dist.ProcessGroup | None = None
         self.coords = dims.coords(rank)
         self._members = {name: dims.group_ranks(name, rank) for name in GROUP_NAMES}
@@ -182,11 +185,12 @@ class ParallelContext:
         if world == 1:
             return cls.single(dims)
         timeout = timedelta(seconds=parallel.timeout_s)
-        rank = join_job(timeout)
+        rank, roll_call = join_job(timeout)
         backend, device = pick_device()
         groups = Groups(timeout, {tuple(range(world)): dist.group.WORLD})
         groups.make(dims)
-        return cls(dims, rank, backend, device, groups.named(dims, rank), job=True, timeout=timeout)
+        return cls(dims, rank, backend, device, groups.named(dims, rank), job=True, timeout=timeout,
+                   roll_call=roll_call)
 
     @classmethod
     def inside(cls, dims: ParallelDims, groups: Groups) -> "ParallelContext | None":
@@ -227,7 +231,7 @@ class ParallelContext:
         if self.size(group) == 1:
             return [obj]
         out = [None] * self.size(group)
-        with collective(f"all_gather_object {group}", self.members(group)):
+        with collective(f"all_gather_object {group}", self.members(group), roll_call=self.roll_call):
             dist.all_gather_object(out, obj, group=self.groups[group])
         return out
 
@@ -237,7 +241,7 @@ class ParallelContext:
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            with collective("barrier world", range(self.world_size)):
+            with collective("barrier world", range(self.world_size), roll_call=self.roll_call):
                 dist.barrier(group=self.groups["world"])
 
     def local_first(self, fn):

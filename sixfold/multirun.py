@@ -118,7 +118,7 @@ def run_plan(plan_path: str, rank: int) -> None:
 
 
 def main(plan_path: str) -> None:
-    run_plan(plan_path, join_job(JOB_TIMEOUT))
+    run_plan(plan_path, join_job(JOB_TIMEOUT)[0])
     leave_job()  # the plan's groups are no longer referenced
 
 

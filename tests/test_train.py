@@ -5,9 +5,11 @@ import fcntl
 import json
 import math
 import os
+import re
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -359,11 +361,20 @@ def test_check_stopped_by_a_signal_removes_its_temporary_runs(tmp_path, monkeypa
     assert not list(tmp_path.iterdir())
 
 
-def test_a_hung_peer_ends_the_collective_with_an_error_naming_its_group():
-    proc = torchrun("hang.py", 2)
-    assert "rank 0 stopped: gather_object dp_replicate over ranks [0, 1] failed" in proc.stdout, proc.stderr[-2000:]
-    assert "rank 0 stopped: all_reduce dp_replicate grads over ranks [0, 1] failed" in proc.stdout, proc.stderr[-2000:]
-    assert "parallel.timeout_s" in proc.stdout
+def test_a_hung_peer_ends_the_collective_with_an_error_naming_its_group_and_the_rank_to_look_at():
+    proc = torchrun("hang.py", 3)
+    pid = re.search(r"rank 2 pid (\d+)", proc.stdout).group(1)
+    lines = [line for line in proc.stdout.splitlines() if " stopped: " in line]
+    for rank in (0, 1):
+        mine = [line for line in lines if line.startswith(f"rank {rank} stopped: ")]
+        assert [line.split(" over ")[0] for line in mine] == [
+            f"rank {rank} stopped: {name}" for name in ("gather_object dp_replicate", "all_reduce dp_replicate grads",
+                                                        "all_reduce dp_replicate loss" if rank == 0 else
+                                                        "broadcast dp_replicate")], proc.stdout + proc.stderr[-2000:]
+        assert all(f"; see its log. Rank 2 ({socket.gethostname()}, pid {pid}) did not fail with it within 3 s: look at"
+                   " it first" in line and f"Rank {1 - rank} (" not in line for line in mine), mine
+        other = "rank 1 in broadcast dp_replicate." if rank == 0 else "rank 0 in all_reduce dp_replicate loss."
+        assert [line.endswith(f"Failed in other collectives: {other}") for line in mine] == [False, False, True], mine
 
 
 def test_a_rank_that_never_joins_ends_the_others_with_an_error_naming_the_timeout(tmp_path):

@@ -1,8 +1,11 @@
-"""Rank 1 never joins rank 0's collectives: each must stop after parallel.timeout_s with an error naming its group
-(an object collective too: a checkpoint's save gathers its index so).
+"""Rank 2 never joins the collectives of ranks 0 and 1: each must stop after parallel.timeout_s with an error
+naming its group (an object collective too: a checkpoint's save gathers its index so) and rank 2, with its machine
+and process id, as the rank to look at (not each other: both failed alike). Then rank 1 runs another collective
+than rank 0's, and rank 0's error names rank 1's.
 
-    torchrun --nproc-per-node 2 hang.py
+    torchrun --nproc-per-node 3 hang.py
 """
+import os
 import time
 
 import torch
@@ -13,14 +16,17 @@ from sixfold.errors import CommError
 from sixfold.mesh import ParallelContext
 from sixfold.trace import Tracer
 
-ctx = ParallelContext.initialize(ParallelConfig(dp_replicate=2, timeout_s=3))
+ctx = ParallelContext.initialize(ParallelConfig(dp_replicate=3, timeout_s=3))
 comm = Comm(ctx, Tracer(False, ctx.rank))
-if ctx.rank == 0:
+print(f"rank {ctx.rank} pid {os.getpid()}", flush=True)
+if ctx.rank < 2:
     for collective in (lambda: comm.gather_objects({"index": 1}, "dp_replicate"),
-                       lambda: comm.all_reduce(torch.ones(4), "dp_replicate", label="grads")):
+                       lambda: comm.all_reduce(torch.ones(4), "dp_replicate", label="grads"),
+                       lambda: comm.all_reduce(torch.ones(4), "dp_replicate", label="loss") if ctx.rank == 0
+                       else comm.broadcast(torch.ones(4), "dp_replicate", 0)):
         try:
             collective()
         except CommError as e:
-            print(f"rank 0 stopped: {e}", flush=True)
+            print(f"rank {ctx.rank} stopped: {e}", flush=True)
 else:
-    time.sleep(15)
+    time.sleep(25)
