@@ -711,8 +711,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"non-empty log.sample_prompt to start from")
     check_text(cfg.log.sample_prompt, "log.sample_prompt")
     if not cfg.data.source.strip() or cfg.data.max_bytes < 0:
-        raise ConfigError("data.source must name a file or directory (or stdlib), and data.max_bytes be 0 (all) "
-                          "or more")
+        raise ConfigError("data.source must name a file, a directory or a pattern (or stdlib), and data.max_bytes be 0 "
+                          "(all) or more")
     if not cfg.data.cache_dir.strip():
         raise ConfigError("data.cache_dir is empty: set it to the directory that keeps the tokenized corpus "
                           "(by default ~/.cache/sixfold)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 import fcntl
+import fnmatch
 import hashlib
 import json
 import os
@@ -40,6 +41,8 @@ CACHE_FORMAT = "sixfold-tokens-2"  # 2: few documents split by tokens (split_doc
 SPLIT_SLACK = 4  # the held-out documents hold at most this many times data.val_fraction of the text
 _READER = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # a changed reader makes new cache indexes
 STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__"}
+WILDCARD = re.compile(r"[*?[]")  # data.source as a pattern (_glob)
+STRAY_BYTES = 1000  # a text file with up to one byte in this many that is not UTF-8 is read, those bytes as U+FFFD
 # the names of the files this module writes in data.cache_dir
 CACHE_FILE = re.compile(r"(bpe|tokenizer|tokens|index)-[0-9a-f]+(\.train|\.val)?\.(bin|json|sha256)(\.lock)?")
 
@@ -260,6 +263,27 @@ def _walk(root: Path, skip=(), cache: Path | None = None) -> tuple[list[tuple[st
     return sorted(out), sorted(p.relative_to(root).as_posix() for p in own)
 
 
+def _glob(pattern: Path, cache: Path) -> tuple[Path, list[tuple[str, Path]], list[str]]:
+    """data.source as a pattern (`*`, `?` and `[...]` within a name, `**` any depth of directories): the directory
+    before its first wildcard, and of what _walk finds there the files it matches and sixfold's own it skipped."""
+    parts = pattern.parts
+    first = next(i for i, part in enumerate(parts) if WILDCARD.search(part))
+    root = Path(*parts[:first]).resolve() if first else Path.cwd()
+    rest = parts[first:]
+    files, own = _walk(root, cache=cache) if root.is_dir() else ([], [])
+    return root, [(i, p) for i, p in files if _matches(i.split("/"), rest)], [
+        o for o in own if _matches(o.split("/"), rest)]
+
+
+def _matches(names, pattern) -> bool:
+    """Whether a relative path's names match a pattern's, `**` standing for any number of them."""
+    if not pattern:
+        return not names
+    if pattern[0] == "**":
+        return any(_matches(names[i:], pattern[1:]) for i in range(len(names) + 1))
+    return bool(names) and fnmatch.fnmatchcase(names[0], pattern[0]) and _matches(names[1:], pattern[1:])
+
+
 def _format(cfg: DataConfig, path: Path) -> str:
     if cfg.format != "auto":
         return cfg.format
@@ -274,10 +298,17 @@ def _corpus(cfg: DataConfig) -> tuple[str, Path, list[tuple[str, Path]]]:
             raise DataError(f"data.source=stdlib is Python source text; set data.format=auto, not {cfg.format}")
         root = Path(sysconfig.get_paths()["stdlib"])
         return "text", root, [(i, p) for i, p in _walk(root, STDLIB_SKIP)[0] if i.endswith(".py")]
-    root = Path(cfg.source).expanduser().resolve()
-    if not root.exists():
-        raise DataError(f"data.source={cfg.source!r}: {root} does not exist; give a file, a directory or 'stdlib'")
-    files, own = ([(root.name, root)], []) if root.is_file() else _walk(root, cache=Path(cfg.cache_dir).expanduser())
+    root, cache = Path(cfg.source).expanduser(), Path(cfg.cache_dir).expanduser()
+    if not root.exists() and WILDCARD.search(cfg.source):
+        root, files, own = _glob(root, cache)
+        if not files:
+            raise DataError(f"data.source={cfg.source!r} matches no files under {root}")
+    else:
+        root = root.resolve()
+        if not root.exists():
+            raise DataError(f"data.source={cfg.source!r}: {root} does not exist; give a file, a directory, a pattern "
+                            "or 'stdlib'")
+        files, own = ([(root.name, root)], []) if root.is_file() else _walk(root, cache=cache)
     if own:  # said on every load: the corpus is listed before the cache is looked in
         warnings.warn(f"skipped {len(own)} of sixfold's own directories and files in {root} (run directories, "
                       f"checkpoints, the token cache of data.cache_dir): {', '.join(own[:5])}"
@@ -289,8 +320,8 @@ def _corpus(cfg: DataConfig) -> tuple[str, Path, list[tuple[str, Path]]]:
     kinds = {_format(cfg, p) == "bin": p for _, p in files}
     if len(kinds) > 1:
         raise DataError(f"data.source={cfg.source!r}: {root} mixes .bin token files ({kinds[True]}, ...) with text "
-                        f"files ({kinds[False]}, ...); point data.source at a directory of one kind, or set "
-                        f"data.format=bin to read only the .bin files")
+                        f"files ({kinds[False]}, ...); point data.source at a directory or pattern of one kind "
+                        f"(data/*.txt), or set data.format=bin to read only the .bin files")
     return ("bin" if True in kinds else "text"), root, files
 
 
@@ -325,9 +356,10 @@ def _jsonl(path: Path, doc_id: str, text: str, field: str, prompt_field: str) ->
     return docs
 
 
-def _text(path: Path, limit: int, binary_if_nul: bool) -> tuple[str, bool]:
-    """A UTF-8 file's text (a leading byte-order mark dropped) and whether the limit cut it: with a limit, at most
-    that many bytes, a character it cuts left out. Raises UnicodeDecodeError for other bytes, and with
+def _text(path: Path, limit: int, binary_if_nul: bool) -> tuple[str, bool, int]:
+    """A UTF-8 file's text (a leading byte-order mark dropped), whether the limit cut it, and how many stray bytes
+    it held: with a limit, at most that many bytes, a character it cuts left out. Up to one byte in STRAY_BYTES
+    that is not UTF-8 reads as U+FFFD (a text with a stray byte); raises UnicodeDecodeError for more, and with
     `binary_if_nul` for a NUL byte, which text files do not hold and binary ones do (all-zero bytes are UTF-8)."""
     with open(path, "rb") as f:
         raw = f.read(limit + 1) if limit else f.read()
@@ -336,7 +368,14 @@ def _text(path: Path, limit: int, binary_if_nul: bool) -> tuple[str, bool]:
     if binary_if_nul and b"\0" in raw:
         at = raw.index(b"\0")
         raise UnicodeDecodeError("utf-8", raw, at, at + 1, "a NUL byte: binary data")
-    return codecs.getincrementaldecoder("utf-8-sig")().decode(raw, final=not cut), cut
+    try:
+        return codecs.getincrementaldecoder("utf-8-sig")().decode(raw, final=not cut), cut, 0
+    except UnicodeDecodeError:
+        text = codecs.getincrementaldecoder("utf-8-sig")("replace").decode(raw, final=not cut)
+        stray = text.count("\ufffd") - raw.count("\ufffd".encode())
+        if stray * STRAY_BYTES > len(raw):
+            raise
+        return text, cut, stray
 
 
 def _unreadable(path: Path, e: OSError) -> DataError:
@@ -347,7 +386,7 @@ def _documents(cfg: DataConfig, root: Path, files) -> tuple[list[tuple], str]:
     """(id, text) of each document of the files in order (with data.jsonl_prompt_field, (id, text, prompt_chars)),
     up to data.max_bytes of text (a text file read only as far as that); non-UTF-8 files skipped with one warning,
     an unreadable file refused. And what was read, in words."""
-    docs, taken, skipped, read = [], 0, [], 0
+    docs, taken, skipped, mended, read = [], 0, [], [], 0
     for read, (doc_id, path) in enumerate(files, 1):
         jsonl = _format(cfg, path) == "jsonl"
         if cfg.jsonl_prompt_field and not jsonl:
@@ -356,7 +395,10 @@ def _documents(cfg: DataConfig, root: Path, files) -> tuple[list[tuple], str]:
                             f"data.jsonl_prompt_field unset")
         left = cfg.max_bytes - taken if cfg.max_bytes else 0
         try:
-            text, cut = _text(path, 0 if jsonl else left, binary_if_nul=not jsonl)  # a JSONL line: refused alone
+            # a JSONL file's NUL is refused with its line
+            text, cut, stray = _text(path, 0 if jsonl else left, binary_if_nul=not jsonl)
+            if stray:
+                mended.append(f"{path} ({stray})")
         except UnicodeDecodeError:
             skipped.append(str(path))
             continue
@@ -378,6 +420,9 @@ def _documents(cfg: DataConfig, root: Path, files) -> tuple[list[tuple], str]:
         warnings.warn(f"skipped {len(skipped)} file(s) that are not UTF-8 text (or hold NUL bytes, as binary files "
                       f"do): {', '.join(skipped[:5])}"
                       f"{' ...' if len(skipped) > 5 else ''}", stacklevel=2)
+    if mended:
+        warnings.warn(f"read {len(mended)} file(s) with a few bytes that are not UTF-8 (at most 1 in {STRAY_BYTES:,}) "
+                      f"as U+FFFD: {', '.join(mended[:5])}{' ...' if len(mended) > 5 else ''}", stacklevel=2)
     if not docs:
         jsonl = any(_format(cfg, path) == "jsonl" for _, path in files)
         fields = f"data.jsonl_field (now {cfg.jsonl_field!r}) to the field that holds the text" + (

@@ -88,6 +88,26 @@ def test_text_directory_skips_undecodable_and_hidden(tmp_path):
     assert [d for d, _ in docs] == ["doc00.txt", "doc01.txt", "doc02.txt", "sub/b.txt"]
 
 
+def test_a_text_with_a_stray_byte_is_read_with_a_replacement_character(tmp_path):
+    """Up to one byte in 1,000 that is not UTF-8 reads as U+FFFD, said once a load (a JSONL file's lines too);
+    a file with more is skipped as not UTF-8."""
+    root = write_corpus(tmp_path / "corpus", 1)
+    (root / "stray.txt").write_bytes(b"a" * 2000 + b"\xe9 \xef\xbf\xbd b")  # the U+FFFD already there stays one
+    (root / "stray.jsonl").write_bytes(json.dumps({"text": "x" * 1000}).encode() + b"\n" +
+                                       b'{"text": "caf\xe9"}\n')
+    (root / "latin1.txt").write_bytes("caf\xe9 " .encode("latin-1") * 200)
+    for _ in range(2):  # read and cached, then opened from the cache
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            load_data(cfg(tmp_path, source=str(root)))
+        said = [str(w.message) for w in caught]
+        assert any(f"read 2 file(s) with a few bytes that are not UTF-8 (at most 1 in 1,000) as U+FFFD: "
+                   f"{root / 'stray.jsonl'} (1), {root / 'stray.txt'} (1)" in w for w in said), said
+        assert any("skipped 1 file(s) that are not UTF-8" in w and "latin1.txt" in w for w in said), said
+    docs = dict(iter_documents(cfg(tmp_path, source=str(root))))
+    assert docs["stray.txt"] == "a" * 2000 + "\ufffd \ufffd b" and docs["stray.jsonl:2"] == "caf\ufffd"
+
+
 def test_a_cached_corpus_warns_as_its_first_read_did(tmp_path):
     root = write_corpus(tmp_path / "corpus", 3)
     (root / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
@@ -206,8 +226,9 @@ def test_bin_errors(tmp_path):
     np.array([1, 2, 3], dtype=np.uint16).tofile(path)
     (tmp_path / "notes.txt").write_text(TEXT)
     with pytest.raises(DataError, match=f"mixes .bin token files \\({path}, ...\\) with text files \\("
-                                        f"{tmp_path / 'notes.txt'}, ...\\); point data.source at a directory of one "
-                                        "kind, or set data.format=bin to read only the .bin files"):
+                                        f"{tmp_path / 'notes.txt'}, ...\\); point data.source at a directory or "
+                                        "pattern of one kind \\(data/\\*.txt\\), or set data.format=bin to read only "
+                                        "the .bin files"):
         load_data(cfg(tmp_path, source=str(tmp_path)))
     assert load_data(cfg(tmp_path, source=str(tmp_path), format="bin", val_fraction=0.4)).train.tolist() == [1, 2]
 
@@ -299,6 +320,27 @@ def test_linked_directories_are_followed_once(tmp_path):
     (root / "loop").symlink_to(root)  # a cycle is not followed around
     ids = [d for d, _ in iter_documents(cfg(tmp_path, source=str(root)))]
     assert ids == ["doc00.txt", "doc01.txt", "linked/doc00.txt"]
+
+
+def test_a_pattern_reads_the_files_it_matches(tmp_path, monkeypatch):
+    """data.source as a glob: `*` within a name, `**` any depth; hidden files and sixfold's own skipped as in a
+    directory; ids relative to the directory before the first wildcard; one that matches nothing is refused."""
+    root = write_corpus(tmp_path / "corpus", 2)
+    write_corpus(root / "sub" / "deep", 1)
+    (root / "README.md").write_text("not data")
+    (root / "sub" / ".hidden.txt").write_text("secret")
+    (root / "sub" / "a.jsonl").write_text(json.dumps({"text": "a line"}) + "\n")
+
+    def ids(source: str) -> list[str]:
+        return [d for d, _ in iter_documents(cfg(tmp_path, source=source))]
+
+    assert ids(str(root / "*.txt")) == ["doc00.txt", "doc01.txt"]
+    assert ids(str(root / "**" / "*.txt")) == ["doc00.txt", "doc01.txt", "sub/deep/doc00.txt"]
+    assert ids(str(root / "s?b" / "*.jsonl")) == ["sub/a.jsonl:1"]
+    monkeypatch.chdir(root)
+    assert ids("**/doc0[1-9].txt") == ["doc01.txt"]
+    with pytest.raises(DataError, match=r"data\.source='\*\.csv' matches no files under " + str(root)):
+        iter_documents(cfg(tmp_path, source="*.csv"))
 
 
 def test_a_tokenizer_with_gaps_in_its_ids_counts_up_to_its_largest(tmp_path):
