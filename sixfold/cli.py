@@ -209,7 +209,8 @@ def cmd_matrix(args, argv) -> int:
     if args.table:
         Path(args.table).write_text(report.table(shlex.join(["sixfold", *argv])))
     failed = [row.layout.name for row in report.rows if not row.ok]
-    print(f"parity matrix: {len(report.rows) - len(failed)} of {len(report.rows)} layouts OK in {report.seconds:.0f}s"
+    rows = len(report.rows)
+    print(f"parity matrix: {rows - len(failed)} of {rows} layout{'s' * (rows != 1)} OK in {report.seconds:.0f}s"
           + (f"; FAILED: {', '.join(failed)}" if failed else "")
           + (f"; the runs are in {report.kept}" if report.kept else ""))
     return 1 if failed else 0

@@ -66,8 +66,8 @@ def ranking(plans: list[Plan], cfg: Config, where: tuple[str, int, int], refused
     for p in plans[:top]:
         lines.append(f"{p.cfg.parallel.describe():<{wide}} {p.cfg.train.micro_batches:>5} {p.cfg.model.recompute:>9} "
                      f"{num(p.peak / scale):>8} {num(p.step_s * 1e3):>8} {p.tokens_per_s:>11,.0f} {p.mfu:>6.1%}")
-    lines.append(f"({len(plans)} layouts fit; fastest first" + (f", the first {top} shown: --top" if top < len(plans)
-                                                                 else "") + ")")
+    fit = "1 layout fits" if len(plans) == 1 else f"{len(plans)} layouts fit; fastest first"
+    lines.append(f"({fit}" + (f", the first {top} shown: --top" if top < len(plans) else "") + ")")
     return "\n".join(lines + refusals(refused or {}))
 
 
