@@ -42,7 +42,8 @@ SPLIT_SLACK = 4  # the held-out documents hold at most this many times data.val_
 _READER = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # a changed reader makes new cache indexes
 STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__"}
 WILDCARD = re.compile(r"[*?[]")  # data.source as a pattern (_glob)
-STRAY_BYTES = 1000  # a text file with up to one byte in this many that is not UTF-8 is read, those bytes as U+FFFD
+STRAY_BYTES = 1000  # a text with up to one byte in this many (of those read) not UTF-8 is read, each as U+FFFD
+STRAY = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, decoded with surrogateescape
 # the names of the files this module writes in data.cache_dir
 CACHE_FILE = re.compile(r"(bpe|tokenizer|tokens|index)-[0-9a-f]+(\.train|\.val)?\.(bin|json|sha256)(\.lock)?")
 
@@ -246,10 +247,9 @@ def _walk(root: Path, skip=(), cache: Path | None = None) -> tuple[list[tuple[st
     out, own, seen = [], [], {os.path.realpath(root)}
     cache = os.path.realpath(cache) if cache else None
     for d, dirs, names in os.walk(root, followlinks=True):
-        dirs[:] = [x for x in dirs if not x.startswith(".") and x not in skip]
+        dirs[:] = [x for x in sorted(dirs) if not x.startswith(".") and x not in skip]
         real = [os.path.realpath(os.path.join(d, x)) for x in dirs]
-        dirs[:] = [x for x, r in zip(dirs, real) if r not in seen]
-        seen.update(real)
+        dirs[:] = [x for x, r in zip(dirs, real) if r not in seen and not seen.add(r)]  # two links to one: once
         mine = [x for x in dirs if _sixfold_output(Path(d, x))]
         own += [Path(d, x) for x in mine]
         dirs[:] = [x for x in dirs if x not in mine]
@@ -265,23 +265,49 @@ def _walk(root: Path, skip=(), cache: Path | None = None) -> tuple[list[tuple[st
 
 def _glob(pattern: Path, cache: Path) -> tuple[Path, list[tuple[str, Path]], list[str]]:
     """data.source as a pattern (`*`, `?` and `[...]` within a name, `**` any depth of directories): the directory
-    before its first wildcard, and of what _walk finds there the files it matches and sixfold's own it skipped."""
+    before its first wildcard, the files under it that the rest matches (sorted, as _walk gives them), and sixfold's
+    own that it skipped there. Only directories the pattern can reach are read; a hidden name matches only a part
+    that starts with '.'; linked directories are followed, each real one once a part of the pattern."""
     parts = pattern.parts
     first = next(i for i, part in enumerate(parts) if WILDCARD.search(part))
     root = Path(*parts[:first]).resolve() if first else Path.cwd()
-    rest = parts[first:]
-    files, own = _walk(root, cache=cache) if root.is_dir() else ([], [])
-    return root, [(i, p) for i, p in files if _matches(i.split("/"), rest)], [
-        o for o in own if _matches(o.split("/"), rest)]
+    rest = parts[first:] + (("*",) if parts[-1] == "**" else ())
+    found, own, seen, cache = {}, [], set(), os.path.realpath(cache)
 
+    def descend(d: Path, rest: tuple[str, ...]) -> None:
+        if (os.path.realpath(d), rest) in seen:
+            return
+        seen.add((os.path.realpath(d), rest))
+        head, tail = rest[0], rest[1:]
+        if head == "**":
+            descend(d, tail)  # no directory
+        try:
+            entries = sorted(e.name for e in os.scandir(d))
+        except OSError:  # unreadable: skipped, as os.walk does
+            return
+        for name in entries:
+            p = Path(d, name)
+            hidden = name.startswith(".") and not head.startswith(".")
+            try:
+                if hidden or not (head == "**" or fnmatch.fnmatchcase(name, head)):
+                    continue
+                if tail and p.is_dir():
+                    if _sixfold_output(p):
+                        own.append(p)
+                    else:
+                        descend(p, rest if head == "**" else tail)
+                elif not tail and p.is_file():
+                    if os.path.realpath(d) == cache and CACHE_FILE.fullmatch(name):
+                        own.append(p)
+                    else:
+                        found.setdefault(os.path.realpath(p), p)  # a file reached twice (links) read once
+            except OSError:  # a name that cannot be looked at (/proc's): not corpus
+                continue
 
-def _matches(names, pattern) -> bool:
-    """Whether a relative path's names match a pattern's, `**` standing for any number of them."""
-    if not pattern:
-        return not names
-    if pattern[0] == "**":
-        return any(_matches(names[i:], pattern[1:]) for i in range(len(names) + 1))
-    return bool(names) and fnmatch.fnmatchcase(names[0], pattern[0]) and _matches(names[1:], pattern[1:])
+    if root.is_dir():
+        descend(root, rest)
+    files = sorted((p.relative_to(root).as_posix(), p) for p in found.values())
+    return root, files, sorted({o.relative_to(root).as_posix() for o in own})
 
 
 def _format(cfg: DataConfig, path: Path) -> str:
@@ -358,9 +384,10 @@ def _jsonl(path: Path, doc_id: str, text: str, field: str, prompt_field: str) ->
 
 def _text(path: Path, limit: int, binary_if_nul: bool) -> tuple[str, bool, int]:
     """A UTF-8 file's text (a leading byte-order mark dropped), whether the limit cut it, and how many stray bytes
-    it held: with a limit, at most that many bytes, a character it cuts left out. Up to one byte in STRAY_BYTES
-    that is not UTF-8 reads as U+FFFD (a text with a stray byte); raises UnicodeDecodeError for more, and with
-    `binary_if_nul` for a NUL byte, which text files do not hold and binary ones do (all-zero bytes are UTF-8)."""
+    it held: with a limit, at most that many bytes, a character it cuts left out. Up to one byte in STRAY_BYTES of
+    those read that is not UTF-8 reads as U+FFFD, each (a text with a stray byte); raises UnicodeDecodeError for
+    more, and with `binary_if_nul` for a NUL byte, which text files do not hold and binary ones do (all-zero bytes
+    are UTF-8)."""
     with open(path, "rb") as f:
         raw = f.read(limit + 1) if limit else f.read()
     cut = bool(limit) and len(raw) > limit
@@ -370,9 +397,9 @@ def _text(path: Path, limit: int, binary_if_nul: bool) -> tuple[str, bool, int]:
         raise UnicodeDecodeError("utf-8", raw, at, at + 1, "a NUL byte: binary data")
     try:
         return codecs.getincrementaldecoder("utf-8-sig")().decode(raw, final=not cut), cut, 0
-    except UnicodeDecodeError:
-        text = codecs.getincrementaldecoder("utf-8-sig")("replace").decode(raw, final=not cut)
-        stray = text.count("\ufffd") - raw.count("\ufffd".encode())
+    except UnicodeDecodeError:  # each stray byte decodes to a lone surrogate of its own, then U+FFFD
+        text, stray = STRAY.subn("\ufffd", codecs.getincrementaldecoder("utf-8-sig")("surrogateescape").decode(
+            raw, final=not cut))
         if stray * STRAY_BYTES > len(raw):
             raise
         return text, cut, stray

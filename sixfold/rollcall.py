@@ -16,7 +16,8 @@ NAMED = 8  # ranks named in a message; more are counted
 class RollCall:
     def __init__(self, store, rank: int, timeout_s: float):
         """The job's store (this start's keys), this rank, parallel.timeout_s; writes this rank's machine and pid."""
-        self.store, self.rank, self.grace = store, rank, min(GRACE_S, timeout_s)
+        self.store, self.rank, self.timeout_s, self.grace = store, rank, timeout_s, min(GRACE_S, timeout_s)
+        self.called = 0.0  # when this rank's last roll call ended: what others wrote before is another failure's
         store.set(f"rollcall/host/{rank}", f"{socket.gethostname()}, pid {os.getpid()}")
 
     def absent(self, name: str, ranks) -> str:
@@ -50,11 +51,14 @@ class RollCall:
                 key = f"rollcall/failed/{r}"
                 if r != self.rank and r not in failed and self.store.check([key]):
                     when, what = self.store.get(key).decode().split(" ", 1)
-                    if float(when) >= began - self.grace:  # not an earlier failure's
+                    # not an earlier failure's: a group's ranks fail up to parallel.timeout_s apart (by the
+                    # machines' clocks, taken to agree within seconds)
+                    if float(when) > max(self.called, began - self.timeout_s - self.grace):
                         failed[r] = what
             if len(failed) == len(ranks) - 1 or time.monotonic() >= deadline:
                 break
             time.sleep(0.5)
+        self.called = time.time()
         missing = [r for r in ranks if r != self.rank and r not in failed]
         elsewhere = [f"rank {r} in {what}" for r, what in sorted(failed.items()) if what != name]
         said = ""
@@ -62,9 +66,9 @@ class RollCall:
             named = ", ".join(f"{r} ({self._host(r)})" for r in missing[:NAMED])
             more = f" and {len(missing) - NAMED} more" if len(missing) > NAMED else ""
             one = len(missing) == 1
-            said += (f" Rank{'' if one else 's'} {named}{more} did not fail with it within {self.grace:g} s: look "
-                     f"at {'it' if one else 'them'} first (died, hangs, or busy elsewhere for longer than "
-                     "parallel.timeout_s).")
+            said += (f" Rank{'' if one else 's'} {named}{more} did not fail with it within {self.grace:g} s: "
+                     f"{'it' if one else 'one of them'} died, hangs, or is busy elsewhere for longer than "
+                     f"parallel.timeout_s{'' if one else ', or waits on such a rank'}.")
         if elsewhere:
             said += f" Failed in other collectives: {', '.join(elsewhere[:NAMED])}."
         return said

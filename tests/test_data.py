@@ -89,13 +89,14 @@ def test_text_directory_skips_undecodable_and_hidden(tmp_path):
 
 
 def test_a_text_with_a_stray_byte_is_read_with_a_replacement_character(tmp_path):
-    """Up to one byte in 1,000 that is not UTF-8 reads as U+FFFD, said once a load (a JSONL file's lines too);
-    a file with more is skipped as not UTF-8."""
+    """Up to one byte in 1,000 that is not UTF-8 reads as U+FFFD, each, said once a load (a JSONL file's lines
+    too); a file with more is skipped as not UTF-8."""
     root = write_corpus(tmp_path / "corpus", 1)
     (root / "stray.txt").write_bytes(b"a" * 2000 + b"\xe9 \xef\xbf\xbd b")  # the U+FFFD already there stays one
     (root / "stray.jsonl").write_bytes(json.dumps({"text": "x" * 1000}).encode() + b"\n" +
                                        b'{"text": "caf\xe9"}\n')
     (root / "latin1.txt").write_bytes("caf\xe9 " .encode("latin-1") * 200)
+    (root / "cut.txt").write_bytes(b"b" * 2000 + b"\xf0\x9f\x98 \xe2\x82")  # 5 bytes in 2,007 (two characters cut)
     for _ in range(2):  # read and cached, then opened from the cache
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -103,7 +104,8 @@ def test_a_text_with_a_stray_byte_is_read_with_a_replacement_character(tmp_path)
         said = [str(w.message) for w in caught]
         assert any(f"read 2 file(s) with a few bytes that are not UTF-8 (at most 1 in 1,000) as U+FFFD: "
                    f"{root / 'stray.jsonl'} (1), {root / 'stray.txt'} (1)" in w for w in said), said
-        assert any("skipped 1 file(s) that are not UTF-8" in w and "latin1.txt" in w for w in said), said
+        assert any("skipped 2 file(s) that are not UTF-8" in w and "cut.txt" in w and "latin1.txt" in w
+                   for w in said), said
     docs = dict(iter_documents(cfg(tmp_path, source=str(root))))
     assert docs["stray.txt"] == "a" * 2000 + "\ufffd \ufffd b" and docs["stray.jsonl:2"] == "caf\ufffd"
 
@@ -318,6 +320,7 @@ def test_linked_directories_are_followed_once(tmp_path):
     write_corpus(tmp_path / "shard", 1)
     (root / "linked").symlink_to(tmp_path / "shard")
     (root / "loop").symlink_to(root)  # a cycle is not followed around
+    (root / "twin").symlink_to(tmp_path / "shard")  # two links to one directory: read once
     ids = [d for d, _ in iter_documents(cfg(tmp_path, source=str(root)))]
     assert ids == ["doc00.txt", "doc01.txt", "linked/doc00.txt"]
 
@@ -339,6 +342,13 @@ def test_a_pattern_reads_the_files_it_matches(tmp_path, monkeypatch):
     assert ids(str(root / "s?b" / "*.jsonl")) == ["sub/a.jsonl:1"]
     monkeypatch.chdir(root)
     assert ids("**/doc0[1-9].txt") == ["doc01.txt"]
+    assert ids("sub/**") == ["a.jsonl:1", "deep/doc00.txt"]
+    (root / "other").mkdir()
+    (root / "other" / "link").symlink_to(root / "sub" / "deep")  # a directory reached twice: by its first path
+    assert ids("*/link/*.txt") == ["other/link/doc00.txt"]
+    assert ids("**/*.txt") == ["doc00.txt", "doc01.txt", "other/link/doc00.txt"]
+    top = Path("/", root.parts[1][:-1] + "?", *root.parts[2:], "*.txt")  # a wildcard near / reads only its part
+    assert ids(str(top)) == [f"{root.relative_to('/').as_posix()}/doc0{i}.txt" for i in (0, 1)]
     with pytest.raises(DataError, match=r"data\.source='\*\.csv' matches no files under " + str(root)):
         iter_documents(cfg(tmp_path, source="*.csv"))
 
