@@ -248,8 +248,13 @@ def _walk(root: Path, skip=(), cache: Path | None = None) -> tuple[list[tuple[st
     cache = os.path.realpath(cache) if cache else None
     for d, dirs, names in os.walk(root, followlinks=True):
         dirs[:] = [x for x in sorted(dirs) if not x.startswith(".") and x not in skip]
-        real = [os.path.realpath(os.path.join(d, x)) for x in dirs]
-        dirs[:] = [x for x, r in zip(dirs, real) if r not in seen and not seen.add(r)]  # two links to one: once
+        kept = []
+        for x in dirs:  # each real directory once, also where two links lead to one
+            real = os.path.realpath(os.path.join(d, x))
+            if real not in seen:
+                seen.add(real)
+                kept.append(x)
+        dirs[:] = kept
         mine = [x for x in dirs if _sixfold_output(Path(d, x))]
         own += [Path(d, x) for x in mine]
         dirs[:] = [x for x in dirs if x not in mine]
@@ -275,9 +280,10 @@ def _glob(pattern: Path, cache: Path) -> tuple[Path, list[tuple[str, Path]], lis
     found, own, seen, cache = {}, [], set(), os.path.realpath(cache)
 
     def descend(d: Path, rest: tuple[str, ...]) -> None:
-        if (os.path.realpath(d), rest) in seen:
+        real = os.path.realpath(d)
+        if (real, rest) in seen:
             return
-        seen.add((os.path.realpath(d), rest))
+        seen.add((real, rest))
         head, tail = rest[0], rest[1:]
         if head == "**":
             descend(d, tail)  # no directory
@@ -297,7 +303,7 @@ def _glob(pattern: Path, cache: Path) -> tuple[Path, list[tuple[str, Path]], lis
                     else:
                         descend(p, rest if head == "**" else tail)
                 elif not tail and p.is_file():
-                    if os.path.realpath(d) == cache and CACHE_FILE.fullmatch(name):
+                    if real == cache and CACHE_FILE.fullmatch(name):
                         own.append(p)
                     else:
                         found.setdefault(os.path.realpath(p), p)  # a file reached twice (links) read once
