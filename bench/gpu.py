@@ -39,17 +39,29 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to try the script on a small config
 
 
-def timed(step, steps: int, warmup: int) -> list[float]:
+def sync() -> None:
     import torch
+    if device() == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(step, steps: int, warmup: int) -> tuple[list[float], float]:
+    """Each step's time, the device synchronized around it, and then the mean time of as many steps more run one
+    after another as a training loop runs them (the device synchronized after the last): what the host does
+    between two steps can then overlap the device's work."""
     times = []
     for i in range(warmup + steps):
-        torch.cuda.synchronize() if device() == "cuda" else None
+        sync()
         start = time.perf_counter()
         step()
-        torch.cuda.synchronize() if device() == "cuda" else None
+        sync()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return times
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return times, (time.perf_counter() - start) / steps
 
 
 def sixfold_side(args) -> dict:
@@ -110,24 +122,70 @@ def worker(args) -> None:
     try:
         step = sixfold_side(args) if args.worker == "sixfold" else hf_side(args)
         losses = []
-        result["times"] = timed(lambda: losses.append(step()), args.steps, args.warmup)
-        result["loss_first"], result["loss_last"] = losses[0], losses[-1]
+        result["times"], result["back_to_back"] = timed(lambda: losses.append(step()), args.steps, args.warmup)
+        result["loss_first"], result["loss_last"] = losses[0], losses[args.warmup + args.steps - 1]
         if args.profile:
-            profile(step)
+            profile(step, args.trace)
         result["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30 if device() == "cuda" else 0.0
     except torch.cuda.OutOfMemoryError:
         result["oom"] = True
     Path(args.result).write_text(json.dumps(result))
 
 
-def profile(step) -> None:
-    """The GPU kernels of two steps, by total time."""
+def profile(step, trace: str | None) -> None:
+    """The GPU kernels of two steps, by total time, and the device's idle gaps between them; the Chrome trace of
+    the two steps into `trace`, if given."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as record
     with record(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         step()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+    path = Path(trace) if trace else Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(path))
+    print(idle_gaps(json.loads(path.read_text())["traceEvents"]))
+
+
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCHES = ("cuda_runtime", "cuda_driver")
+
+
+def idle_gaps(events: list[dict], least_us: float = 20.0, top: int = 15) -> str:
+    """Where the device waits for the host, from a profiler's Chrome trace: the time between its first and last
+    kernel that no kernel or copy runs, in gaps of at least `least_us`, and the longest gaps, each with the
+    kernel before it and the host operations (innermost last) that launched the one after it; and the host's
+    synchronizations with the device."""
+    spans = [e for e in events if e.get("ph") == "X"]
+    work = sorted((e for e in spans if e.get("cat") in DEVICE_WORK), key=lambda e: e["ts"])
+    if not work:
+        return "idle gaps: no kernel in the trace"
+    launches = {e["args"]["correlation"]: e for e in spans
+                if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})}
+    ops = sorted((e for e in spans if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+
+    def launched_by(kernel: dict) -> str:
+        launch = launches.get(kernel.get("args", {}).get("correlation"))
+        if launch is None:
+            return "?"
+        around = [o["name"] for o in ops if o["tid"] == launch["tid"] and o["ts"] <= launch["ts"] <= o["ts"] + o["dur"]]
+        return " > ".join(around[-3:]) or launch["name"]
+
+    gaps, end = [], work[0]["ts"] + work[0]["dur"]
+    before = work[0]
+    for e in work[1:]:
+        if e["ts"] - end >= least_us:
+            gaps.append((e["ts"] - end, before, e))
+        if e["ts"] + e["dur"] >= end:
+            end, before = e["ts"] + e["dur"], e
+    span = end - work[0]["ts"]
+    idle = sum(g for g, _, _ in gaps)
+    syncs = [e for e in spans if e.get("cat") in LAUNCHES and "Synchronize" in e["name"]]
+    lines = [f"idle gaps: the device idle {idle / 1000:.1f} ms of {span / 1000:.1f} ms in {len(gaps)} gaps of "
+             f"{least_us:.0f} us or more; the host synchronized {len(syncs)} times, blocked "
+             f"{sum(e['dur'] for e in syncs) / 1000:.1f} ms", "  ms    after kernel -> launched by"]
+    for gap, a, b in sorted(gaps, key=lambda g: -g[0])[:top]:
+        lines.append(f"  {gap / 1000:5.2f} {a['name'][:50]} -> {launched_by(b)[:140]}")
+    return "\n".join(lines)
 
 
 def drive(args) -> None:
@@ -174,10 +232,11 @@ def mfu(r: dict, device: str) -> tuple[float, float]:
 def line(r: dict, device: str) -> str:
     label = f"{r['side']}{' compiled' if r['compile'] else ''}"
     if r.get("oom"):
-        return f"| {label} | {r['seq']} | {r['tokens']:,} | out of memory | | | | |"
+        return f"| {label} | {r['seq']} | {r['tokens']:,} | out of memory | | | | | |"
     tokens_s, util = mfu(r, device)
+    back = f"{r['back_to_back'] * 1000:.0f}" if "back_to_back" in r else "-"
     return (f"| {label} | {r['seq']} | {r['tokens']:,} ({r['micro']}) | {statistics.median(r['times']) * 1000:.0f} | "
-            f"{tokens_s:,.0f} | {util:.1%} | "
+            f"{back} | {tokens_s:,.0f} | {util:.1%} | "
             f"{r['peak_gb']:.1f} | {r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
 
 
@@ -189,9 +248,9 @@ def report(path: str, write: bool) -> None:
         "GPU), then `python bench/gpu.py --report DIR/gpu.json --write`  ",
         f"Device: {data['device']}, torch {data['torch']}, MFU against 989 TFLOP/s dense bf16  ",
         "",
-        "| side | seq | tokens/step (micro-batches) | ms/step (median) | tokens/s | MFU | peak GB | "
-        "loss first -> last step |",
-        "|---|---|---|---|---|---|---|---|", *rows])
+        "| side | seq | tokens/step (micro-batches) | ms/step (median) | ms/step back to back | tokens/s | MFU | "
+        "peak GB | loss first -> last step |",
+        "|---|---|---|---|---|---|---|---|---|", *rows])
     print(body)
     sys.path.insert(0, str(ROOT / "bench"))
     from common import write_doc
@@ -213,7 +272,9 @@ def main() -> None:
     p.add_argument("--out", default="gpu-bench")
     p.add_argument("--report", help="a gpu.json to put into docs/benchmarks.md")
     p.add_argument("--write", action="store_true")
-    p.add_argument("--profile", action="store_true", help="with --worker: print the kernels of two more steps")
+    p.add_argument("--profile", action="store_true",
+                   help="with --worker: print the kernels of two more steps and the device's idle gaps")
+    p.add_argument("--trace", help="with --profile: the Chrome trace of those steps into this file")
     p.add_argument("--worker", choices=("sixfold", "hf"), help="(internal)")
     p.add_argument("--compile", default="true", help="(internal)")
     p.add_argument("--result", help="(internal)")

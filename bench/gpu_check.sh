@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# A GPU session's checks in one call, about 7 minutes on an H200: the CUDA cases of the tests, the throughput
-# table at sequence 2048 and 8192 with 1 and 4 micro-batches (bench/gpu.py, both sides), a profile of two steps.
+# A GPU session's checks in one call, about 8 minutes on an H200 (the timeouts sum to under a call's 10): the CUDA
+# cases of the tests, the throughput table at sequence 2048 and 8192 with 1 and 4 micro-batches (bench/gpu.py, both
+# sides), a profile of two steps (kernels, the device's idle gaps, the Chrome trace as OUT/trace.json.gz).
 #     bash bench/gpu_check.sh OUT        # then here: python bench/gpu.py --report OUT/table/gpu.json --write
 set -u
 out=${1:?usage: bash bench/gpu_check.sh OUT}
@@ -8,10 +9,12 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fused.py tests/test_fast_paths.py \
-    tests/test_context.py -k "cuda or gpu" 2>&1 | tail -3
-timeout 420 python3 bench/gpu.py --seq 2048 8192 --micro 1 4 --out "$out/table"
+timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_fused.py tests/test_fast_paths.py \
+    tests/test_context.py tests/test_optim.py -k "cuda or gpu" 2>&1 | tail -3
+timeout 400 python3 bench/gpu.py --seq 2048 8192 --micro 1 4 --out "$out/table"
 rm -f "$out"/table/*-*.json  # each run's file; gpu.json holds them all (at most 8 files come back from a call)
 timeout 80 python3 bench/gpu.py --worker sixfold --seq 2048 --steps 3 --profile --result "$out/profile.json" \
-    > "$out/profile.log" 2>&1
+    --trace "$out/trace.json" > "$out/profile.log" 2>&1
+gzip -f "$out/trace.json"
 grep -v "^-" "$out/profile.log" | cut -c1-160 | head -45
+grep -A16 "^idle gaps" "$out/profile.log"

@@ -19,7 +19,8 @@ class AdamW:
     fused=True runs) over runs of segments: the norm weights (`no_decay`) take no weight decay.
 
     Unit by unit, in unit order, so that each unit's updated weights can go out (be gathered) while the next units
-    are updated. Unsharded, the master is the parameters' own flat buffer."""
+    are updated. Unsharded, the master is the parameters' own flat buffer. Gradient clipping's scale is applied
+    by the kernel as it reads the gradients (its grad_scale, which it divides by), not by a pass of its own."""
 
     def __init__(self, sharded: Sharded, cfg: TrainConfig, no_decay):
         self.cfg = cfg
@@ -45,16 +46,20 @@ class AdamW:
         return int(self.steps[0]) if self.steps else 0
 
     @torch.no_grad()
-    def step(self, lr: float, updated: Callable[[Unit], None] | None = None) -> None:
-        """One update; `updated(unit)` is called as each unit's is done."""
+    def step(self, lr: float, updated: Callable[[Unit], None] | None = None, scale: float = 1.0) -> None:
+        """One update from the gradients times `scale` (the kernel leaves them so scaled); `updated(unit)` is called
+        as each unit's is done."""
         c = self.cfg
         if self.steps:
             torch._foreach_add_(self.steps, 1)
+        # a fill, not a copy from the host: nothing waits for the device
+        divisor = torch.full((), 1 / scale, device=self.steps[0].device) if self.steps and scale != 1.0 else None
         for unit, runs in zip(self.units, self.runs):
             for (weights, grads, exp_avg, exp_avg_sq, steps), decay in zip(runs, (c.weight_decay, 0.0)):
                 if weights:
                     torch._fused_adamw_(weights, grads, exp_avg, exp_avg_sq, [], steps, lr=lr, beta1=c.beta1,
-                                        beta2=c.beta2, weight_decay=decay, eps=c.eps, amsgrad=False, maximize=False)
+                                        beta2=c.beta2, weight_decay=decay, eps=c.eps, amsgrad=False, maximize=False,
+                                        grad_scale=divisor)
             if updated is not None:
                 updated(unit)
 
@@ -74,17 +79,11 @@ def _merged(cuts: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     return out
 
 
-def clip_grad_norm(sharded: Sharded, max_norm: float) -> float:
-    """Scale gradients so their global L2 norm is at most max_norm; return the norm before clipping.
-
-    Shards are disjoint and replicas equal, so the norm sums shards over the fsdp group only.
-    """
-    norm = math.sqrt(sharded.grad_norm_sq())
+def clip_scale(norm: float, max_norm: float) -> float:
+    """The factor that brings gradients of global L2 norm `norm` to at most max_norm (1: none; 0 turns clipping off)."""
     if max_norm > 0 and math.isfinite(norm):
-        coef = min(max_norm / (norm + 1e-6), 1.0)
-        if coef < 1.0:
-            sharded.scale_grads(coef)
-    return norm
+        return min(max_norm / (norm + 1e-6), 1.0)
+    return 1.0
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:

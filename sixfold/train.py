@@ -29,7 +29,7 @@ from .generate import prompt_ids, sample_text
 from .mesh import ParallelContext
 from .model.hf import carried_files, end_ids, imported
 from .model.llama import Llama, init_weights, no_decay
-from .optim import AdamW, clip_grad_norm, learning_rate
+from .optim import AdamW, clip_scale, learning_rate
 from .model.moe import MoE, routing_warning
 from .parallel.context import ContextParallel
 from .parallel.expert import ExpertParallel
@@ -110,9 +110,16 @@ class Trainer:
         return self.ctx.local_first(load)
 
     def _local(self, x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None) -> tuple:
-        """A batch's tokens and labels on this rank's device, cut to its part of each sequence under cp, and its
+        """A batch's tokens and labels cut to this rank's part of each sequence under cp, then on its device, and its
         document ids (data.document_mask) of the whole sequences, left on the CPU (ContextParallel.document_mask)."""
-        return self.cp.shard(x.to(self.ctx.device)), self.cp.shard(y.to(self.ctx.device)), ids
+        return self._to_device(self.cp.shard(x)), self._to_device(self.cp.shard(y)), ids
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """On a GPU through pinned memory, queued behind the device's work: the host goes on (a copy from pageable
+        memory would wait for the last step's optimizer to finish)."""
+        if self.ctx.device.type == "cuda":
+            return t.pin_memory().to(self.ctx.device, non_blocking=True)
+        return t.to(self.ctx.device)
 
     @property
     def _eot(self) -> int | None:
@@ -124,8 +131,10 @@ class Trainer:
         t = self.cfg.train
         start = time.perf_counter()
         with self.tracer.span("data", "data"):
-            micro = [self._local(*batch) for batch in self.loader.micro_batches(self.step, t.micro_batches)]
-        local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y, _ in micro)
+            batches = self.loader.micro_batches(self.step, t.micro_batches)
+            # counted before the labels go to the device: reading a count back from it would wait for the last step
+            local_tokens = sum(int((self.cp.shard(y) != IGNORE_INDEX).sum()) for _, y, _ in batches)
+            micro = [self._local(*batch) for batch in batches]
         (global_tokens,) = self.comm.sum_scalars([local_tokens], "loss")
         empty = global_tokens == 0  # a batch of prompts only (data.jsonl_prompt_field): skipped, not 0 / 0
         global_tokens = max(global_tokens, 1)
@@ -144,13 +153,14 @@ class Trainer:
         self.sharded.finish()
         loss_value = self._total(float(loss_sum))
         with self.tracer.span("optimizer", "optim"):
-            grad_norm = clip_grad_norm(self.sharded, t.grad_clip)
+            grad_norm = math.sqrt(self.sharded.grad_norm_sq())
             lr = learning_rate(t, self.step)
             bad = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
             skip = bad or empty
             if not skip:  # ZeRO-3 gathers what the next step begins with as it goes, if a step comes next
                 ahead = self.step + 1 < t.steps and not self._eval_due(self.step + 1)
-                self.optim.step(lr, functools.partial(self.sharded.publish, ahead=ahead))
+                self.optim.step(lr, functools.partial(self.sharded.publish, ahead=ahead),
+                                clip_scale(grad_norm, t.grad_clip))
             self.sharded.zero_grad()
         self.step += 1
         if bad:

@@ -6,7 +6,7 @@ import torch
 
 from sixfold.config import ConfigError, ModelConfig, TrainConfig, load_config
 from sixfold.model.llama import Llama, init_weights, no_decay
-from sixfold.optim import MOMENTS, AdamW, clip_grad_norm, learning_rate
+from sixfold.optim import MOMENTS, AdamW, clip_scale, learning_rate
 from sixfold.comm import Comm
 from sixfold.mesh import ParallelContext
 from sixfold.parallel.sharding import Sharded
@@ -83,19 +83,45 @@ def test_adamw_matches_torch_default_implementation():
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
 
 
-def test_clipping_matches_torch():
-    """Same gradients: the norm (fp64 here, fp32 in torch) and the clipped gradients agree to fp32 round-off."""
-    ours, plain = _models()
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the CUDA kernel's grad_scale"))])
+def test_clipping_matches_torch(device):
+    """Clipping by AdamW's kernel as it reads the gradients (its grad_scale) against torch's clip_grad_norm_ before
+    its fused AdamW: the norm (fp64 here, fp32 in torch), the weights and both moments agree to fp32 round-off."""
+    ours, plain = (m.to(device) for m in _models())
+    t = TrainConfig(lr=3e-3, grad_clip=0.5)
     flat = _sharded(ours)
-    x, y = _batch(torch.Generator().manual_seed(1))
-    ours.loss_sum(x, y).backward()
-    plain.loss_sum(x, y).backward()
-    n1 = clip_grad_norm(flat, 0.5)
-    n2 = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
-    assert n1 > 0.5
-    assert math.isclose(n1, float(n2), rel_tol=1e-6)
-    for p, q in zip(ours.parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+    opt, ref = AdamW(flat, t, no_decay), _plain_optimizer(plain, t, fused=True)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = (t.to(device) for t in _batch(gen))
+        ours.loss_sum(x, y).backward()
+        plain.loss_sum(x, y).backward()
+        n1 = math.sqrt(flat.grad_norm_sq())
+        n2 = torch.nn.utils.clip_grad_norm_(plain.parameters(), t.grad_clip)
+        assert n1 > t.grad_clip
+        assert math.isclose(n1, float(n2), rel_tol=1e-6)
+        opt.step(t.lr, scale=clip_scale(n1, t.grad_clip))
+        ref.step()
+        flat.zero_grad()
+        ref.zero_grad()
+    params = dict(plain.named_parameters())
+    for (name, p), q in zip(ours.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+    for unit in flat.units:
+        for name, a, b, _ in unit.segments():
+            for k in MOMENTS:  # (the two norms differ by fp32 round-off, so every scaled gradient does too: an
+                # element near 0 after the moment's sums cancel is compared on the scale of the whole tensor)
+                expected = ref.state[params[name]][k].flatten()
+                torch.testing.assert_close(opt.moments[unit.index][k][a:b], expected, rtol=1e-6,
+                                           atol=1e-6 * float(expected.abs().max()), msg=f"{name} {k}")
+
+
+def test_clip_scale():
+    assert clip_scale(2.0, 1.0) == pytest.approx(0.5)
+    assert clip_scale(0.5, 1.0) == 1.0
+    assert clip_scale(2.0, 0.0) == 1.0  # off
+    assert clip_scale(math.inf, 1.0) == clip_scale(math.nan, 1.0) == 1.0  # such a step is skipped, not scaled
 
 
 def test_schedule_shape():

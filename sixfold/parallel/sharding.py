@@ -435,10 +435,6 @@ class Sharded:
             (total,) = self.comm.sum_scalars([total], group)
         return total
 
-    def scale_grads(self, coef: float) -> None:
-        for u in self.units:
-            u.grad_shard.mul_(coef)
-
     def publish_all(self) -> None:
         """Every unit's fp32 shard into its compute weights (publish()), the gathers waited for: after a load. ZeRO-3
         first frees what it held gathered (the units gathered for the next step), which the load made stale."""
