@@ -15,6 +15,7 @@ a `latest` pointer file.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -27,10 +28,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .config import Config
+
 FORMAT = "sixfold-checkpoint-2"
 META = "meta.json"
 META_SHA256 = "meta.sha256"  # meta.json's own checksum (checkpoints written before it have none)
 KINDS = ("model", "optim")
+NOT_OURS = "the checkpoint is incomplete or was not written by sixfold"
 
 
 class CheckpointError(RuntimeError):
@@ -177,10 +181,38 @@ def read_meta(path: str | Path) -> dict:
         raise CheckpointError(f"{path / META} has format {found!r}, expected {FORMAT!r}")
     require(meta, {"files": dict, "index": dict}, path / META)
     require(meta, {"config": dict, "data": dict}, path / META, optional=True)
+    require(meta.get("config", {}), {f.name: dict for f in dataclasses.fields(Config)}, path / META, "config.",
+            optional=True)
     for name, entry in meta["files"].items():
         require(entry if isinstance(entry, dict) else {}, {"bytes": int, "sha256": str}, path / META,
                 f"files.{name}.")
+    _check_index(meta["index"], path / META)
     return meta
+
+
+def _check_index(index: dict, where: Path) -> None:
+    """Refuse an index that is not as sixfold writes it: per kind, per tensor its shape (a list of counts) and its
+    slices (each a file, a key, a cut of 4 counts and a range of elements)."""
+    require(index, {kind: dict for kind in KINDS}, where, "index.", optional=True)
+    for kind in KINDS:
+        for name, entry in index.get(kind, {}).items():
+            at = f"index.{kind}.{name}"
+            entry = entry if isinstance(entry, dict) else {}
+            require(entry, {"slices": list}, where, f"{at}.")
+            if not _counts(entry.get("shape")):
+                raise CheckpointError(f"{where} has no valid '{at}.shape' (a list of counts); {NOT_OURS}")
+            for i, piece in enumerate(entry["slices"]):
+                piece = piece if isinstance(piece, dict) else {}
+                require(piece, {"file": str, "key": str, "start": int, "stop": int}, where, f"{at}.slices.{i}.")
+                if not _counts(piece.get("cut"), 4) or piece["stop"] < piece["start"]:
+                    raise CheckpointError(f"{where} has no valid '{at}.slices.{i}' (a cut of 4 counts, and start at "
+                                          f"most stop); {NOT_OURS}")
+
+
+def _counts(value, length: int | None = None) -> bool:
+    """Whether `value` is a list of counts (integers, 0 or more), `length` of them if given."""
+    return isinstance(value, list) and length in (None, len(value)) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
 
 
 def require(meta: dict, fields: dict[str, type], where: Path, prefix: str = "", optional: bool = False) -> None:
@@ -192,8 +224,7 @@ def require(meta: dict, fields: dict[str, type], where: Path, prefix: str = "", 
             continue
         if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
             what = "a count, 0 or more" if kind is int else f"a {kind.__name__}"
-            raise CheckpointError(f"{where} has no valid {prefix + key!r} ({what}); the checkpoint is incomplete "
-                                  f"or was not written by sixfold")
+            raise CheckpointError(f"{where} has no valid {prefix + key!r} ({what}); {NOT_OURS}")
 
 
 class Checkpoint:
@@ -236,17 +267,19 @@ class Checkpoint:
         return self.file(fname).read_bytes()
 
 
-def check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Size], where: str, hint: str = "") -> None:
-    """Refuse a checkpoint whose tensors do not match the model, naming the difference."""
+def check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Size], where: str, hint: str = "",
+                 named=lambda name: name) -> None:
+    """Refuse a checkpoint whose tensors do not match the model, naming the difference (each tensor as `named`
+    gives it: as the files name it)."""
     hint = hint or "check model.* settings against the checkpoint's config"
-    missing = sorted(set(expected) - set(found))
-    extra = sorted(set(found) - set(expected))
+    missing = sorted(map(named, set(expected) - set(found)))
+    extra = sorted(map(named, set(found) - set(expected)))
     if missing or extra:
         raise CheckpointError(f"{where} does not match the model: missing {missing[:4]}, unexpected {extra[:4]}; "
                               f"{hint}")
     for name, shape in expected.items():
         if tuple(found[name]) != tuple(shape):
-            raise CheckpointError(f"{where}: {name} has shape {tuple(found[name])}, the model expects "
+            raise CheckpointError(f"{where}: {named(name)} has shape {tuple(found[name])}, the model expects "
                                   f"{tuple(shape)}; {hint}")
 
 

@@ -336,8 +336,22 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+TEXTS = ("--prompt",)  # options whose value is free text
+
+
+def joined(argv: list[str]) -> list[str]:
+    """`--prompt TEXT` as `--prompt=TEXT`: argparse would take a TEXT that starts with '-' for an option."""
+    out = []
+    for a in argv:
+        if out and out[-1] in TEXTS:
+            out[-1] += "=" + a
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = joined(list(sys.argv[1:] if argv is None else argv))
     cli = parser()
     args, extra = cli.parse_known_args(argv)
     if extra and hasattr(args, "config") and all("=" in a and not a.startswith("-") for a in extra):

@@ -255,18 +255,25 @@ class Trainer:
         return self.saver.save(self.step, train_state.pieces(self.sharded, self.optim), meta, blobs)
 
     def load(self, where: str) -> None:
-        """Resume from a checkpoint; a rank that cannot read its part stops every rank with its message (a rank
-        reads only the files that hold its slices)."""
-        problem = ""
+        """Resume from a checkpoint; a rank that cannot read its part, or cannot go on from it, stops every rank with
+        its message (a rank reads only the files that hold its slices). The weights go to the compute copies (ZeRO-1/2
+        gather them) only once every rank has read its part: a rank that had stopped would not take part."""
+        problem, kind = "", ckpt.CheckpointError
         try:
             self._load(where)
-        except ckpt.CheckpointError as e:
-            problem = str(e)
+        except (ckpt.CheckpointError, DataError) as e:
+            problem, kind = str(e), type(e)
         if self.ctx.world_size > 1:
-            problems = self.ctx.all_gather_objects(problem)
-            problem = next((f"{p} (rank {r})" for r, p in enumerate(problems) if p), "")
+            problems = self.ctx.all_gather_objects((problem, kind.__name__))
+            first = next((r for r, (p, _) in enumerate(problems) if p), None)
+            if first is not None:
+                problem, name = problems[first]
+                kind = next(k for k in (ckpt.CheckpointError, DataError) if k.__name__ == name)
+                if any(p != problem for p, _ in problems):  # (not the same on every rank: say whose)
+                    problem += f" (rank {first})"
         if problem:
-            raise on_every_rank(ckpt.CheckpointError(problem))
+            raise on_every_rank(kind(problem))
+        self.sharded.publish_all()
 
     def _load(self, where: str) -> None:
         with warnings.catch_warnings():  # what finding it warns of, said once
@@ -282,10 +289,11 @@ class Trainer:
         where = checkpoint.path / ckpt.META
         if "optimizer_steps" in meta and not checkpoint.index("optim"):
             raise ckpt.CheckpointError(f"{where} is a training checkpoint's and its index holds no optimizer state; "
-                                       f"the checkpoint is incomplete or was not written by sixfold")
+                                       f"{ckpt.NOT_OURS}")
         if checkpoint.index("optim"):  # a training checkpoint: resumed, on the same tokens
             ckpt.require(meta, {"step": int, "optimizer_steps": int, "loader": dict}, where)
-            ckpt.require(meta["loader"], {"next_step": int}, where, "loader.")
+            ckpt.require(meta["loader"], {"next_step": int, "seed": int, "seq_len": int, "global_batch": int}, where,
+                         "loader.")
             if "data" in meta:
                 self._check_same_data(meta["data"])
         if train_state.load(checkpoint, self.sharded, self.optim, self.cfg):

@@ -248,7 +248,8 @@ def _unused(diffs: dict, cfg: Config) -> tuple[str, ...]:
 @torch.no_grad()
 def load(checkpoint: Checkpoint, sharded: Sharded, optim: AdamW, cfg: Config) -> bool:
     """Read this rank's slices of the weights (and of the optimizer state, if the checkpoint has it: returns
-    whether it had) from a checkpoint written in any layout. A training checkpoint (with optimizer state)
+    whether it had) from a checkpoint written in any layout into the fp32 masters (publish_all() then makes them
+    the compute weights). A training checkpoint (with optimizer state)
     resumes only the same model: settings other than FREE and OBJECTIVE must match."""
     diffs = differences(checkpoint.meta, cfg)
     named = ", ".join(f"model.{k}={shown(a)} (here {shown(b)})" for k, (a, b) in diffs.items())
@@ -272,5 +273,4 @@ def load(checkpoint: Checkpoint, sharded: Sharded, optim: AdamW, cfg: Config) ->
                 optim.moments[unit.index][k][a:b] = state.read(f"{name}.{k}", cut, start, stop)
     for unit, flat in zip(sharded.units, flats):
         unit.master.copy_(flat)
-    sharded.publish_all()
     return state is not None

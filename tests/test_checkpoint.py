@@ -162,6 +162,18 @@ BAD = {
     "meta.json with a file's size missing": (
         lambda p: _meta(p, lambda m: m["files"]["model-00000.safetensors"].pop("bytes")), [],
         "meta.json has no valid 'files.model-00000.safetensors.bytes'"),
+    "meta.json with a config section of another shape": (
+        lambda p: _meta(p, lambda m: m["config"].update(model=5)), [], "meta.json has no valid 'config.model'"),
+    "meta.json without the loader's seed": (lambda p: _meta(p, lambda m: m["loader"].pop("seed")), [],
+                                            "meta.json has no valid 'loader.seed'"),
+    "index entry without its slices": (lambda p: _meta(p, lambda m: m["index"]["model"]["norm.weight"].pop("slices")),
+                                       [], "meta.json has no valid 'index.model.norm.weight.slices'"),
+    "index entry with a shape of another type": (
+        lambda p: _meta(p, lambda m: m["index"]["model"]["norm.weight"].update(shape="64")), [],
+        r"meta.json has no valid 'index.model.norm.weight.shape' \(a list of counts\)"),
+    "index slice with a cut of another shape": (
+        lambda p: _meta(p, lambda m: m["index"]["optim"]["norm.weight.exp_avg"]["slices"][0].update(cut=[0, 1])), [],
+        "meta.json has no valid 'index.optim.norm.weight.exp_avg.slices.0' \\(a cut of 4 counts"),
     "meta.json without the optimizer's index": (lambda p: _meta(p, lambda m: m["index"].update(optim={})), [],
                                                 "index holds no optimizer state"),
 }
@@ -342,19 +354,34 @@ def test_a_directory_that_is_not_a_checkpoint_is_not_replaced(tmp_path):
     assert torch.equal(Reader(Checkpoint(again), "model").full("w"), torch.zeros(4))
 
 
-def test_a_bad_file_that_one_rank_reads_stops_every_rank_with_its_message(saved, tmp_path):
-    """Under tp=2 rank 0 reads only model-00000 and rank 1 only model-00001: rank 1's error reaches rank 0, so both
-    end with it instead of rank 0 failing later in a collective."""
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.dp_shard=2", "parallel.zero=2"]])
+def test_a_bad_file_that_one_rank_reads_stops_every_rank_with_its_message(saved, tmp_path, layout):
+    """Under tp=2 rank 0 reads only model-00000 and rank 1 only model-00001, and so under ZeRO-2 from a checkpoint
+    written so: rank 1's error reaches rank 0, so both end with it instead of rank 0 failing later in a collective
+    (under ZeRO-2 the gather of the weights read, which rank 1 would not have joined: an abort on gloo)."""
+    if "parallel.zero=2" in layout:
+        first = sixfold("train", TINY, f"log.run_dir={tmp_path / 'first'}", "train.steps=2", *layout)
+        assert first.returncode == 0, first.stderr[-3000:]
+        saved = tmp_path / "first" / "checkpoints" / "step_0000002"
     bad = tmp_path / "bad"
     shutil.copytree(saved, bad)
     f = bad / "model-00001.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    proc = sixfold("train", TINY, f"log.run_dir={tmp_path / 'run'}", "train.steps=3", "parallel.tp=2",
+    proc = sixfold("train", TINY, f"log.run_dir={tmp_path / 'run'}", "train.steps=3", *layout,
                    f"checkpoint.resume={bad}")
-    assert proc.returncode != 0
+    assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.count("sixfold error: ") == 1, proc.stderr[-3000:]  # every rank's, said once
     assert "model-00001.safetensors is corrupt: its size or checksum does not match meta.json (rank 1)" in \
         proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_data_order_every_rank_refuses_is_said_once(saved, tmp_path):
+    proc = sixfold("train", TINY, f"log.run_dir={tmp_path / 'run'}", "train.steps=3", "parallel.tp=2",
+                   "train.global_batch=4", f"checkpoint.resume={saved}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("sixfold error") == 1, proc.stderr[-3000:]
+    assert "sixfold error: the saved data order has global_batch=8 but this run has 4; set train.global_batch=8 " \
+        "to resume it" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_resuming_on_other_text_of_the_same_length_or_with_other_settings_warns(tmp_path):

@@ -211,7 +211,13 @@ def test_shape_mismatch_is_refused(tmp_path):
     hf_model(False).save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
-    with pytest.raises(CheckpointError, match="mlp"):
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.\w+_proj\.weight has shape"):  # its names
+        import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    from safetensors.torch import load_file, save_file
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    weights = tmp_path / "hf" / "model.safetensors"
+    save_file({k: v for k, v in load_file(weights).items() if k != "lm_head.weight"}, weights, {"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"missing \['lm_head.weight'\]"):
         import_hf(tmp_path / "hf", tmp_path / "ckpt")
 
     wrong = Llama(ModelConfig(vocab_size=256))

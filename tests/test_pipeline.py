@@ -26,6 +26,14 @@ def test_the_head_counts_in_the_split():
     assert len(first.layers) > len(second.layers)
 
 
+def test_an_moe_block_costs_its_routed_experts():
+    """A token visits top_k experts and the router: the stages are balanced by that."""
+    dense, moe = ModelConfig(n_layers=4), ModelConfig(n_layers=4, moe_experts=8, moe_top_k=2, moe_every=2)
+    extra = 2 * 3 * dense.dim * dense.ffn_dim + 2 * dense.dim * 8  # a second expert and the router
+    more = [b - a for a, b in zip(layer_costs(dense, 64), layer_costs(moe, 64))]
+    assert more == [0, extra, 0, extra, 0, 0]  # blocks 0 and 2 (after the embedding)
+
+
 def test_too_many_stages_is_refused_naming_the_settings():
     with pytest.raises(ConfigError, match="model.n_layers to at least 6"):
         load_config(TINY, ["parallel.pp=4", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2",

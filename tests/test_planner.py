@@ -13,7 +13,7 @@ from sixfold import cli
 from sixfold.config import load_config
 from sixfold.planner.devices import DEVICES
 from sixfold.planner.memory import activations, persistent, step
-from sixfold.planner.plan import PP_SCHEDULES, layouts, plan
+from sixfold.planner.plan import PP_SCHEDULES, _fewest_micro_batches, layouts, plan
 from sixfold.planner.report import ranking
 from sixfold.planner.rank import build_rank
 from sixfold.planner.traffic import step_bytes
@@ -145,6 +145,30 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     assert cli.main(["plan", TINY, "parallel.tp=2", "--gpus", "2", "--nodes", "2"]) == 0
     out = capsys.readouterr().out
     assert "memory per rank (MB)" in out and "note: tp=2 groups span nodes (1 GPU(s) each)" in out
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_recomputing_an_moe_pipeline_makes_its_step_longer(schedule):
+    """The simulator prices an MoE block as the compute estimate does (top_k experts, no MLP run again under full
+    recomputation): recomputing lengthens the step and never raises the MFU."""
+    plans = {}
+    for recompute in ("none", "full"):
+        cfg = load_config(TINY, ["model.moe_experts=4", "parallel.pp=2", "parallel.dp_replicate=2",
+                                 f"parallel.pp_schedule={schedule}", "train.micro_batches=4",
+                                 f"model.recompute={recompute}"])
+        plans[recompute] = plan(cfg, DEVICES["h100"], 8)
+    assert plans["full"].step_s > plans["none"].step_s and plans["full"].mfu <= plans["none"].mfu
+
+
+def test_the_search_keeps_a_zero3_layout_that_fits_with_one_micro_batch_only():
+    """From one micro-batch to two, ZeRO-3's memory rises (the whole gradients held between them): the search plans
+    one micro-batch first, not only the most and then fewer."""
+    cfg = load_config("configs/llama3-70b.yaml", ["train.precision=bf16", "train.seq_len=256", "train.global_batch=32",
+                                                  "parallel.dp_shard=16", "parallel.zero=3"])
+    cfg.train.micro_batches = 2
+    assert not plan(cfg, DEVICES["h200"], 8).fits
+    best = _fewest_micro_batches(cfg, DEVICES["h200"], 8)
+    assert best.fits and best.cfg.train.micro_batches == 1
 
 
 def test_a_group_kind_pays_the_network_where_any_of_its_groups_spans_nodes(capsys):

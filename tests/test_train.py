@@ -56,8 +56,8 @@ def test_run_outputs(tmp_path):
     assert any(e.get("cat") == "comm" for e in trace["traceEvents"])
     assert (run / "timeline.png").stat().st_size > 10_000 and (run / "mesh.png").stat().st_size > 10_000
     assert sorted(ledger.read(run)["ranks"]) == ["0", "1"]
-    gen = sixfold("generate", str(run), "--prompt", "import ", "--max-new-tokens", "10")
-    assert gen.returncode == 0 and gen.stdout.startswith("import "), gen.stderr[-2000:]
+    gen = sixfold("generate", str(run), "--prompt", "-import ", "--max-new-tokens", "10")  # (no option: a text)
+    assert gen.returncode == 0 and gen.stdout.startswith("-import "), gen.stderr[-2000:]
     gen = sixfold("generate", str(run), "--prompt", "import ", "--max-new-tokens", "300")  # max_seq_len 256
     assert gen.returncode == 0 and "leaves room for 249 after the prompt; at most 249 are generated" in gen.stderr
 

@@ -53,6 +53,15 @@ def hf_name(name: str) -> str:
     return f"model.layers.{i}.{LAYER_NAMES[rest]}"
 
 
+def _as_hf(name: str) -> str:
+    """A tensor's name as a Hugging Face directory has it, where it has one by that name (not an expert stack, nor
+    a name sixfold does not know)."""
+    try:
+        return hf_name(name)
+    except (KeyError, ValueError):
+        return name
+
+
 def sixfold_name(name: str) -> str:
     """The sixfold name of an HF tensor; unknown names come back unchanged so check_shapes reports them."""
     if name in HF_TOP:
@@ -290,7 +299,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     if model_cfg.tie_embeddings:
         tensors.pop("head.weight", None)
     check_shapes(full_shapes(model_cfg), {k: v.shape for k, v in tensors.items()}, str(hf_dir),
-                 "its weights do not match its config.json")
+                 "its weights do not match its config.json", _as_hf)
     meta = {"step": 0, "config": cfg.to_dict(), "source": f"{IMPORTED} {hf_dir}"}
     blobs = _tokenizer(hf_dir, model_cfg.vocab_size)
     return write_checkpoint(out_dir, {"model": tensors}, meta, {**blobs, **_carried(hf_dir, blobs)})

@@ -114,8 +114,10 @@ def layouts(cfg: Config, world: int, per_node: int, refused: dict[str, str] | No
 
 
 def _fewest_micro_batches(c: Config, device: Device, per_node: int) -> Plan:
-    """Without pipelining, the plan with the fewest micro-batches that fits (memory falls as they grow: if one
-    sequence per micro-batch does not fit, none does); under pipelining, the layout's own."""
+    """Without pipelining, the plan with the fewest micro-batches that fits, or else the leaner of one and of one
+    sequence per micro-batch; under pipelining, the layout's own. From two micro-batches on, memory falls as they
+    grow (if one sequence per micro-batch does not fit, no other count from two does); from one to two it can rise:
+    ZeRO-2/3 then hold the whole gradients between micro-batches."""
     if c.parallel.pp > 1:
         return plan(c, device, per_node, ends_only=True)
 
@@ -124,11 +126,15 @@ def _fewest_micro_batches(c: Config, device: Device, per_node: int) -> Plan:
         trial.train.micro_batches = micro
         return plan(trial, device, per_node, ends_only=True)
 
-    *fewer, most = divisors(c.train.global_batch // (c.parallel.dp_replicate * c.parallel.dp_shard))
+    one, *more = divisors(c.train.global_batch // (c.parallel.dp_replicate * c.parallel.dp_shard))
+    first = with_micro(one)
+    if first.fits or not more:
+        return first
+    *fewer, most = more
     last = with_micro(most)
     if last.fits:
         return next((p for p in map(with_micro, fewer) if p.fits), last)
-    return last
+    return min(first, last, key=lambda p: p.peak)
 
 
 def search(cfg: Config, world: int, device: Device, per_node: int, refused: dict[str, str] | None = None,
@@ -159,9 +165,11 @@ def _none_fits(plans: list[Plan], device: Device) -> str:
                 f"optimizer state per GPU, above the {usable:.0f} GB usable on an {device.name}: add GPUs (ZeRO, tp "
                 f"and pp divide those over them), or choose a GPU with more memory (--gpu)")
     best = min(plans, key=lambda p: p.peak)
+    t, p = best.cfg.train, best.cfg.parallel
+    sequences = t.global_batch // (p.dp_replicate * p.dp_shard) // t.micro_batches
     return (f"no layout fits: the leanest, {best.cfg.parallel.describe()} with recompute {best.cfg.model.recompute},"
             f" peaks at {best.peak / 1e9:.1f} GB per GPU, above the {usable:.0f} GB usable on an {device.name}, with "
-            f"one sequence per micro-batch: lower train.seq_len, or add GPUs (for tp, cp or pp)")
+            f"{sequences} sequence(s) per micro-batch: lower train.seq_len, or add GPUs (for tp, cp or pp)")
 
 
 def _persistent(stage: StagePlan) -> int:

@@ -22,34 +22,45 @@ def whole(cfg: ModelConfig) -> Stage:
     return Stage(0, range(cfg.n_layers), True, True)
 
 
-def _block_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
-    """Forward FLOPs per token of a block's matrix products and of its attention core."""
+def _block_costs(cfg: ModelConfig, seq_len: int, layer: int) -> tuple[float, float, float]:
+    """Forward FLOPs per token of block `layer`'s attention products, of its MLP (an MoE layer's: the router, the
+    top_k experts a token visits and a shared expert) and of its attention core."""
     d, hd = cfg.dim, cfg.head_dim
-    matmuls = 2 * (d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.ffn_dim)
+    products = 2 * d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    mlp = 2 * 3 * d * cfg.ffn_dim
+    if layer in cfg.moe_layers:
+        mlp = mlp * (cfg.moe_top_k + cfg.moe_shared_expert) + 2 * d * cfg.moe_experts
     attention = 2 * cfg.n_heads * hd * seq_len  # scores and weighted values over half the sequence (causal)
-    return float(matmuls), float(attention)
+    return float(products), float(mlp), float(attention)
 
 
 def layer_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
     """Forward FLOPs per token of the embedding, each block, and the head (norm, logits, cross-entropy)."""
-    block = sum(_block_costs(cfg, seq_len))
-    return [2.0 * cfg.dim] + [block] * cfg.n_layers + [2.0 * cfg.dim * cfg.vocab_size + 5.0 * cfg.vocab_size]
+    blocks = [sum(_block_costs(cfg, seq_len, i)) for i in range(cfg.n_layers)]
+    return [2.0 * cfg.dim] + blocks + [2.0 * cfg.dim * cfg.vocab_size + 5.0 * cfg.vocab_size]
+
+
+def _recomputed(cfg: ModelConfig, seq_len: int, layer: int) -> float:
+    """Forward FLOPs per token that cfg.recompute runs again in block `layer`'s backward: the block (but an MoE
+    layer's MLP), or its attention core."""
+    products, mlp, attention = _block_costs(cfg, seq_len, layer)
+    full = products + attention + (0.0 if layer in cfg.moe_layers else mlp)
+    return {"full": full, "selective": attention}.get(cfg.recompute, 0.0)
 
 
 def stage_costs(cfg: ModelConfig, stages: list[Stage], seq_len: int, split: bool) -> Costs:
     """The simulator's costs of each stage from its FLOPs, in units of the mean stage's forward: F its forward; B
     and W as much again each (the gradients of the input and of the weights), but without W actions (split) the
     head's weight gradient in B (a B that sends early defers the blocks' only); B more by what cfg.recompute
-    runs again (the blocks' forward, or their attention cores)."""
-    matmuls, attention = _block_costs(cfg, seq_len)
-    again = {"full": matmuls + attention, "selective": attention}.get(cfg.recompute, 0.0)
+    runs again (_recomputed)."""
     costs = layer_costs(cfg, seq_len)  # piece p: the embedding (0), block p - 1, or the head (last)
     f = [(costs[0] if s.embed else 0.0) + sum(costs[1 + i] for i in s.layers) + (costs[-1] if s.head else 0.0)
          for s in stages]
+    again = [sum(_recomputed(cfg, seq_len, i) for i in s.layers) for s in stages]
     head = [2.0 * cfg.dim * cfg.vocab_size if s.head and not split else 0.0 for s in stages]
     unit = sum(f) / len(f)
     return Costs(tuple(x / unit for x in f),
-                 tuple((x + len(s.layers) * again + h) / unit for x, s, h in zip(f, stages, head)),
+                 tuple((x + a + h) / unit for x, a, h in zip(f, again, head)),
                  tuple((x - h) / unit for x, h in zip(f, head)))
 
 
