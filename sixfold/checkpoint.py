@@ -59,11 +59,13 @@ def resume_source(resume: str, run_dir: str) -> str:
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or the latest checkpoint of a run directory: the one `latest` names, or without
-    that pointer the newest complete one."""
+    """A checkpoint directory, or the latest checkpoint of a run directory (or of its checkpoints directory): the
+    one `latest` names, or without that pointer the newest complete one."""
     path = Path(path)
     if (path / META).is_file():
         return path
+    if path.name == "checkpoints" and ((path / "latest").is_file() or any(path.glob("step_*"))):
+        path = path.parent  # the run's
     latest = path / "checkpoints" / "latest"
     if latest.is_file():
         name = latest.read_text().strip()

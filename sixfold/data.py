@@ -316,10 +316,13 @@ def _glob(pattern: Path, cache: Path) -> tuple[Path, list[tuple[str, Path]], lis
     return root, files, sorted({o.relative_to(root).as_posix() for o in own})
 
 
+SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".bin": "bin"}  # data.format=auto by the name (any case)
+
+
 def _format(cfg: DataConfig, path: Path) -> str:
     if cfg.format != "auto":
         return cfg.format
-    return {".jsonl": "jsonl", ".bin": "bin"}.get(path.suffix, "text")
+    return SUFFIXES.get(path.suffix.lower(), "text")
 
 
 def _corpus(cfg: DataConfig) -> tuple[str, Path, list[tuple[str, Path]]]:
@@ -346,7 +349,7 @@ def _corpus(cfg: DataConfig) -> tuple[str, Path, list[tuple[str, Path]]]:
                       f"checkpoints, the token cache of data.cache_dir): {', '.join(own[:5])}"
                       f"{' ...' if len(own) > 5 else ''}", stacklevel=3)
     if cfg.format == "bin" and root.is_dir():
-        files = [f for f in files if f[1].suffix == ".bin"]
+        files = [f for f in files if f[1].suffix.lower() == ".bin"]
     if not files:
         raise DataError(f"data.source={cfg.source!r}: {root} holds no {'.bin ' if cfg.format == 'bin' else ''}files")
     kinds = {_format(cfg, p) == "bin": p for _, p in files}
@@ -618,7 +621,7 @@ def _load_bin(cfg: DataConfig, root: Path, files) -> TokenData:
             raise _unreadable(p, e) from None
     path = files[0][1]
     if len(files) > 1:  # concatenated once into the cache
-        stats = [(i, p.stat().st_size, p.stat().st_mtime_ns) for i, p in files]
+        stats = [(i, *_stamp(p)) for i, p in files]
         path = Path(cfg.cache_dir).expanduser() / f"tokens-{_sha(CACHE_FORMAT, str(root), str(dtype), stats)[:32]}.bin"
         with _lock(path):
             if not path.exists():

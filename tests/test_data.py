@@ -145,6 +145,13 @@ def test_jsonl_field_and_bad_lines(tmp_path):
     assert docs == [("data.jsonl:1", "first\u2028line"), ("data.jsonl:5", "second")]
 
 
+@pytest.mark.parametrize("name", ["A.JSONL", "b.ndjson"])
+def test_json_lines_are_known_by_their_name_in_any_case(tmp_path, name):
+    path = tmp_path / name
+    path.write_text("\n".join(json.dumps({"text": f"line {i}"}) for i in range(3)) + "\n")
+    assert iter_documents(cfg(tmp_path, source=str(path)))[1] == (f"{name}:2", "line 1")
+
+
 def qa_corpus(path: Path, n: int = 40) -> Path:
     """JSON lines of a prompt and its answer (a line without an answer among them)."""
     lines = [json.dumps({"prompt": f"Q: what is {i} + {i}?\nA:", "answer": f" {2 * i}\n"}) for i in range(n)]
@@ -212,6 +219,12 @@ def test_bin_round_trip(tmp_path, dtype):
     assert np.array_equal(np.concatenate([data.train, data.val]), tokens)
     single = load_data(cfg(tmp_path, source=str(root / "a.bin"), bin_dtype=dtype, val_fraction=0.1))
     assert np.array_equal(np.concatenate([single.train, single.val]), tokens[:600])
+    # a file rewritten in place, its size and modification time kept (cp -p): not read from the cache's copy
+    stat = (root / "a.bin").stat()
+    np.full(600, 42, dtype=dtype).tofile(root / "a.bin")
+    os.utime(root / "a.bin", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    again = load_data(cfg(tmp_path, source=str(root), format="bin", bin_dtype=dtype, val_fraction=0.1))
+    assert np.array_equal(np.concatenate([again.train, again.val]), np.concatenate([np.full(600, 42), tokens[600:]]))
 
 
 def test_bin_errors(tmp_path):
