@@ -20,8 +20,9 @@ for round in $(seq 1 "$rounds"); do
         tree=$new
         [ "$side" = old ] && tree=$old
         result="$tmp/$side-$round.json"
+        log="$tmp/$side-$round.log"
         (cd "$tree" && PYTHONPATH="$tree" timeout 150 python3 bench/gpu.py --worker sixfold --seq "$seq" \
-            --micro "$micro" --config "$config" --result "$result" > "$tmp/$side-$round.log" 2>&1) || tail -5 "$tmp/$side-$round.log"
+            --micro "$micro" --config "$config" --result "$result" > "$log" 2>&1) || tail -5 "$log"
         python3 -c "import json, statistics, sys; r = json.load(open(sys.argv[1]))
 print(sys.argv[2], f\"{statistics.median(r['times']) * 1000:.1f} ms\", f\"loss {r['loss_last']:.4f}\")" \
             "$result" "$side (round $round)" 2> /dev/null || echo "$side (round $round): no result"
