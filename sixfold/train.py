@@ -131,10 +131,11 @@ class Trainer:
         t = self.cfg.train
         start = time.perf_counter()
         with self.tracer.span("data", "data"):
-            batches = self.loader.micro_batches(self.step, t.micro_batches)
+            cut = [(self.cp.shard(x), self.cp.shard(y), ids)
+                   for x, y, ids in self.loader.micro_batches(self.step, t.micro_batches)]
             # counted before the labels go to the device: reading a count back from it would wait for the last step
-            local_tokens = sum(int((self.cp.shard(y) != IGNORE_INDEX).sum()) for _, y, _ in batches)
-            micro = [self._local(*batch) for batch in batches]
+            local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y, _ in cut)
+            micro = [(self._to_device(x), self._to_device(y), ids) for x, y, ids in cut]
         (global_tokens,) = self.comm.sum_scalars([local_tokens], "loss")
         empty = global_tokens == 0  # a batch of prompts only (data.jsonl_prompt_field): skipped, not 0 / 0
         global_tokens = max(global_tokens, 1)
@@ -264,11 +265,10 @@ class Trainer:
         except (ckpt.CheckpointError, DataError) as e:
             problem, kind = str(e), type(e)
         if self.ctx.world_size > 1:
-            problems = self.ctx.all_gather_objects((problem, kind.__name__))
+            problems = self.ctx.all_gather_objects((problem, kind))  # (a class travels as its name)
             first = next((r for r, (p, _) in enumerate(problems) if p), None)
             if first is not None:
-                problem, name = problems[first]
-                kind = next(k for k in (ckpt.CheckpointError, DataError) if k.__name__ == name)
+                problem, kind = problems[first]
                 if any(p != problem for p, _ in problems):  # (not the same on every rank: say whose)
                     problem += f" (rank {first})"
         if problem:
