@@ -6,6 +6,7 @@ than rank 0's, and rank 0's error names rank 1's.
     torchrun --nproc-per-node 3 hang.py
 """
 import os
+import sys
 import time
 
 import torch
@@ -18,7 +19,16 @@ from sixfold.trace import Tracer
 
 ctx = ParallelContext.initialize(ParallelConfig(dp_replicate=3, timeout_s=3))
 comm = Comm(ctx, Tracer(False, ctx.rank))
-print(f"rank {ctx.rank} pid {os.getpid()}", flush=True)
+
+
+def say(line: str) -> None:
+    """The line and its newline in one write: the ranks share stdout, where print's two writes (unbuffered, as under
+    PYTHONUNBUFFERED=1) can come out between another rank's."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+say(f"rank {ctx.rank} pid {os.getpid()}")
 if ctx.rank < 2:
     for collective in (lambda: comm.gather_objects({"index": 1}, "dp_replicate"),
                        lambda: comm.all_reduce(torch.ones(4), "dp_replicate", label="grads"),
@@ -27,6 +37,6 @@ if ctx.rank < 2:
         try:
             collective()
         except CommError as e:
-            print(f"rank {ctx.rank} stopped: {e}", flush=True)
+            say(f"rank {ctx.rank} stopped: {e}")
 else:
     time.sleep(25)
