@@ -140,6 +140,7 @@ class TrainConfig:
     eval_batches: int = 2
     precision: str = "fp32"
     grad_reduce: str = "fp32"
+    reduce_each_micro_batch: bool = False  # ZeRO-2/3: reduce-scatter after every micro-batch, not only the last
     skip_nonfinite: int = 3  # steps with a NaN/Inf loss or gradient skipped in a row; the run stops at the next
     compile: bool = False  # torch.compile each block's forward
 
@@ -655,6 +656,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                               "weights once per step; leave it unset or set it to false")
     else:
         check_name(p.pp_schedule)
+    if t.reduce_each_micro_batch and (p.zero < 2 or p.pp > 1):
+        why = (f"parallel.zero={p.zero} keeps the full gradients between micro-batches anyway: set parallel.zero to 2 "
+               f"or 3" if p.zero < 2 else f"under pipelining (parallel.pp={p.pp}) a rank's gradients are reduced once, "
+               f"after the last micro-batch: set parallel.pp=1")
+        raise ConfigError(f"train.reduce_each_micro_batch=true frees the full gradients between micro-batches, and "
+                          f"{why}, or train.reduce_each_micro_batch=false")
     if p.reshard_after_forward is not None and p.zero != 3:
         raise ConfigError(f"parallel.reshard_after_forward={shown(p.reshard_after_forward)} applies to "
                           f"parallel.zero=3 (sharded weights) and this layout has zero={p.zero}: leave it unset or "

@@ -30,6 +30,7 @@ class Layout:
 
 
 ACCUM = ("train.micro_batches=2",)
+EACH = ("train.reduce_each_micro_batch=true",)
 TIED = ("model.tie_embeddings=true",)
 MOE = ("model.moe_experts=4", "model.moe_top_k=2")
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "breadth-first": 2, "zb-h1": 1, "zb-v": 2}
@@ -52,12 +53,17 @@ def _layouts() -> list[Layout]:
                                             "parallel.reshard_after_forward=false", *ACCUM)
     out["hsdp2x2-zero3"] = ("parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=3", *ACCUM)
     out["hsdp2x2-zero2-tied"] = ("parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=2", *TIED, *ACCUM)
+    out["hsdp2x2-zero2-tied-reduce-each"] = ("parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=2",
+                                             *TIED, *ACCUM, *EACH)
+    out["dp_shard2-zero3-accum4-reduce-each"] = ("parallel.dp_shard=2", "parallel.zero=3", "train.micro_batches=4",
+                                                 *EACH)
     for tp in (2, 4):
         out[f"tp{tp}"] = (f"parallel.tp={tp}",)
         out[f"tp{tp}-no-sequence-tp"] = (f"parallel.tp={tp}", "parallel.sequence_parallel=false")
     out["tp2-tied"] = ("parallel.tp=2", *TIED, *ACCUM)
     out["tp4-tied-padded-vocab"] = ("parallel.tp=4", *TIED, "model.vocab_size=322")
     out["tp2xdp_shard2-zero3"] = ("parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3", *ACCUM)
+    out["tp2xdp_shard2-zero3-reduce-each"] = ("parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3", *ACCUM, *EACH)
     out["tp2xhsdp2x2-zero2-tied"] = ("parallel.tp=2", "parallel.dp_replicate=2", "parallel.dp_shard=2",
                                      "parallel.zero=2", *TIED)
     for mode in ("ring", "allgather", "ulysses"):
@@ -87,6 +93,8 @@ def _layouts() -> list[Layout]:
     out["ep2"] = (*MOE, "parallel.dp_shard=2", "parallel.ep=2")
     out["ep4"] = (*MOE, "parallel.dp_shard=4", "parallel.ep=4")
     out["ep2xdp_shard2-zero3"] = (*MOE, "parallel.dp_shard=2", "parallel.ep=2", "parallel.zero=3")
+    out["ep2xdp_shard2-zero2-reduce-each"] = (*MOE, "parallel.dp_shard=2", "parallel.ep=2", "parallel.zero=2", *ACCUM,
+                                              *EACH)  # the experts' units, not sharded (edp = 1), reduced once
     out["ep2xdp_shard4-zero3"] = (*MOE, "parallel.dp_shard=4", "parallel.ep=2", "parallel.zero=3", *ACCUM)
     out["ep2xhsdp2x2-zero2"] = (*MOE, "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2",
                                 "parallel.zero=2")
@@ -141,6 +149,9 @@ def _layouts() -> list[Layout]:
     bf16 = ("train.precision=bf16", "train.warmup_steps=5")
     layouts += [Layout("bf16-dp_shard2-zero3", (*bf16, "parallel.dp_shard=2", "parallel.zero=3"), bf16=True),
                 Layout("bf16-dp2-bf16-reduce", (*bf16, "parallel.dp_replicate=2", "train.grad_reduce=bf16"), bf16=True),
+                Layout("bf16-dp_shard2-zero2-reduce-each-bf16-reduce", (*bf16, "parallel.dp_shard=2", "parallel.zero=2",
+                                                                         "train.grad_reduce=bf16", *ACCUM, *EACH),
+                       bf16=True),
                 Layout("bf16-pp2xdp_shard2xtp2-zero3", (*bf16, "parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2",
                                                         "parallel.zero=3", *ACCUM), bf16=True)]
     return layouts

@@ -82,7 +82,7 @@ def reference_config(cfg: Config, run_dir: Path, steps: int) -> Config:
     """Same model, data and global batch in one process and one micro-batch; an MoE model keeps its micro-
     batches, over which its load-balancing statistics are taken."""
     micro = cfg.train.micro_batches if cfg.model.moe_experts else 1
-    ref = _with(cfg, run_dir, steps, train={"micro_batches": micro})
+    ref = _with(cfg, run_dir, steps, train={"micro_batches": micro, "reduce_each_micro_batch": False})
     ref.parallel = ParallelConfig(timeout_s=cfg.parallel.timeout_s)
     if cfg.train.precision != "fp32":  # bf16 learns like the fp32 run
         ref.train.precision = ref.train.grad_reduce = "fp32"

@@ -144,12 +144,15 @@ class Trainer:
         else:
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
             for i, (x, y, ids) in enumerate(micro):
-                if i == len(micro) - 1:
-                    self.sharded.reduce_when_done(reversed(self.sharded.units))
+                last = i == len(micro) - 1
+                if last or t.reduce_each_micro_batch:
+                    self.sharded.reduce_when_done(reversed(self.sharded.units), last=last)
                 with self.tracer.span(f"F{i}", "compute", mb=i):
                     loss = self.model.loss_sum(x, y, ids) / global_tokens
                 with self.tracer.span(f"B{i}", "compute", mb=i):
                     loss.backward()
+                if not last and t.reduce_each_micro_batch:
+                    self.sharded.end_micro_batch()
                 loss_sum += loss.detach()
         self.sharded.finish()
         loss_value = self._total(float(loss_sum))

@@ -103,6 +103,11 @@ def test_bad_values(tmp_path):
     (["parallel.zero=4"], "parallel.zero=4: choose 0"),
     (["parallel.dp_shard=2", "parallel.zero=2", "parallel.reshard_after_forward=true"],
      "parallel.reshard_after_forward=true applies to parallel.zero=3 .* leave it unset"),
+    (["parallel.dp_shard=2", "parallel.zero=1", "train.reduce_each_micro_batch=true"],
+     "train.reduce_each_micro_batch=true frees .* parallel.zero=1 keeps the full gradients between micro-batches "
+     "anyway: set parallel.zero to 2 or 3, or train.reduce_each_micro_batch=false"),
+    (["parallel.dp_shard=2", "parallel.zero=3", "parallel.pp=2", "train.micro_batches=2",
+      "train.reduce_each_micro_batch=true"], "under pipelining .* set parallel.pp=1, or"),
     (["parallel.zero=1", "parallel.dp_replicate=2"], "parallel.zero=1 shards over the dp_shard x cp ranks .*"
      "set parallel.dp_shard above 1, or parallel.zero=0"),
     (["train.precision=fp16"], "train.precision='fp16': choose fp32 or bf16"),

@@ -7,7 +7,9 @@ every rank's shard is equal and aligned:
   master      this rank's shard of the weights, which the optimizer updates (`full` itself when unsharded)
   grad_shard  this rank's shard of the reduced gradients (`grad` itself when unsharded)
 zero 0: each unit's gradients are all-reduced over the loss group as soon as its backward is done on the
-last micro-batch (DDP). zero 1: reduce-scattered over fsdp instead; the shard is updated, then the weights
+last micro-batch (DDP). At zero 2 and 3 the trainer may also reduce after every micro-batch
+(train.reduce_each_micro_batch): each reduction is added into the fp32 shard, and the full gradients are freed
+between micro-batches too. zero 1: reduce-scattered over fsdp instead; the shard is updated, then the weights
 all-gathered, each unit's gather waited for by its next forward. zero 2: also a unit's full gradients exist
 only from its backward (the head's and a tied embedding's: from their forward; under pipelining: from the
 step's start) until its reduce-scatter is done, with at most REDUCING reductions in flight (so too at any
@@ -85,6 +87,8 @@ class Unit:
         self.backward_reads_weights = True
         self.reduced: torch.Tensor | None = None  # where the step's reduction puts its result, once launched
         self.completed = False  # that reduction waited for and its result in grad_shard
+        self.final = False  # that reduction is the step's last (after the last micro-batch)
+        self.accumulated = False  # grad_shard holds the sum of earlier micro-batches' reductions this step
 
     @property
     def gathers_for_backward(self) -> bool:
@@ -177,6 +181,7 @@ class Sharded:
             self.units.append(unit)
         note_laid_out(model)
         self._due: list[Unit] = []  # reduce_when_done
+        self._final = True  # the reductions it starts are the step's last
         self._done: set[int] = set()
         self._reducing: list[Unit] = []
         self.tp, self.splits = model.tp, model.splits()
@@ -298,12 +303,14 @@ class Sharded:
             while self._due and self._due[0].index in self._done:
                 self.launch(self._due.pop(0))
 
-    def reduce_when_done(self, units, reports: set[int] | None = None) -> None:
+    def reduce_when_done(self, units, reports: set[int] | None = None, last: bool = True) -> None:
         """The units whose gradients for the step complete in the backward (or weight-gradient action) about to run,
         in the order it completes them: each one's reduction starts once it and those before it are done. Their
         counts start over: earlier actions are finished. `reports`: the ids of the parameters that action reports
-        (a W: its deferred weights); a unit's others are done already (None: it reports them all)."""
-        self._due, self._done = list(units), set()
+        (a W: its deferred weights); a unit's others are done already (None: it reports them all). Not `last`: a
+        micro-batch before the last, whose reductions only the units that free their gradients (ZeRO-2/3) make."""
+        self._final = last
+        self._due, self._done = [u for u in units if last or u.zero >= 2], set()
         for unit in list(self._due):
             unit.ready = 0 if reports is None else sum(id(p) not in reports for p in unit.params)
             if unit.ready >= len(unit.params):
@@ -314,14 +321,27 @@ class Sharded:
         while self._due:
             self.launch(self._due.pop(0))
 
+    def end_micro_batch(self) -> None:
+        """After a micro-batch before the last whose gradients were reduced (train.reduce_each_micro_batch): every
+        reduction started and waited for, so that the next micro-batch begins with no full gradient."""
+        self.reduce_due()
+        for unit in self._reducing:
+            self._complete(unit)
+        self._reducing = []
+
     def launch(self, unit: Unit) -> None:
         """Start the unit's reduction (in reduce_dtype when anything is sent), once its gradients for the step are
         complete; in the same unit order on every rank of the group."""
+        self._alloc_grad(unit)  # (freed, if the step gave it no gradient)
         wire = self.reduce_dtype if self.comm.ctx.size(unit.group) > 1 else unit.grad.dtype
         if unit.zero:
             src = unit.grad.to(wire)  # unit.grad itself in its own dtype
-            out = unit.grad_shard if wire == unit.grad_shard.dtype else \
-                torch.empty(unit.shard_size, dtype=wire, device=src.device)
+            if wire == unit.grad_shard.dtype:
+                if unit.accumulated:  # earlier micro-batches' sum joins the reduction in this rank's own slice
+                    unit.shard_of(src).add_(unit.grad_shard)
+                out = unit.grad_shard
+            else:
+                out = torch.empty(unit.shard_size, dtype=wire, device=src.device)
             unit.reduce = self.comm.reduce_scatter(out, src, unit.group, async_op=True, label=f"unit {unit.index}")
         else:
             if unit.grad_shard is not unit.grad and unit.grad_shard.dtype == wire:
@@ -329,7 +349,7 @@ class Sharded:
             else:
                 src = out = unit.grad.to(wire)
             unit.reduce = self.comm.all_reduce(out, unit.group, async_op=True, label=f"unit {unit.index}")
-        unit.reduced, unit.completed = out, False
+        unit.reduced, unit.completed, unit.final = out, False, self._final
         copy = all(src is not t for t in (unit.grad, unit.grad_shard))
         if unit.zero >= 2 or copy or (unit.zero and self.comm.stages_reduce_scatter(src, unit.group)):
             self._reducing.append(unit)  # full gradients, or a copy or staging buffer of them, to free
@@ -337,8 +357,9 @@ class Sharded:
                 self._complete(self._reducing.pop(0))
 
     def _complete(self, unit: Unit) -> None:
-        """Wait for the unit's reduction (none on a group of one), its result into the fp32 shard (a copy in
-        reduce_dtype freed); ZeRO-2/3 free the full gradients."""
+        """Wait for the unit's reduction (none on a group of one), its result into the fp32 shard (added to earlier
+        micro-batches' there; a copy in reduce_dtype freed); ZeRO-2/3 free the full gradients. The step's last is
+        then all-reduced across replicas (HSDP)."""
         if unit.reduced is None or unit.completed:
             return
         unit.completed = True
@@ -346,11 +367,15 @@ class Sharded:
             unit.reduce.wait()
             unit.reduce = None
         if unit.reduced is not unit.grad_shard:
-            unit.grad_shard.copy_(unit.reduced)
+            if unit.accumulated:
+                unit.grad_shard.add_(unit.reduced)
+            else:
+                unit.grad_shard.copy_(unit.reduced)
             unit.reduced = unit.grad_shard
+        unit.accumulated = True
         if unit.zero >= 2:
             _free(unit.grad)
-        if self.replicas > 1 and not unit.expert:  # in reduce_dtype, summed back into the fp32 shard
+        if unit.final and self.replicas > 1 and not unit.expert:  # in reduce_dtype, summed back into the fp32 shard
             shard = unit.grad_shard.to(self.reduce_dtype)
             unit.replicate = self.comm.all_reduce(shard, "dp_replicate", async_op=True, label=f"unit {unit.index}")
             if shard is not unit.grad_shard:
@@ -358,12 +383,13 @@ class Sharded:
 
     def finish(self) -> None:
         """After the last micro-batch's backward: reduce what has not started, wait, then across replicas."""
+        self._final = True
         for unit in reversed(self.units):
-            if unit.reduced is None:
+            if unit.reduced is None or not unit.final:
                 self.launch(unit)
         for unit in self.units:
             self._complete(unit)
-            unit.reduced, unit.ready = None, 0
+            unit.reduced, unit.ready, unit.final, unit.accumulated = None, 0, False, False
         self._reducing = []
         for unit in self.units:
             if unit.replicate is not None:

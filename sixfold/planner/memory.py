@@ -242,13 +242,14 @@ def step(rank: Rank) -> dict[str, int]:
 
 def _buffers(rank: Rank) -> dict[str, int]:
     """Transient buffers, each alive at the moments step() names: "early", ZeRO-2/3 gradients from forward (with
-    pipelining or several micro-batches, every unit's from the step's start); "reducing", those and the units'
-    being reduced, with their copies in the reduction's dtype; "held" through the step, ZeRO-3 gathered weights
-    (all of the rank's under pipelining; else those kept through the step, and of the rest a unit and the next
-    one, prefetched), less those gathered before the step (in persistent()), and under pipelining the most hidden
-    states the rank's sends keep alive at once (until the data is known received, delivery.py)."""
+    pipelining, or several micro-batches not reduced each, every unit's from the step's start); "reducing", those
+    and the units' being reduced, with their copies in the reduction's dtype; "held" through the step, ZeRO-3
+    gathered weights (all of the rank's under pipelining; else those kept through the step, and of the rest a unit
+    and the next one, prefetched), less those gathered before the step (in persistent()), and under pipelining the
+    most hidden states the rank's sends keep alive at once (until the data is known received, delivery.py)."""
     b, units = rank.compute_bytes, rank.sharded.units
-    whole = rank.schedule is not None or rank.cfg.train.micro_batches > 1  # every full gradient from the start
+    t = rank.cfg.train  # every full gradient from the step's start, unless reduced (and freed) each micro-batch:
+    whole = rank.schedule is not None or (t.micro_batches > 1 and not t.reduce_each_micro_batch)
     early = sum(b * u.padded for u in units if u.zero >= 2 and (u.grad_at_forward or whole))
     later = sorted(b * u.padded for u in units if u.zero >= 2 and not (u.grad_at_forward or whole))
     copy = rank.reduce_bytes if b != rank.reduce_bytes else 0  # zero 0 reduces bf16 in the fp32 shard itself

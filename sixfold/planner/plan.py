@@ -102,6 +102,7 @@ def layouts(cfg: Config, world: int, per_node: int, refused: dict[str, str] | No
                 c.parallel.pp, c.parallel.zero, c.parallel.ep = pp, zero, ep
                 c.parallel.pp_schedule, c.parallel.pp_virtual_stages = schedule, v
                 c.parallel.reshard_after_forward = None
+                c.train.reduce_each_micro_batch = t.reduce_each_micro_batch and zero >= 2 and pp == 1
                 c.model.recompute = recompute
                 c.train.micro_batches = t.global_batch // dp if pp > 1 else 1
                 try:

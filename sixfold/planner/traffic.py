@@ -1,15 +1,15 @@
 """The bytes one rank sends per training step, by (group, op), in the ledger's terms (all-gathers count their
 output, reduce-scatters their input, sends their payload), from the layout alone.
 
-Per step: each unit's gradient reduction (all-reduce over the loss group, or ZeRO's reduce-scatter over fsdp,
-then across replicas under HSDP) and ZeRO-1/2's weight all-gather; ZeRO-3's gathers (once per step per unit
-kept gathered or under pipelining, otherwise before each forward and each backward that reads the weights; a
-step gathers its first two units' during the step before, in the optimizer, and the next step's in its own);
-the tied embedding's sum over the pipeline ends; the tp sum of gradients each tp replica holds part of; the
-scalars (token count, loss, gradient norm). Per micro-batch: tensor-parallel collectives per block and at the
-ends (parallel/tensor.py), context-parallel ones per block (ContextParallel.comm_bytes), again
-for what recomputation reruns, and each MoE layer's expert counts and all-to-alls (for balanced routing); per
-step, the pipeline sends of the schedule and the MoE losses.
+Per step: each unit's gradient reduction (all-reduce over the loss group, or ZeRO's reduce-scatter over fsdp, at
+ZeRO-2/3 with train.reduce_each_micro_batch one per micro-batch, then across replicas under HSDP) and ZeRO-1/2's
+weight all-gather; ZeRO-3's gathers (once per step per unit kept gathered or under pipelining, otherwise before each
+forward and each backward that reads the weights; a step gathers its first two units' during the step before, in the
+optimizer, and the next step's in its own); the tied embedding's sum over the pipeline ends; the tp sum of gradients
+each tp replica holds part of; the scalars (token count, loss, gradient norm). Per micro-batch: tensor-parallel
+collectives per block and at the ends (parallel/tensor.py), context-parallel ones per block
+(ContextParallel.comm_bytes), again for what recomputation reruns, and each MoE layer's expert counts and
+all-to-alls (for balanced routing); per step, the pipeline sends of the schedule and the MoE losses.
 """
 from __future__ import annotations
 
@@ -43,9 +43,10 @@ def _add(rank: Rank, out: Counter, group: str, op: str, nbytes: int) -> None:
 def _gradients(rank: Rank, out: Counter) -> None:
     sharded, b, r = rank.sharded, rank.compute_bytes, rank.reduce_bytes
     m = rank.cfg.train.micro_batches
+    each = m if rank.cfg.train.reduce_each_micro_batch else 1  # reductions of a ZeRO-2/3 unit per step
     for u in sharded.units:
         if u.zero:
-            _add(rank, out, u.group, "reduce_scatter", r * u.padded)
+            _add(rank, out, u.group, "reduce_scatter", (each if u.zero >= 2 else 1) * r * u.padded)
             if not u.expert and sharded.replicas > 1:
                 _add(rank, out, "dp_replicate", "all_reduce", r * u.shard_size)
         else:
