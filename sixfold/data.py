@@ -365,8 +365,9 @@ def _utf8(value: str) -> str:
     return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
-def _jsonl(path: Path, doc_id: str, text: str, field: str, prompt_field: str) -> list[tuple]:
-    """A JSONL file's documents: (id, text), or with a prompt field (id, prompt + text, characters of prompt)."""
+def _jsonl(doc_id: str, text: str, field: str, prompt_field: str) -> tuple[list[tuple], list[int]]:
+    """A JSONL text's documents: (id, text), or with a prompt field (id, prompt + text, characters of prompt); and
+    the numbers of the lines that hold none."""
     docs, bad = [], []
     fields = [prompt_field, field] if prompt_field else [field]
     for n, line in enumerate(text.split("\n"), 1):
@@ -383,12 +384,28 @@ def _jsonl(path: Path, doc_id: str, text: str, field: str, prompt_field: str) ->
             docs.append(doc + (len(values[0]),) if prompt_field else doc)
         else:
             bad.append(n)
+    return docs, bad
+
+
+def _jsonl_file(cfg: DataConfig, path: Path, doc_id: str, left: int) -> tuple[list[tuple], int]:
+    """A JSONL file's documents (_jsonl) and its stray bytes (_text). With `left` (bytes of text data.max_bytes
+    still takes), only a prefix of whole lines is read, doubled until its documents hold that much."""
+    size = max(left, 1 << 20) if left else 0
+    while True:
+        text, cut, stray = _text(path, size, binary_if_nul=False)  # a NUL is refused with its line
+        if cut:
+            text = text[:text.rfind("\n") + 1]  # the last line read may go on
+        docs, bad = _jsonl(doc_id, text, cfg.jsonl_field, cfg.jsonl_prompt_field)
+        if not cut or sum(len(d[1].encode()) for d in docs) >= left:
+            break
+        size *= 2
     if bad:
+        fields = [cfg.jsonl_prompt_field, cfg.jsonl_field] if cfg.jsonl_prompt_field else [cfg.jsonl_field]
         named = " and ".join(f"{f!r}" for f in fields)
-        keys = "data.jsonl_prompt_field and data.jsonl_field" if prompt_field else "data.jsonl_field"
+        keys = "data.jsonl_prompt_field and data.jsonl_field" if cfg.jsonl_prompt_field else "data.jsonl_field"
         warnings.warn(f"{path}:{bad[0]}: skipped {len(bad)} line(s) that are not JSON objects with string "
-                      f"field(s) {named} ({keys}); lines {bad[:10]}", stacklevel=3)
-    return docs
+                      f"field(s) {named} ({keys}); lines {bad[:10]}", stacklevel=4)
+    return docs, stray
 
 
 def _text(path: Path, limit: int, binary_if_nul: bool) -> tuple[str, bool, int]:
@@ -431,8 +448,11 @@ def _documents(cfg: DataConfig, root: Path, files) -> tuple[list[tuple], str]:
                             f"data.jsonl_prompt_field unset")
         left = cfg.max_bytes - taken if cfg.max_bytes else 0
         try:
-            # a JSONL file's NUL is refused with its line
-            text, cut, stray = _text(path, 0 if jsonl else left, binary_if_nul=not jsonl)
+            if jsonl:
+                (found, stray), cut = _jsonl_file(cfg, path, doc_id, left), False
+            else:
+                text, cut, stray = _text(path, left, binary_if_nul=True)
+                found = [(doc_id, text)]
             if stray:
                 mended.append(f"{path} ({stray})")
         except UnicodeDecodeError:
@@ -440,7 +460,6 @@ def _documents(cfg: DataConfig, root: Path, files) -> tuple[list[tuple], str]:
             continue
         except OSError as e:
             raise _unreadable(path, e) from None
-        found = _jsonl(path, doc_id, text, cfg.jsonl_field, cfg.jsonl_prompt_field) if jsonl else [(doc_id, text)]
         for doc_id, text, *prompt in found:
             if cfg.max_bytes:
                 raw = text.encode()

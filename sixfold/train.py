@@ -416,7 +416,9 @@ class Trainer:
                 again = not history and ckpt.step_dir(self.run_dir, self.step).is_dir()  # no step, nothing new
                 if cfg.checkpoint.save_final and not again:
                     if not self.skipped:
-                        log.print(f"checkpoint: {self.save()}")
+                        saved = self.save()
+                        self.saver.wait()  # a background save: said once it is in place
+                        log.print(f"checkpoint: {saved}")
                     elif self.ctx.is_main:  # as during the streak: the weights may have diverged
                         warnings.warn(f"no final checkpoint: {self._not_finite()}")
                 self.saver.wait()
@@ -571,7 +573,8 @@ def data_settings(cfg: Config) -> DataConfig:
 def check_inputs(cfg: Config, data: TokenData) -> None:
     """Refuse what the config and the data alone show cannot run, before any step (and, from `sixfold train`,
     before its ranks start): a vocabulary smaller than the tokenizer's, a split too short for one sequence, a
-    sample prompt longer than the model takes, a checkpoint to resume from that is not there."""
+    sample prompt longer than the model takes, a checkpoint to resume from that is not there. Warn of a train split
+    shorter than one batch and of evaluation batches that go round the val split."""
     t = cfg.train
     if data.tokenizer.vocab_size > cfg.model.vocab_size:
         resume = resume_path(cfg)  # its embeddings are that many
@@ -579,7 +582,11 @@ def check_inputs(cfg: Config, data: TokenData) -> None:
               f"holds, if it holds one)" if resume else f"set model.vocab_size>={data.tokenizer.vocab_size}"
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"{data.tokenizer.vocab_size} tokens (data.tokenizer={cfg.data.tokenizer}); {fix}")
-    BatchLoader(data.train, t.seq_len, t.global_batch, t.seed)
+    samples = BatchLoader(data.train, t.seq_len, t.global_batch, t.seed).samples
+    if samples < t.global_batch:
+        warnings.warn(f"the train split holds {samples} sequence(s) of train.seq_len={t.seq_len} tokens, fewer than "
+                      f"train.global_batch={t.global_batch}: every batch holds some of them more than once; add data, "
+                      f"or lower train.global_batch or train.seq_len")
     if t.eval_every:
         eval_batches(data.val, t.seq_len, t.global_batch, 1)
         windows = (len(data.val) - 1) // t.seq_len

@@ -317,6 +317,18 @@ def test_a_val_fraction_of_0_trains_on_every_token(tmp_path):
     BatchLoader(data.train, 8, 4, 0).batch(0)
 
 
+def test_max_bytes_reads_a_jsonl_file_only_as_far_as_it_needs(tmp_path):
+    """A JSONL file is read in a prefix of whole lines, doubled until its documents hold data.max_bytes of text:
+    here the bytes after 3 MB are not UTF-8."""
+    path = tmp_path / "big.jsonl"
+    lines = [json.dumps({"meta": "m" * 3000, "text": f"{i:03d}" + "x" * 97}) + "\n" for i in range(1000)]
+    path.write_bytes("".join(lines).encode() + b"\xff" * 1_000_000)
+    assert iter_documents(cfg(tmp_path, source=str(path), max_bytes=150)) == [
+        ("big.jsonl:1", "000" + "x" * 97), ("big.jsonl:2", "001" + "x" * 47)]
+    docs = iter_documents(cfg(tmp_path, source=str(path), max_bytes=40_000))  # more than the first 1 MB holds
+    assert len(docs) == 400 and docs[-1] == ("big.jsonl:400", "399" + "x" * 97)
+
+
 def test_max_bytes_reads_a_file_only_as_far_as_it_needs(tmp_path):
     """Bytes past data.max_bytes are not read: here they are not even UTF-8, and a character the limit cuts is
     left out."""

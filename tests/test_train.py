@@ -29,7 +29,8 @@ from sixfold.logs import read_metrics
 from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
 from sixfold.slices import Reader
 from sixfold.stop import Stopped, StopSignal
-from sixfold.train import TrainingError, train
+from sixfold.data import load_data
+from sixfold.train import TrainingError, check_inputs, data_settings, train
 from helpers import LONG, ROOT, TINY, children, free_port, sixfold, torchrun
 
 
@@ -75,6 +76,17 @@ def test_a_data_warning_is_said_once_when_the_launcher_starts_the_ranks(tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("skipped 1 file(s) that are not UTF-8 text") == 1, proc.stderr
     assert proc.stderr.count("train.eval_batches=50 batches of 8 sequences go round the val split") == 1, proc.stderr
+
+
+def test_a_train_split_shorter_than_a_batch_is_said(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("def f(x):\n    return x\n" * 8)
+    cfg = load_config(TINY, [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}"])
+    with pytest.warns(UserWarning, match=re.escape(
+            "the train split holds 5 sequence(s) of train.seq_len=32 tokens, fewer than train.global_batch=8: every "
+            "batch holds some of them more than once; add data, or lower train.global_batch or train.seq_len")):
+        check_inputs(cfg, load_data(data_settings(cfg)))
 
 
 @pytest.mark.parametrize("layout", [["parallel.dp_replicate=2"], ["parallel.dp_shard=2", "parallel.zero=3"],
@@ -389,16 +401,18 @@ def test_a_rank_that_never_joins_ends_the_others_with_an_error_naming_the_timeou
         in proc.stderr and "parallel.timeout_s" in proc.stderr, proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_a_full_disk_in_a_save_stops_every_rank_with_its_error(tmp_path, background):
+@pytest.mark.parametrize("what", ["sync", "async", "final"])
+def test_a_full_disk_in_a_save_stops_every_rank_with_its_error(tmp_path, what):
+    """The final checkpoint saved in the background is named only once it is in place."""
     start = time.monotonic()
-    proc = torchrun("full_disk.py", 2, TINY, str(tmp_path / "run"), "async" if background else "sync")
-    said = "the background checkpoint save failed: " if background else ""
+    proc = torchrun("full_disk.py", 2, TINY, str(tmp_path / "run"), what)
+    said = "the background checkpoint save failed: " if what != "sync" else ""
+    step = tmp_path / "run" / "checkpoints" / f".step_000000{4 if what == 'final' else 2}.tmp"
     for rank in (0, 1):
-        assert f"rank {rank} stopped: {said}rank 1: cannot write {tmp_path / 'run' / 'checkpoints' / '.step_0000002.tmp'}" \
-               f"/model-00001.safetensors: [Errno 28] No space left on device; make room there" in proc.stdout, \
-            proc.stdout + proc.stderr[-2000:]
+        assert f"rank {rank} stopped: {said}rank 1: cannot write {step}/model-00001.safetensors: [Errno 28] No space " \
+               f"left on device; make room there" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     assert time.monotonic() - start < 60 and not list((tmp_path / "run" / "checkpoints").iterdir())
+    assert f"checkpoint: {tmp_path}" not in proc.stdout
 
 
 def test_a_full_disk_in_the_metrics_stops_every_rank_after_the_step(tmp_path):

@@ -1,6 +1,7 @@
 """The disk fills (argv: config, run directory, what): with "sync" or "async" (checkpoint.async_save) while rank 1
-writes its checkpoint files, with "metrics" while rank 0 appends step 3's line to metrics.jsonl. Every rank stops
-with the failing rank's error at once, not a timeout; nothing of a failed save is left."""
+writes its checkpoint files (with "final", async too, the final checkpoint's, the run's only one), with "metrics"
+while rank 0 appends step 3's line to metrics.jsonl. Every rank stops with the failing rank's error at once, not a
+timeout; nothing of a failed save is left."""
 import builtins
 import errno
 import os
@@ -53,8 +54,9 @@ if rank == 1 and what != "metrics":
 if rank == 0 and what == "metrics":
     logs.open = opening
 try:
+    final = what == "final"
     train(load_config(config, [f"log.run_dir={run_dir}", "parallel.dp_shard=2", "parallel.zero=2", "train.steps=4",
-                               "checkpoint.every=2", "parallel.timeout_s=60", "log.progress=false",
-                               f"checkpoint.async_save={what == 'async'}"]))
+                               f"checkpoint.every={0 if final else 2}", "parallel.timeout_s=60",
+                               f"log.progress={final}", f"checkpoint.async_save={what in ('async', 'final')}"]))
 except (CheckpointError, TrainingError) as e:
     print(f"rank {rank} stopped: {e}", flush=True)
