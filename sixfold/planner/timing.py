@@ -1,9 +1,10 @@
 """A step's estimated time on a cluster: compute at a fraction of the peak, each group's traffic over the
 links it crosses (NVLink inside a node, the network between nodes, ring algorithms' factors), the pipeline
 bubble from the simulator (each stage costing its FLOPs, so a lighter stage's bubble holds its wait for the
-heaviest), and the data-parallel traffic hidden behind backward compute.
+heaviest), and the data-parallel traffic hidden behind backward compute, but for the reductions that
+train.reduce_each_micro_batch waits for at the end of each micro-batch before the last (the tail).
 
-    step = compute / (1 - bubble) + exposed tp, cp and pp traffic + max(0, dp traffic - backward compute)
+    step = compute / (1 - bubble) + exposed tp, cp and pp traffic + max(0, dp traffic - backward compute) + tail
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from ..config import ModelConfig
 from ..model.llama import Llama
+from ..parallel.sharding import REDUCING
 from .devices import Device, peak
 from .rank import Rank
 from .traffic import step_bytes
@@ -108,13 +110,19 @@ def estimate(rank: Rank, device: Device, per_node: int) -> Estimate:
     network's bandwidth if any group of that kind spans nodes (the step waits for the slowest)."""
     compute = flops(rank) / (peak(device, rank.cfg.train.precision) * EFFICIENCY)
     comm: dict[str, float] = {}
+
+    def seconds(group: str, op: str, nbytes: float) -> float:
+        bw = device.inter_bw if rank.ctx.dims.crosses_nodes(group, per_node) else device.intra_bw  # any group
+        return nbytes * WIRE[op](rank.ctx.size(group)) / bw
+
     for key, nbytes in step_bytes(rank).items():
         group, op = key.split("/")
-        n = rank.ctx.size(group)
-        bw = device.inter_bw if rank.ctx.dims.crosses_nodes(group, per_node) else device.intra_bw  # any group
-        comm[group] = comm.get(group, 0.0) + nbytes * WIRE[op](n) / bw
+        comm[group] = comm.get(group, 0.0) + seconds(group, op, nbytes)
     bubble = rank.pipeline.bubble if rank.pipeline else 0.0
     hidden = sum(v for g, v in comm.items() if g in HIDDEN)
     exposed = sum(v for g, v in comm.items() if g not in HIDDEN)
-    step = compute / (1 - bubble) + exposed + max(0.0, hidden - compute * 2 / 3)
+    t = rank.cfg.train  # the last REDUCING reductions of each micro-batch before the last: its first units'
+    last = [u for u in rank.sharded.units if u.zero >= 2][:REDUCING] if t.reduce_each_micro_batch else []
+    tail = (t.micro_batches - 1) * sum(seconds(u.group, "reduce_scatter", rank.reduce_bytes * u.padded) for u in last)
+    step = compute / (1 - bubble) + exposed + max(0.0, hidden - compute * 2 / 3) + tail
     return Estimate(compute, comm, bubble, step)
