@@ -44,6 +44,9 @@ STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__"}
 WILDCARD = re.compile(r"[*?[]")  # data.source as a pattern (_glob)
 STRAY_BYTES = 1000  # a text with up to one byte in this many (of those read) not UTF-8 is read, each as U+FFFD
 STRAY = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, decoded with surrogateescape
+# BPE training's time grows with the square of a word's length: runs of non-space characters this long are cut
+# into words of at most this many for it (a line of base64 or minified code would otherwise stall it for hours)
+LONG_RUN = re.compile(r"\S{64}")
 # the names of the files this module writes in data.cache_dir
 CACHE_FILE = re.compile(r"(bpe|tokenizer|tokens|index)-[0-9a-f]+(\.train|\.val)?\.(bin|json|sha256)(\.lock)?")
 
@@ -169,7 +172,7 @@ class BPETokenizer:
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        tok.train_from_iterator(docs, trainer)
+        tok.train_from_iterator((LONG_RUN.sub("\\g<0>\\n", doc) for doc in docs), trainer)
         return cls(tok)
 
     def save(self, path) -> None:

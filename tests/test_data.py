@@ -271,6 +271,15 @@ def test_bpe_train_save_load(tmp_path):
         build_tokenizer(cfg(tmp_path, tokenizer=str(tmp_path / "missing.json")), [])
 
 
+def test_bpe_trains_on_a_long_run_of_non_space_in_words_of_at_most_64_characters():
+    """A word's training time grows with the square of its length: a long run is cut for it, so no token is longer
+    than a cut; the text still encodes and decodes whole."""
+    text = "ab" * 20_000
+    tok = BPETokenizer.train([text, TEXT], 400)
+    assert max(map(len, tok._tok.get_vocab())) == 64
+    assert tok.decode(tok.encode(text)) == text
+
+
 def test_load_data_bpe_and_cache_reuse(tmp_path, monkeypatch):
     c = cfg(tmp_path, source=str(write_corpus(tmp_path / "c")), tokenizer="bpe", bpe_vocab_size=300,
             val_fraction=0.2)
