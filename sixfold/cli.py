@@ -258,8 +258,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a model: sixfold train CONFIG [key=value ...] [--nproc N]")
     t.add_argument("config", nargs="*", help="a YAML file, then section.key=value overrides")
-    t.add_argument("--nproc", type=_at_least(1), help="start N ranks on this machine with torchrun (default: the "
-                                                        "layout's world size)")
+    t.add_argument("--nproc", type=_at_least(1), help="start N ranks on this machine with torchrun (default and "
+                                                        "only choice: the layout's world size)")
     t.set_defaults(fn=cmd_train)
     c = sub.add_parser("check", help="compare a layout with the single-process run: parity OK / FAILED")
     c.add_argument("config", nargs="*", help="an optional YAML file, then section.key=value overrides")

@@ -9,7 +9,9 @@ import difflib
 import importlib.util
 import math
 import os
+import re
 import socket
+import sys
 import typing
 import warnings
 from dataclasses import dataclass, field
@@ -241,17 +243,24 @@ def _coerce(value, typ, name: str):
         raise ConfigError(f"{name} must be true or false, got {value!r}")
     if typ is int:
         if isinstance(value, bool) or not isinstance(value, (int, str)) or (
-                isinstance(value, str) and not value.lstrip("-").isdigit()):
+                isinstance(value, str) and not re.fullmatch(r"-?[0-9]+", value)):
             raise ConfigError(f"{name} must be an integer, got {value!r}")
-        return int(value)
+        try:
+            return int(value)
+        except ValueError:  # more digits than Python converts
+            raise ConfigError(f"{name} must be an integer of at most {sys.get_int_max_str_digits()} digits") from None
     if typ is float:
         if isinstance(value, bool):
             raise ConfigError(f"{name} must be a number, got {value!r}")
+        if isinstance(value, str):  # YAML's spelling of infinity and NaN too
+            value = re.sub(r"^([+-]?)\.(inf|nan)$", r"\1\2", value, flags=re.IGNORECASE)
         try:
             return float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{name} must be a number, got {value!r}") from None
-    text = str(value) if value is not None else ""
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"{name} must be text, got {value!r}")
+    text = value or ""
     return os.path.expanduser(text) if name in PATHS else text
 
 
@@ -285,20 +294,30 @@ def _set(obj, path: list[str], value, where: str = "") -> None:
     setattr(obj, key, _coerce(value, typ, where + key))
 
 
-class _UniqueKeys(yaml.SafeLoader):
-    """safe_load's loader, refusing a key given twice in one mapping (which PyYAML would settle by the last)."""
+class _ConfigLoader(yaml.SafeLoader):
+    """safe_load's loader with every plain value read as its text, converted by its setting's type as an override
+    is (YAML 1.1 would read `run_dir: 0755` as 493, `sample_prompt: no` as False), but for null and merge keys
+    (`<<:`); a key given twice in one mapping is refused (PyYAML would settle it by the last)."""
+
+    yaml_implicit_resolvers: dict = {}
 
 
-def _mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False) -> dict:
-    keys = [loader.construct_object(k, deep=True) for k, _ in node.value]
+_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:~|null|Null|NULL|)$"),
+                                    ["~", "n", "N", ""])
+_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:merge", re.compile(r"^<<$"), ["<"])
+
+
+def _mapping(loader: _ConfigLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    written = [k for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge"]  # a merge's keys may be set again
+    keys = [loader.construct_object(k, deep=True) for k in written]
     twice = next((i for i, k in enumerate(keys) if k in keys[:i]), None)
     if twice is not None:
         raise yaml.constructor.ConstructorError(None, None, f"key {keys[twice]!r} is given twice",
-                                                node.value[twice][0].start_mark)
+                                                written[twice].start_mark)
     return loader.construct_mapping(node, deep)
 
 
-_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+_ConfigLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), check: bool = True,
@@ -307,14 +326,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
     `check`: a layout read before the settings that depend on it are added). With `fill`, the model settings
     neither gives are those of the checkpoint it resumes from (_model_from_checkpoint)."""
     cfg, given = Config(), set()  # given: the model.* keys the file or an override sets
-    if path:
+    if path is not None:
+        if not str(path):
+            raise ConfigError("the config file's path is empty: give a YAML file (see configs/ for examples), or "
+                              "none")
         p = Path(path)
         if p.is_dir():
             raise ConfigError(f"config file {p} is a directory: give a YAML file (see configs/ for examples)")
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist (see configs/ for examples)")
         try:
-            data = yaml.load(p.read_text(), Loader=_UniqueKeys) or {}
+            data = yaml.load(p.read_text(), Loader=_ConfigLoader) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
         except UnicodeDecodeError as e:
@@ -330,7 +352,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
         key, raw = item.split("=", 1)
         path = key.strip().split(".")
         try:
-            value = raw if _text_field(cfg, path) or not raw else yaml.safe_load(raw)
+            value = raw if _text_field(cfg, path) or not raw else yaml.load(raw, Loader=_ConfigLoader)
         except yaml.YAMLError:
             raise ConfigError(f"override '{item}': the value is not valid YAML") from None
         _set(cfg, path, value)
@@ -736,6 +758,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"data.jsonl_prompt_field={d.jsonl_prompt_field!r} reads prompts from JSON lines, and "
                           f"data.source={d.source!r} with data.format={d.format} is not; point data.source at .jsonl "
                           f"files, or leave data.jsonl_prompt_field unset")
+    if not d.jsonl_field:
+        raise ConfigError("data.jsonl_field is empty: name the field of a JSON line that holds its text (by default "
+                          "'text')")
     if d.jsonl_prompt_field == d.jsonl_field:
         raise ConfigError(f"data.jsonl_prompt_field={d.jsonl_prompt_field!r} is data.jsonl_field too; name the field "
                           f"of the prompt and the field of the text that follows it")

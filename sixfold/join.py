@@ -23,7 +23,13 @@ POST_EVERY_S = 1.0  # how often rank 0 posts a start's number again to the ranks
 def pick_device() -> tuple[str, torch.device]:
     """Backend and device, chosen once: NCCL + CUDA where GPUs exist, gloo + CPU otherwise."""
     if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
+        local, count = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+        if local >= count:
+            from .config import ConfigError
+            raise ConfigError(f"local rank {local} has no GPU of its own: this machine shows {count} (CUDA_VISIBLE_"
+                              f"DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most {count} "
+                              f"ranks on it (torchrun --nproc-per-node), over more machines, or set parallel.* to a "
+                              f"world size that fits")
         torch.cuda.set_device(local)
         return "nccl", torch.device("cuda", local)
     return "gloo", torch.device("cpu")

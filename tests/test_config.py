@@ -1,4 +1,5 @@
 import os
+import re
 
 import pytest
 
@@ -50,11 +51,34 @@ def test_an_empty_section_changes_nothing(tmp_path):
         load_config(None, ["model=3"])
 
 
+def test_a_files_values_are_read_as_written_then_by_their_settings_type(tmp_path):
+    """Not by YAML 1.1's types (0755 an octal 493, no and on booleans), as overrides are; merge keys and null work."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  <<: {steps: 3, lr: 0.01}\n  steps: 010\nlog: {run_dir: 0755, sample_prompt: no}\n"
+                    "data: {jsonl_field: on}\nparallel: {reshard_after_forward: ~}\nmodel: {tie_embeddings: yes}\n")
+    cfg = load_config(path, check=False)
+    assert (cfg.train.steps, cfg.train.lr, cfg.log.run_dir, cfg.log.sample_prompt) == (10, 0.01, "0755", "no")
+    assert (cfg.data.jsonl_field, cfg.parallel.reshard_after_forward, cfg.model.tie_embeddings) == ("on", None, True)
+
+
 def test_bad_values(tmp_path):
     with pytest.raises(ConfigError, match="train.steps must be an integer"):
         load_config(None, ["train.steps=abc"])
-    with pytest.raises(ConfigError, match="train.lr must be a number, got True"):
+    with pytest.raises(ConfigError, match="train.lr must be a number, got 'true'"):
         load_config(None, ["train.lr=true"])
+    for value in ("--5", "²", "1:30"):
+        with pytest.raises(ConfigError, match=f"train.steps must be an integer, got '{value}'"):
+            load_config(None, [f"train.steps={value}"])
+    with pytest.raises(ConfigError, match="train.steps must be an integer of at most 4300 digits"):
+        load_config(None, ["train.steps=" + "9" * 5000])
+    listed = tmp_path / "listed.yaml"
+    listed.write_text("data: {source: [a, b]}\n")
+    with pytest.raises(ConfigError, match=re.escape("data.source must be text, got ['a', 'b']")):
+        load_config(listed)
+    with pytest.raises(ConfigError, match="the config file's path is empty: give a YAML file"):
+        load_config("")
+    with pytest.raises(ConfigError, match="data.jsonl_field is empty: name the field"):
+        load_config(None, ["data.jsonl_field="])
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(b"\x00\x01\xff\xfe")
     with pytest.raises(ConfigError, match=f"config file {binary} is not UTF-8 text"):

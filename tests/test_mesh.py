@@ -1,8 +1,10 @@
 import itertools
 
 import pytest
+import torch
 
 from sixfold.config import ConfigError
+from sixfold.join import pick_device
 from sixfold.mesh import GROUP_NAMES, ParallelDims
 
 
@@ -66,3 +68,14 @@ def test_a_group_crosses_nodes_where_any_of_its_kind_holds_ranks_of_two():
             whole = any(len({r // per_node for r in g}) > 1 for g in d.all_groups(name))
             assert d.crosses_nodes(name, per_node) == whole, (shape, per_node, name)
     assert ParallelDims(tp=4, dp_shard=3).crosses_nodes("tp", 6)
+
+
+def test_a_rank_without_a_gpu_of_its_own_is_refused(monkeypatch):
+    """More ranks on a machine than GPUs it shows: named, not CUDA's invalid device ordinal."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(ConfigError, match=r"local rank 1 has no GPU of its own: this machine shows 1 "
+                                          r"\(CUDA_VISIBLE_DEVICES=3\); start at most 1 ranks on it"):
+        pick_device()
