@@ -65,4 +65,4 @@ def test_bad_pipeline_settings_are_refused(overrides, message):
 def test_runtime_gradients_in_flight_and_bytes(pp, micro):
     proc = torchrun("pipeline_runtime.py", pp, str(micro))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count(" OK") == 6 * pp
+    assert proc.stdout.count(" OK") == 12 * pp

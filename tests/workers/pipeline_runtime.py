@@ -2,10 +2,12 @@
 micro-batches in flight equals the simulator's, W actions compute the deferred weight gradients, B actions
 without one send their input gradient before their weight gradient, and the bytes it sends equal its SEND
 actions' payload. Each unit's reduction starts in the action that completes its gradients (a W, or an early
-sender's weight gradient, as it reports them), none after it.
+sender's weight gradient, as it reports them), none after it. All of it both with each run's receives posted on
+their own (gloo's order) and in the batch of the run's sends (`Pipeline.together`, NCCL's order).
 
     torchrun --nproc-per-node PP pipeline_runtime.py MICRO_BATCHES
 """
+import itertools
 import os
 import sys
 
@@ -40,7 +42,7 @@ init_weights(reference, 3)
 sum(reference.loss_sum(x, y) for x, y, _ in micro).div(scale).backward()
 expected = {n: p.grad for n, p in reference.named_parameters()}
 
-for name, v in CASES:
+for (name, v), together in itertools.product(CASES, (False, True)):
     schedule = schedules.build(name, pp, v, m)
     comm = Comm(ctx, Tracer(False, ctx.rank))
     stages = [s for s in split_stages(cfg, pp * v, 16) if schedule.placement[s.index] == rank]
@@ -48,6 +50,7 @@ for name, v in CASES:
     init_weights(model, 3)
     sharded = Sharded(model, comm, 0)
     pipeline = Pipeline(model, schedule, comm, sharded, comm.tracer)
+    pipeline.together = together
     late, launches = [False], []  # whether a reduction starts only after its action, at reduce_due
 
     def reduce_due(reduce_due=sharded.reduce_due):
@@ -71,5 +74,5 @@ for name, v in CASES:
     hidden = 2 * 16 * cfg.dim * 4
     sends = sum(a.kind in (schedules.SEND_F, schedules.SEND_B) for a in schedule.ranks[rank])
     assert comm.ledger.total["pp", "send_recv"] == sends * hidden, (name, dict(comm.ledger.total))
-    print(f"rank {rank} {name}: in flight {pipeline.peak_in_flight}, sent {sends} OK", flush=True)
+    print(f"rank {rank} {name}{' together' * together}: in flight {pipeline.peak_in_flight}, sent {sends} OK", flush=True)
 ctx.close()

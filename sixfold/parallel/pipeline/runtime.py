@@ -1,18 +1,20 @@
-"""Runs a pipeline schedule on this rank: the forwards, backwards and deferred weight gradients of the stages it
-holds, in the schedule's order, with activations and their gradients passed between ranks.
+"""Runs a pipeline schedule on this rank: the forwards, backwards and deferred weight gradients of the stages it holds,
+in the schedule's order, with activations and their gradients passed between ranks.
 
 Each run of sends and receives between two computes is posted at once; a receive is waited for only by the compute
-that uses its data, a run's sends once they are known received (delivery.py; the wait returns at once and frees
-what they held) or else at the end of the step (the simulator's default model, in which it proves every schedule
-deadlock-free). On gloo a run's receives are posted one compute earlier, before the data can have arrived:
-posted after it, a receive blocks the call while the sender, busy computing, hands it over (up to 8 ms on a
-shared CPU). NCCL runs a group's operations in order on one stream, where a receive posted ahead of a send that
-the peer waits for would deadlock. Shapes are known ahead: every micro-batch has the same [tokens, dim] hidden
-state (this rank's cp and sequence-TP part), so no metadata travels. A B that sends its input gradient and has
-no W of its own (Schedule.sends_early) defers its weight gradient as for a W and computes it right after posting
-that send, so the rank before starts its B sooner. A unit's gradient reduction starts as its stage's last
-backward or weight-gradient action of the step (or an early sender's weight gradient) completes it, in reverse
-unit order; with ZeRO-3 the weights are gathered once per step.
+that uses its data, a run's sends once they are known received (delivery.py; the wait returns at once and frees what
+they held) or else at the end of the step (the simulator's default model, in which it proves every schedule
+deadlock-free) on gloo, whose sends complete without their receives. On gloo a run's receives are posted one compute
+earlier, each on its own, before the data can have arrived: posted after it, a receive blocks the call while the
+sender, busy computing, hands it over (up to 8 ms on a shared CPU). NCCL runs a group's operations in order on one
+stream, and a large send completes only once its receive runs: there a run's sends and receives go as one batch
+(`together`), where the schedule places the run, which the simulator's batched model proves deadlock-free (posted
+apart, two ranks' crossing sends, each queued before its receive, would wait for each other). Shapes are known
+ahead: every micro-batch has the same [tokens, dim] hidden state (this rank's cp and sequence-TP part), so no
+metadata travels. A B that sends its input gradient and has no W of its own (Schedule.sends_early) defers its weight
+gradient as for a W and computes it right after posting that send, so the rank before starts its B sooner. A unit's
+gradient reduction starts as its stage's last backward or weight-gradient action of the step (or an early sender's
+weight gradient) completes it, in reverse unit order; with ZeRO-3 the weights are gathered once per step.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from .schedules import B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action,
 class Pipeline:
     def __init__(self, model, schedule: Schedule, comm: Comm, sharded: Sharded, tracer: Tracer):
         self.model, self.schedule, self.comm, self.sharded, self.tracer = model, schedule, comm, sharded, tracer
+        self.together = comm.ctx.backend != "gloo"  # a run's receives in the batch of its sends
         self.rank = comm.ctx.rank_in("pp")
         self.place = schedule.placement
         self.stages = {s.index: s for s in model.stages}
@@ -84,12 +87,19 @@ class Pipeline:
         return torch.empty(tokens, self.model.cfg.dim, dtype=self.sharded.units[0].full.dtype,
                            device=self.comm.ctx.device)
 
-    def _send(self, batch: list, outbox: dict, sending: list) -> None:
-        """Post a run's sends as one batch, added to `sending` with the sends it holds."""
+    def _send(self, batch: list, outbox: dict, sending: list, receives: list = (),
+              arriving: dict | None = None) -> None:
+        """Post a run's sends as one batch, added to `sending` with the sends it holds; `receives` (_buffers'
+        for the same run) in that batch too, each put in `arriving`."""
         sends = [a for a in batch if a.kind in (SEND_F, SEND_B)]
-        if sends:
+        if sends or receives:
             tensors = [(outbox.pop((a.kind, a.stage, a.micro)), self.schedule.peer(a)) for a in sends]
-            sending.append((self.comm.exchange(tensors, [], "pp", label=" ".join(map(repr, sends))), set(sends)))
+            label = " ".join(map(repr, sends + [a for a, _, _ in receives]))
+            pending = self.comm.exchange(tensors, [(buf, peer) for _, buf, peer in receives], "pp", label=label)
+            if sends:
+                sending.append((pending, set(sends)))
+            for a, _, _ in receives:
+                arriving[a.kind, a.stage, a.micro] = pending
 
     def _let_go(self, recv: Action, sending: list, known: set) -> None:
         """After `recv`'s data arrived: wait for (at once) and drop the batches of sends now all known received."""
@@ -99,16 +109,23 @@ class Pipeline:
                 batch[0].wait()
                 sending.remove(batch)
 
-    def _receive(self, batch: list, t, inputs: dict, grads: dict, arriving: dict) -> None:
-        """Post a run's receives, one each into `arriving`, so that a compute waits only for its own."""
+    def _buffers(self, batch: list, t, inputs: dict, grads: dict) -> list[tuple[Action, torch.Tensor, int]]:
+        """A buffer for each receive of a run, put in `inputs` or `grads`: (receive, buffer, peer)."""
+        out = []
         for a in batch:
             if a.kind in (RECV_F, RECV_B):
                 key, buf = (a.stage, a.micro), self._hidden(t)
-                arriving[a.kind, *key] = self.comm.exchange([], [(buf, self.schedule.peer(a))], "pp", label=repr(a))
                 if a.kind == RECV_F:
                     inputs[key] = buf.requires_grad_()
                 else:
                     grads[key] = buf
+                out.append((a, buf, self.schedule.peer(a)))
+        return out
+
+    def _receive(self, batch: list, t, inputs: dict, grads: dict, arriving: dict) -> None:
+        """Post a run's receives, one each into `arriving`, so that a compute waits only for its own."""
+        for a, buf, peer in self._buffers(batch, t, inputs, grads):
+            arriving[a.kind, a.stage, a.micro] = self.comm.exchange([], [(buf, peer)], "pp", label=repr(a))
 
     def step(self, micro: list[tuple], scale: float) -> torch.Tensor:
         """Forward and backward of every micro-batch (tokens, labels, document ids or None) by the schedule; the
@@ -122,14 +139,12 @@ class Pipeline:
         self.peak_in_flight = self.deferred = self.sent_early = 0
         loss = torch.zeros((), dtype=torch.float64, device=self.comm.ctx.device)
         runs, tail = self.runs
-        ahead = 1 if self.comm.ctx.backend == "gloo" else 0
-        for run in runs[:ahead]:
-            self._receive(run, t, inputs, grads, arriving)
-        for k, i in enumerate(self.computes):  # runs[0] sends nothing: no compute has run
+        self._receive(runs[0], t, inputs, grads, arriving)  # runs[0] sends nothing: no compute has run
+        for k, i in enumerate(self.computes):
             a = self.actions[i]
             after, late = runs[k + 1] if k + 1 < len(runs) else tail, None
-            if k + ahead < len(runs):
-                self._receive(runs[k + ahead], t, inputs, grads, arriving)
+            if not self.together and k + 1 < len(runs):
+                self._receive(runs[k + 1], t, inputs, grads, arriving)
             s, m = key = (a.stage, a.micro)
             stage = self.stages[s]
             recv = Action(RECV_F if a.kind == F else RECV_B, s, m)
@@ -173,7 +188,8 @@ class Pipeline:
                     wg.run(work)
                 out = grad = work = None  # what was sent is held only by its send (counted so: held_sends); a W's
                 # products freed now, not at the next W
-            self._send(after, outbox, sending)
+            self._send(after, outbox, sending, self._buffers(after, t, inputs, grads) if self.together else [],
+                       arriving)
             if late is not None:  # an early sender's weight gradient, once its input gradient is on its way
                 self.sent_early += 1
                 if due:  # its units complete as these weights are reported
@@ -183,7 +199,8 @@ class Pipeline:
                         wg.run(late)  # emptying it: each product freed as the next is made
             if due:
                 self.sharded.reduce_due()
-        self._receive(tail, t, inputs, grads, arriving)
+        if not self.together:
+            self._receive(tail, t, inputs, grads, arriving)
         for pending, _ in sending:
             pending.wait()
         return loss
