@@ -672,7 +672,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         from .parallel.pipeline.stages import check_stages
         check(p.pp_schedule, p.pp, p.pp_virtual_stages, t.micro_batches,
               t.global_batch // p.dp if t.global_batch % p.dp == 0 else None)
-        check_stages(m, p.pp * p.pp_virtual_stages)
+        check_stages(m, p.pp, p.pp_virtual_stages, p.pp_schedule)
         if p.zero == 3 and p.reshard_after_forward:
             raise ConfigError("parallel.reshard_after_forward=true: under pipelining ZeRO-3 gathers each stage's "
                               "weights once per step; leave it unset or set it to false")
@@ -699,8 +699,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if t.global_batch % (p.dp * t.micro_batches):
         need = p.dp * t.micro_batches
         fix = f"set train.global_batch to a multiple of {need} (such as {-(-t.global_batch // need) * need})"
-        if t.global_batch % p.dp == 0:
-            fix += f", or train.micro_batches to one of {_listed(divisors(t.global_batch // p.dp))}"
+        interleaved = p.pp > 1 and p.pp_schedule == "interleaved"  # whose micro-batches are a multiple of pp
+        fits = [k for k in divisors(t.global_batch // p.dp) if not interleaved or k % p.pp == 0] \
+            if t.global_batch % p.dp == 0 else []
+        if fits:
+            fix += f", or train.micro_batches to one of {_listed(fits)}"
         raise ConfigError(
             f"train.global_batch={t.global_batch} must be divisible by data-parallel size "
             f"({p.dp} = dp_replicate*dp_shard) times train.micro_batches={t.micro_batches}: {fix}")

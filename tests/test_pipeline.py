@@ -53,6 +53,11 @@ def test_too_many_stages_is_refused_naming_the_settings():
       "train.micro_batches=2", "model.n_layers=4"], "no multiple of 3 divides the 8 sequence\\(s\\) per data-parallel "
                                                      "rank \\(train.global_batch / dp\\): change train.global_batch"),
     (["parallel.pp=2", "parallel.pp_schedule=zb-v"], "pp_virtual_stages=2"),
+    (["parallel.pp=3", "parallel.pp_schedule=zb-v", "parallel.pp_virtual_stages=2"],
+     r"=6 stages, but the model has only 4 pieces .*: lower parallel.pp, or raise model.n_layers to at least 4"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2", "model.n_layers=4",
+      "train.micro_batches=4", "parallel.dp_replicate=2", "train.global_batch=4"],
+     r"set train.global_batch to a multiple of 8 \(such as 8\), or train.micro_batches to one of 2$"),
     (["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero=3", "parallel.reshard_after_forward=true"],
      "once per step"),
 ])

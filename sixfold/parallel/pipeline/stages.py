@@ -50,27 +50,33 @@ def _recomputed(cfg: ModelConfig, seq_len: int, layer: int) -> float:
 
 def stage_costs(cfg: ModelConfig, stages: list[Stage], seq_len: int, split: bool) -> Costs:
     """The simulator's costs of each stage from its FLOPs, in units of the mean stage's forward: F its forward; B
-    and W as much again each (the gradients of the input and of the weights), but without W actions (split) the
-    head's weight gradient in B (a B that sends early defers the blocks' only); B more by what cfg.recompute
-    runs again (_recomputed)."""
+    and W as much again each (the gradients of the input and of the weights), but the attention core, which has no
+    weights, twice in B and not in W, and without W actions (split) the head's weight gradient in B (a B that sends
+    early defers the blocks' only); B more by what cfg.recompute runs again (_recomputed)."""
     costs = layer_costs(cfg, seq_len)  # piece p: the embedding (0), block p - 1, or the head (last)
     f = [(costs[0] if s.embed else 0.0) + sum(costs[1 + i] for i in s.layers) + (costs[-1] if s.head else 0.0)
          for s in stages]
     again = [sum(_recomputed(cfg, seq_len, i) for i in s.layers) for s in stages]
+    core = [sum(_block_costs(cfg, seq_len, i)[2] for i in s.layers) for s in stages]
     head = [2.0 * cfg.dim * cfg.vocab_size if s.head and not split else 0.0 for s in stages]
     unit = sum(f) / len(f)
     return Costs(tuple(x / unit for x in f),
-                 tuple((x + a + h) / unit for x, a, h in zip(f, again, head)),
-                 tuple((x - h) / unit for x, h in zip(f, head)))
+                 tuple((x + a + c + h) / unit for x, a, c, h in zip(f, again, core, head)),
+                 tuple((x - c - h) / unit for x, c, h in zip(f, core, head)))
 
 
-def check_stages(cfg: ModelConfig, stages: int) -> None:
+def check_stages(cfg: ModelConfig, pp: int, v: int = 1, schedule: str = "1f1b") -> None:
+    """Refuse more stages than the model has pieces, naming what `schedule` lets change (zb-v takes 2 stages per
+    rank, interleaved at least 2)."""
+    stages = pp * v
     if stages > cfg.n_layers + 2:
         blocks = f"{cfg.n_layers} block{'s' if cfg.n_layers > 1 else ''}"
+        fewer = "parallel.pp" if v <= {"interleaved": 2, "zb-v": 2}.get(schedule, 1) else \
+            "parallel.pp or parallel.pp_virtual_stages"
         raise ConfigError(
             f"parallel.pp*parallel.pp_virtual_stages={stages} stages, but the model has only {cfg.n_layers + 2} "
-            f"pieces to place (embedding, {blocks}, head): lower parallel.pp or "
-            f"parallel.pp_virtual_stages, or raise model.n_layers to at least {stages - 2}")
+            f"pieces to place (embedding, {blocks}, head): lower {fewer}, or raise model.n_layers to at least "
+            f"{stages - 2}")
 
 
 def split_stages(cfg: ModelConfig, n: int, seq_len: int) -> list[Stage]:
