@@ -205,11 +205,21 @@ def _fields(obj) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(obj)}
 
 
+# other frameworks' names (Hugging Face's, Megatron's) for settings of ours
+ALIASES = {"batch_size": "global_batch", "learning_rate": "lr", "gradient_accumulation_steps": "micro_batches",
+           "max_steps": "steps", "seq_length": "seq_len", "max_seq_length": "seq_len", "hidden_size": "dim",
+           "num_layers": "n_layers", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+           "num_key_value_heads": "n_kv_heads", "intermediate_size": "ffn_dim", "max_position_embeddings":
+           "max_seq_len", "tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
+           "context_parallel_size": "cp", "expert_model_parallel_size": "ep", "max_grad_norm": "grad_clip"}
+
+
 def _unknown(key: str, obj, where: str) -> ConfigError:
-    """Names the keys it may stand for: those it begins (dp: dp_replicate, dp_shard), else the closest, else (a key
-    given without its section: steps, dp) the sections' keys it begins."""
+    """Names the keys it may stand for: our name for another framework's (ALIASES), those it begins (dp:
+    dp_replicate, dp_shard), else the closest, else (a key given without its section: steps, dp) the sections' keys
+    it begins."""
     choices = _fields(obj)
-    near = sorted(c for c in choices if c.startswith(key)) or \
+    near = [ALIASES[key]] if ALIASES.get(key) in choices else sorted(c for c in choices if c.startswith(key)) or \
         difflib.get_close_matches(key, list(choices), n=1, cutoff=0.5) or \
         sorted(f"{c}.{k}" for c in choices if dataclasses.is_dataclass(getattr(obj, c))
                for k in _fields(getattr(obj, c)) if k.startswith(key))

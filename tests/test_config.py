@@ -33,6 +33,8 @@ def test_unknown_key_names_nearest():
         load_config(None, ["parallel.dp=2"])
     with pytest.raises(ConfigError, match="unknown config key 'steps'; did you mean 'train.steps'\\?"):
         load_config(None, ["steps=10"])  # its section left out
+    with pytest.raises(ConfigError, match="unknown config key 'train.batch_size'; did you mean 'train.global_batch'"):
+        load_config(None, ["train.batch_size=16"])  # another framework's name
 
 
 def test_unknown_key_in_yaml(tmp_path):
