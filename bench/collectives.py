@@ -38,7 +38,8 @@ def worker(args) -> None:
                  "sixfold": lambda: comm.reduce_scatter(ours, x, "dp_replicate")}
         blocks = {name: [] for name in sides}
         for block in range(args.blocks + 1):
-            for name, call in sides.items():
+            order = list(sides.items())
+            for name, call in order if block % 2 else order[::-1]:  # each side first in every other block
                 dist.barrier(group)
                 start = time.perf_counter()
                 for _ in range(args.repeats):

@@ -32,6 +32,9 @@ DOC = ROOT / "docs" / "benchmarks.md"
 WARMUP = 2  # steps left out of the timing
 ROWS_PER_RANK = 4
 TRIES = 4  # launches of a run disturbed by other processes before its last result is kept anyway
+# the CPU benchmarks' ranks: one thread each, and no GPU even where there is one (sixfold would take it, torch's
+# side runs gloo on the CPU)
+CPU_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
 @dataclass(frozen=True)
@@ -100,13 +103,24 @@ def batch_group(data_parallel):
     return data_parallel() if data_parallel else None
 
 
+def warm(mesh=None) -> None:
+    """A first collective on the world group and on each of `mesh`'s (a DeviceMesh built now), before the side's
+    memory mark: sixfold's side has its process groups built and used before its own mark."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    for name in (mesh.mesh_dim_names or [None]) if mesh is not None else []:
+        dist.barrier(group=mesh.get_group(name))
+
+
 def torch_worker(cfg, wrap, grads_to_none: bool, build=None, data_parallel=True,
-                 loss_context=contextlib.nullcontext) -> dict:
+                 loss_context=contextlib.nullcontext, mesh=None) -> dict:
     """sixfold's step written with torch's own parts. build(cfg) returns the model (default: sixfold's
     single-process Llama with init_weights); wrap(model, world) returns the module to call and the factor on
     the loss that turns the wrapper's gradient reduction into a sum, as in sixfold. data_parallel: which
     ranks split the batch (batch_group); without it every rank reads the whole batch and computes the whole
-    loss. Forward, loss and backward run inside loss_context()."""
+    loss. Forward, loss and backward run inside loss_context(). mesh(cfg): the DeviceMesh build uses (cached),
+    made and used before the memory mark (warm)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -121,6 +135,7 @@ def torch_worker(cfg, wrap, grads_to_none: bool, build=None, data_parallel=True,
     world = dist.get_world_size()
     data = load_data(cfg.data)
     _libraries()
+    warm(mesh(cfg) if mesh else None)
     base = mark_memory()
     torch.manual_seed(t.seed)
     if build is None:
@@ -170,12 +185,12 @@ class Pipe:
     dp_group: object = None  # the ranks that split the batch (None: each reads it whole)
 
 
-def pipeline_worker(cfg, build: Callable, schedule: str, loss_context=contextlib.nullcontext) -> dict:
+def pipeline_worker(cfg, build: Callable, schedule: str, loss_context=contextlib.nullcontext, mesh=None) -> dict:
     """sixfold's pipelined step run by torch.distributed.pipelining: build(cfg) returns this rank's Pipe, which
     torch's PipelineStage and `schedule` class (its name in torch.distributed.pipelining) run over
     train.micro_batches micro-batches (micro-batch i: the same rows as sixfold's). The loss is the summed token
     loss over the step's tokens, the gradients unscaled (scale_grads=False); the gradient norm is the whole
-    model's; schedule.step runs inside loss_context()."""
+    model's; schedule.step runs inside loss_context(); mesh as torch_worker's."""
     import torch
     import torch.distributed as dist
     import torch.distributed.pipelining as pipelining
@@ -190,6 +205,7 @@ def pipeline_worker(cfg, build: Callable, schedule: str, loss_context=contextlib
     rank, world = dist.get_rank(), dist.get_world_size()
     data = load_data(cfg.data)
     _libraries()
+    warm(mesh(cfg) if mesh else None)
     base = mark_memory()
     torch.manual_seed(t.seed)
     pipe = build(cfg)
@@ -294,8 +310,7 @@ def torchrun(script: str, world: int, *args: str) -> tuple[list[dict], float]:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                str(script), *args, "--out", out]
-        proc, others = others_while(lambda: subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                                           text=True, capture_output=True))
+        proc, others = others_while(lambda: subprocess.run(cmd, env=CPU_ENV, text=True, capture_output=True))
         if proc.returncode:
             sys.exit(f"{Path(script).name} {' '.join(args)} on {world} ranks failed:\n"
                      f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")

@@ -87,7 +87,8 @@ def composed_worker(cfg) -> dict:
         return torch_worker(cfg, lambda module, world: (module, 1), grads_to_none=True, build=build,
                             data_parallel=False)
     if cfg.parallel.pp > 1:
-        return pipeline_worker(cfg, stage, TORCH_SCHEDULES[cfg.parallel.pp_schedule], loss_context=loss_parallel)
+        return pipeline_worker(cfg, stage, TORCH_SCHEDULES[cfg.parallel.pp_schedule], loss_context=loss_parallel,
+                               mesh=layout_mesh)
 
     def model(cfg):
         m = layout_mesh(cfg)
@@ -95,7 +96,8 @@ def composed_worker(cfg) -> dict:
 
     # FSDP2 sums the gradients over dp_shard (factor 1 on the loss); every tp rank computes its batch's loss
     return torch_worker(cfg, lambda module, world: (module, 1), grads_to_none=True, build=model,
-                        data_parallel=lambda: layout_mesh(cfg)["dp_shard"].get_group(), loss_context=loss_parallel)
+                        data_parallel=lambda: layout_mesh(cfg)["dp_shard"].get_group(), loss_context=loss_parallel,
+                        mesh=layout_mesh)
 
 
 BENCH = Bench(name="e2e", script=__file__, title="End to end: sixfold vs torch's parts composed as in torchtitan",

@@ -7,7 +7,9 @@ shape (configs/llama3-1b.yaml: Llama-3.2-1B, 1,235,814,400 parameters, tied embe
 sixfold: bf16 compute weights with fp32 master weights and fused AdamW over flat buffers, SDPA (flash) attention,
 torch.compile per block, the head and cross-entropy fused over chunks of --chunk tokens. transformers: fp32
 weights under torch.autocast(bf16), SDPA attention, fused AdamW, the full logits (its own loss), gradient
-clipping as sixfold's. Both see --tokens tokens per step (seq_len x sequences), random token ids.
+clipping as sixfold's. Both see --tokens tokens per step (seq_len x sequences): sixfold the stdlib corpus in bytes,
+transformers one batch of random token ids. sixfold is compiled unless a side says otherwise (sixfold:0), and
+transformers not (hf:1 compiles the model), so the default rows set compiled beside eager.
 
 MFU = FLOPs per step / step time / the GPU's dense bf16 peak (989 TFLOP/s for H100 SXM and H200), with 6 FLOPs
 per matmul parameter per token (the tied head counted once, the embedding lookup not at all) and causal
@@ -189,10 +191,17 @@ def idle_gaps(events: list[dict], least_us: float = 20.0, top: int = 15) -> str:
 
 
 def drive(args) -> None:
+    """Each run in a worker process; its result goes into OUT/gpu.json as it comes (a run of the same side, sequence
+    and micro-batches there before is replaced; the command joins those there), so that a later invocation into
+    the same OUT adds rows and a timeout loses only the run it stopped."""
     import torch
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = []
+    table = out / "gpu.json"
+    kept = json.loads(table.read_text()) if table.exists() else {"command": "", "results": []}
+    command = "python bench/gpu.py " + " ".join(sys.argv[1:])
+    commands = [c for c in kept["command"].split("; ") if c and c != command] + [command]
+    results = kept["results"]
     for seq, micro, side in ((seq, micro, side) for seq in args.seq for micro in args.micro for side in args.sides):
         name, compiled = side.split(":") if ":" in side else (side, "1" if side == "sixfold" else "0")
         path = out / f"{name}-{compiled}-{seq}-{micro}.json"
@@ -208,11 +217,11 @@ def drive(args) -> None:
             continue
         r = json.loads(path.read_text())
         r["wall_s"] = time.time() - began
-        results.append(r)
+        same = (r["side"], r["compile"], r["seq"], r["micro"])
+        results = [k for k in results if (k["side"], k["compile"], k["seq"], k["micro"]) != same] + [r]
         print(line(r, name_of_device()), flush=True)
-    command = "python bench/gpu.py " + " ".join(sys.argv[1:])
-    (out / "gpu.json").write_text(json.dumps({"device": name_of_device(), "torch": torch.__version__,
-                                              "command": command, "results": results}, indent=1))
+        table.write_text(json.dumps({"device": name_of_device(), "torch": torch.__version__,
+                                     "command": "; ".join(commands), "results": results}, indent=1))
 
 
 def name_of_device() -> str:

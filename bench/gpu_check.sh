@@ -12,7 +12,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_fused.py tests/test_fast_paths.py \
     tests/test_context.py tests/test_optim.py -k "cuda or gpu" 2>&1 | tail -3
 timeout 400 python3 bench/gpu.py --seq 2048 8192 --micro 1 4 --out "$out/table"
-rm -f "$out"/table/*-*.json  # each run's file; gpu.json holds them all (at most 8 files come back from a call)
+[ -f "$out/table/gpu.json" ] && rm -f "$out"/table/*-*.json  # each run's file, in gpu.json (at most 8 files come back)
 timeout 80 python3 bench/gpu.py --worker sixfold --seq 2048 --steps 3 --profile --result "$out/profile.json" \
     --trace "$out/trace.json" > "$out/profile.log" 2>&1
 gzip -f "$out/trace.json"

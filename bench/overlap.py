@@ -11,7 +11,6 @@ rank), and the README demo (configs/demo.yaml, 8 ranks) for fewer steps.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, add_write, spread, wait_quiet, write_doc
+from common import CPU_ENV, ROOT, add_write, spread, wait_quiet, write_doc
 from sixfold.measure import machine, revision
 
 BENCH, DEMO = "configs/bench.yaml", "configs/demo.yaml"
@@ -47,8 +46,7 @@ def run(config: str, overrides: list[str], ranks: int, steps: int) -> dict:
         cmd = [sys.executable, "-m", "sixfold.cli", "train", str(ROOT / config), *overrides, f"train.steps={steps}",
                "log.trace=true", "log.progress=false", "log.tensorboard=false", "checkpoint.save_final=false",
                f"log.run_dir={out}/run", "--nproc", str(ranks)]
-        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True, capture_output=True,
-                              cwd=ROOT)
+        proc = subprocess.run(cmd, env=CPU_ENV, text=True, capture_output=True, cwd=ROOT)
         if proc.returncode:
             sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
         return overlap(read_chrome_trace(Path(out) / "run" / "trace.json"))

@@ -41,13 +41,14 @@ class Job:
 
 
 JOBS = (
-    Job("dp", ("bench/dp.py", "--ranks", "2", "4", "--runs", "5", "--write"),
+    Job("dp", ("bench/dp.py", "--ranks", "2", "4", "--runs", "4", "--write"),
         ("bench/dp.py", "--ranks", "2", "--runs", "1", "--steps", "3", "--write"), ("dp",)),
-    Job("fsdp", ("bench/fsdp.py", "--ranks", "2", "4", "--runs", "3", "--write"),
+    Job("fsdp", ("bench/fsdp.py", "--ranks", "2", "4", "--runs", "4", "--write"),
         ("bench/fsdp.py", "--ranks", "2", "--runs", "1", "--steps", "3", "--write"), ("fsdp",)),
-    Job("tp", ("bench/tp.py", "--ranks", "2", "4", "--runs", "3", "--write"),
+    Job("tp", ("bench/tp.py", "--ranks", "2", "4", "--runs", "4", "--write"),
         ("bench/tp.py", "--ranks", "2", "--runs", "1", "--steps", "3", "--write"), ("tp",)),
-    Job("pp", ("bench/pp.py", "--runs", "5", "--pp4", "--runs4", "2", "--write"),
+    Job("pp", ("bench/pp.py", "--runs", "8", "--pp4", "--runs4", "4", "--schedules", "gpipe", "1f1b", "interleaved",
+               "breadth-first", "zb-v", "--write"),
         ("bench/pp.py", "--runs", "1", "--schedules", "1f1b", "zb-v", "--write"), ("pp",)),
     Job("pp-early", ("bench/pp_early.py", "--write"),
         ("bench/pp_early.py", "--steps", "2", "--layouts", "pp=2, m=4", "--write"), ("pp-early",)),
@@ -62,7 +63,7 @@ JOBS = (
     Job("cp-documents", ("bench/cp.py", "--seq", "256", "1024", "2048", "--cp", "2", "--documents", "100", "--write"),
         ("bench/cp.py", "--seq", "256", "--cp", "2", "--repeats", "1", "--documents", "100", "--write"),
         ("cp-documents",)),
-    Job("ep", ("bench/ep.py", "--ep", "1", "2", "4", "--runs", "2", "--steps", "8", "--write"),
+    Job("ep", ("bench/ep.py", "--ep", "1", "2", "4", "--runs", "3", "--steps", "8", "--write"),
         ("bench/ep.py", "--ep", "1", "2", "--runs", "1", "--steps", "3", "--write"), ("ep",)),
     Job("collectives", ("bench/collectives.py", "--ranks", "2", "4", "--write"),
         ("bench/collectives.py", "--ranks", "2", "--blocks", "1", "--write"), ("collectives",)),
@@ -93,8 +94,9 @@ COMPARISONS = {  # sixfold against another implementation
     "e2e": Ratios("End to end", "torch's parts composed as in torchtitan", ("time ratio", 0), ("memory ratio", 0)),
     "collectives": Ratios("Reduce-scatter on gloo", "torch.distributed.reduce_scatter_tensor", ("time ratio", 0),
                           None),
-    "workload": Ratios("Common workload, 8 layouts", "fastest of picotron, torchtitan, DeepSpeed (their times "
-                       "measured for issue #11)", ("sixfold / fastest peer", 0), None),
+    "workload": Ratios("Common workload, 8 layouts", "fastest of picotron, torchtitan, DeepSpeed (their fixed times "
+                       "from issue #11, on a CPU it does not name: not yet evidence, see the section)",
+                       ("sixfold / fastest peer", 0), None),
 }
 WITHIN = {  # sixfold against itself at a baseline layout
     "tp-activations": Ratios("Saved activations under TP", "tp=1", None, ("total vs tp=1", 0)),

@@ -7,18 +7,26 @@ The method (alternating torchrun jobs, timing, memory, the docs table) is bench/
 """
 from __future__ import annotations
 
+import functools
+
 from torch.distributed.tensor.parallel import loss_parallel
 
 from common import ROWS_PER_RANK, Bench, main, torch_worker
 from composed import build
 
 
-def tp_model(cfg):
-    """sixfold's Llama in torch layers, DTensor tensor-parallel over every rank (bench/composed.py)."""
+@functools.cache
+def tp_mesh():
+    """Every rank, one tp dimension."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    return build(cfg, tp_mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def tp_model(cfg):
+    """sixfold's Llama in torch layers, DTensor tensor-parallel over every rank (bench/composed.py)."""
+    return build(cfg, tp_mesh=tp_mesh())
 
 
 def tp_worker(cfg) -> dict:
@@ -26,7 +34,7 @@ def tp_worker(cfg) -> dict:
     # The norm weights' gradients stay Partial (summed over ranks where they are read), which DTensor cannot
     # zero in place: drop the gradients after each step, as torch's zero_grad does by default.
     return torch_worker(cfg, lambda model, world: (model, 1), grads_to_none=True, build=tp_model,
-                        data_parallel=False, loss_context=loss_parallel)
+                        data_parallel=False, loss_context=loss_parallel, mesh=lambda cfg: tp_mesh())
 
 
 BENCH = Bench(name="tp", script=__file__, title="Tensor parallel: sixfold sequence-TP vs DTensor TP+SP", side="dtensor",

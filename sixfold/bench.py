@@ -142,6 +142,7 @@ def table(path: str | None, overrides: list[str], steps: int, write: bool, argv:
         raise ConfigError(f"--table sets sixfold beside the peers' times on {BENCH.name}'s workload, which this "
                           f"config changes: {', '.join(changed)}; set them back, or time your own config without "
                           f"--table, one layout at a time")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the workload is the CPU's (gloo), as the peers' times are
     rev, results = revision(), [[] for _ in TABLE]
     for _ in range(runs):
         for layout, cfg, done in zip(TABLE, configs, results):
