@@ -53,11 +53,13 @@ def run(config: str, overrides: list[str], ranks: int, steps: int) -> dict:
 
 
 def summarize(runs: list[dict], group: str) -> tuple[list[float], list[float], list[float]]:
-    """Per run: ms in flight per rank and traced step, the share hidden (weighted by the ranks' ms), and ms
-    waiting for peers per rank and traced step."""
+    """Per run that has the group: ms in flight per rank and traced step, the share hidden (weighted by the ranks'
+    ms), and ms waiting for peers per rank and traced step."""
     flight, hidden, late = [], [], []
     for r in runs:
-        ranks = r.get(group, {})
+        ranks = r.get(group)
+        if not ranks:
+            continue
         total = sum(ms for ms, _, _ in ranks.values())
         flight.append(total / len(ranks) / TRACED)
         hidden.append(sum(ms * s for ms, s, _ in ranks.values()) / total if total else 1.0)
