@@ -1,6 +1,7 @@
 """Under torchrun with cp ranks: context-parallel attention equals plain causal attention on the whole
 sequence, forward and backward, in every mode, zigzag and contiguous, with and without GQA, and within documents
-(data.document_mask); the bytes each mode sends equal its formula.
+(data.document_mask); the bytes each mode sends equal its formula, in bf16 too (where the ring's gradients travel in
+fp32).
 
     torchrun --nproc-per-node CP cp_attention.py
 """
@@ -49,5 +50,12 @@ for (hq, hkv), documents in itertools.product(((4, 4), (4, 2), (4, 1)), (False, 
             assert torch.allclose(local, cp.shard(out, dim=2), rtol=1e-10, atol=1e-12), what
             for name, a, r in zip("qkv", mine, ref):
                 assert torch.allclose(a.grad, cp.shard(r.grad, dim=2), rtol=1e-10, atol=1e-12), f"d{name} {what}"
+for mode in MODES:
+    cp = ContextParallel(comm, mode, True)
+    mine = [torch.randn(b, 4, s // size, d, generator=g, dtype=torch.bfloat16, requires_grad=True) for _ in "qkv"]
+    comm.ledger.total.clear()
+    cp.attention(*mine).backward(torch.ones(b, 4, s // size, d, dtype=torch.bfloat16))
+    measured = {op: n for (group, op), n in comm.ledger.total.items() if group == "cp"}
+    assert measured == cp.comm_bytes(b, 4, 4, s // size, d, itemsize=2), (mode, "bf16", measured)
 print(f"rank {ctx.rank} cp attention OK")
 ctx.close()
