@@ -77,9 +77,16 @@ def sixfold_worker(cfg) -> dict:
         return Llama(*args)
 
     trainer.Llama = build
+    peak, write = {}, trainer.Trainer._write_outputs
+
+    def written(self, log):  # the training's peak, before rank 0 gathers and writes the run's summaries (torch's
+        peak["mb"] = peak_mb(base["kb"])  # side writes none)
+        write(self, log)
+
+    trainer.Trainer._write_outputs = written
     history = trainer.train(cfg)
     return {"step_s": [m["step_s"] for m in history], "loss": [m["loss"] for m in history],
-            "peak_mb": peak_mb(base["kb"])}
+            "peak_mb": peak.get("mb", peak_mb(base["kb"]))}
 
 
 def adamw(t, named):
