@@ -689,10 +689,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     else:
         check_name(p.pp_schedule)
     if t.reduce_each_micro_batch and (p.zero < 2 or p.pp > 1):
-        why = (f"parallel.zero={p.zero} keeps the full gradients between micro-batches anyway: set parallel.zero to 2 "
-               f"or 3" + (" with parallel.dp_shard * parallel.cp above 1" if p.dp_shard * p.cp == 1 else "")
-               if p.zero < 2 else f"under pipelining (parallel.pp={p.pp}) a rank's gradients are reduced once, "
-               f"after the last micro-batch: set parallel.pp=1")
+        if p.zero < 2:
+            sharded = " with parallel.dp_shard * parallel.cp above 1" if p.dp_shard * p.cp == 1 else ""
+            why = f"parallel.zero={p.zero} keeps the full gradients between micro-batches anyway: set " \
+                  f"parallel.zero to 2 or 3{sharded}"
+        else:
+            why = f"under pipelining (parallel.pp={p.pp}) a rank's gradients are reduced once, after the last " \
+                  f"micro-batch: set parallel.pp=1"
         raise ConfigError(f"train.reduce_each_micro_batch=true frees the full gradients between micro-batches, and "
                           f"{why}, or train.reduce_each_micro_batch=false")
     if p.reshard_after_forward is not None and p.zero != 3:

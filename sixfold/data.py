@@ -368,11 +368,10 @@ def _utf8(value: str) -> str:
     return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
-def _jsonl(doc_id: str, text: str, field: str, prompt_field: str) -> tuple[list[tuple], list[int]]:
-    """A JSONL text's documents: (id, text), or with a prompt field (id, prompt + text, characters of prompt); and
-    the numbers of the lines that hold none."""
+def _jsonl(doc_id: str, text: str, fields: list[str]) -> tuple[list[tuple], list[int]]:
+    """A JSONL text's documents: (id, the text field), or with a prompt field before it (id, prompt + text,
+    characters of prompt); and the numbers of the lines that hold none."""
     docs, bad = [], []
-    fields = [prompt_field, field] if prompt_field else [field]
     for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
@@ -384,7 +383,7 @@ def _jsonl(doc_id: str, text: str, field: str, prompt_field: str) -> tuple[list[
         if all(isinstance(v, str) for v in values):
             values = [_utf8(v) for v in values]
             doc = (f"{doc_id}:{n}", "".join(values))
-            docs.append(doc + (len(values[0]),) if prompt_field else doc)
+            docs.append(doc + (len(values[0]),) if len(fields) == 2 else doc)
         else:
             bad.append(n)
     return docs, bad
@@ -393,17 +392,17 @@ def _jsonl(doc_id: str, text: str, field: str, prompt_field: str) -> tuple[list[
 def _jsonl_file(cfg: DataConfig, path: Path, doc_id: str, left: int) -> tuple[list[tuple], int]:
     """A JSONL file's documents (_jsonl) and its stray bytes (_text). With `left` (bytes of text data.max_bytes
     still takes), only a prefix of whole lines is read, doubled until its documents hold that much."""
+    fields = [cfg.jsonl_prompt_field, cfg.jsonl_field] if cfg.jsonl_prompt_field else [cfg.jsonl_field]
     size = max(left, 1 << 20) if left else 0
     while True:
         text, cut, stray = _text(path, size, binary_if_nul=False)  # a NUL is refused with its line
         if cut:
             text = text[:text.rfind("\n") + 1]  # the last line read may go on
-        docs, bad = _jsonl(doc_id, text, cfg.jsonl_field, cfg.jsonl_prompt_field)
+        docs, bad = _jsonl(doc_id, text, fields)
         if not cut or sum(len(d[1].encode()) for d in docs) >= left:
             break
         size *= 2
     if bad:
-        fields = [cfg.jsonl_prompt_field, cfg.jsonl_field] if cfg.jsonl_prompt_field else [cfg.jsonl_field]
         named = " and ".join(f"{f!r}" for f in fields)
         keys = "data.jsonl_prompt_field and data.jsonl_field" if cfg.jsonl_prompt_field else "data.jsonl_field"
         warnings.warn(f"{path}:{bad[0]}: skipped {len(bad)} line(s) that are not JSON objects with string "

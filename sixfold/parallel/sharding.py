@@ -7,9 +7,7 @@ every rank's shard is equal and aligned:
   master      this rank's shard of the weights, which the optimizer updates (`full` itself when unsharded)
   grad_shard  this rank's shard of the reduced gradients (`grad` itself when unsharded)
 zero 0: each unit's gradients are all-reduced over the loss group as soon as its backward is done on the
-last micro-batch (DDP). At zero 2 and 3 the trainer may also reduce after every micro-batch
-(train.reduce_each_micro_batch): each reduction is added into the fp32 shard, and the full gradients are freed
-between micro-batches too. zero 1: reduce-scattered over fsdp instead; the shard is updated, then the weights
+last micro-batch (DDP). zero 1: reduce-scattered over fsdp instead; the shard is updated, then the weights
 all-gathered, each unit's gather waited for by its next forward. zero 2: also a unit's full gradients exist
 only from its backward (the head's and a tied embedding's: from their forward; under pipelining: from the
 step's start) until its reduce-scatter is done, with at most REDUCING reductions in flight (so too at any
@@ -20,7 +18,9 @@ head's unit and the one before it stay gathered through the step. The two units 
 gathered as soon as the optimizer has updated them, while it updates the rest, and stay gathered until that step
 (`ahead`).
 With dp_replicate > 1 (HSDP) each unit's gradient shard is all-reduced across replicas (in grad_reduce's dtype) once
-its reduce-scatter is done.
+its reduce-scatter is done. At zero 2 and 3 the trainer may also reduce after every micro-batch
+(train.reduce_each_micro_batch): each reduction is added into the fp32 shard, the HSDP all-reduce only after the
+last, and the full gradients are freed between micro-batches too.
 Under tensor parallelism the units hold this tp rank's pieces, laid out alike on every tp rank; parameters
 whose replicas over tp each hold part of the gradient (norms under sequence-TP, shared kv heads) are summed
 over tp once per step.
