@@ -602,7 +602,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"split over ep); change parallel.ep or model.moe_experts")
     if (p.dp_shard * p.cp) % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide parallel.dp_shard*parallel.cp={p.dp_shard * p.cp} "
-                          f"(expert parallel borrows those ranks); change parallel.ep or parallel.dp_shard")
+                          f"(expert parallel borrows those ranks); change parallel.ep, parallel.dp_shard or parallel.cp")
     if m.rope_scaling not in ("none", "linear", "llama3"):
         raise ConfigError(f"model.rope_scaling={m.rope_scaling!r}: choose none, linear or llama3")
     if not 0 < m.rope_factor < math.inf or not 0 < m.rope_low_freq < m.rope_high_freq < math.inf \

@@ -88,46 +88,45 @@ class ParallelDims:
 
     def group_ranks(self, name: str, rank: int) -> tuple[int, ...]:
         """The ranks of group `name` that contains `rank`, in group-rank order."""
-        c = self.coords(rank)
-        if name in ("ep", "edp"):
-            return tuple(r for r in range(self.world_size) if self._same_expert_group(name, c, self.coords(r)))
-        if name == "pp_ends":
-            ends = {0, self.pp - 1}
-            if c["pp"] not in ends:
-                return (rank,)
-            return tuple(r for r in self.group_ranks("pp", rank) if self.coords(r)["pp"] in ends)
-        if name not in GROUP_DIMS:
-            raise KeyError(f"unknown group '{name}'; groups are {', '.join(GROUP_NAMES)}")
-        vary = GROUP_DIMS[name]
-        return tuple(r for r in range(self.world_size)
-                     if all(self.coords(r)[d] == c[d] for d in ORDER if d not in vary))
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of {self.world_size}")
+        return self._group_of(name)[rank]
 
-    def _same_expert_group(self, name: str, a: dict, b: dict) -> bool:
-        if a["tp"] != b["tp"] or a["pp"] != b["pp"]:
-            return False
-        if name == "ep":
-            return a["edp"] == b["edp"]
-        return a["ep"] == b["ep"]
+    @functools.lru_cache(maxsize=None)
+    def _group_of(self, name: str) -> list[tuple[int, ...]]:
+        """rank -> its group of kind `name`."""
+        out: list[tuple[int, ...]] = [()] * self.world_size
+        for group in self.all_groups(name):
+            for r in group:
+                out[r] = group
+        return out
 
     @functools.lru_cache(maxsize=None)  # the planner asks for every group of every stage of every layout
+    def all_groups(self, name: str) -> tuple[tuple[int, ...], ...]:
+        """Every group of kind `name`, a partition of the world, by first rank; each in group-rank order (rising)."""
+        ranks = torch.arange(self.world_size).view([getattr(self, d) for d in reversed(ORDER)])
+        if name in ("ep", "edp"):  # [pp, dp_replicate, dp_shard * cp / ep, ep, tp]
+            ranks = ranks.flatten(2, 3).unflatten(2, (-1, self.ep))
+            vary = (3,) if name == "ep" else (1, 2)
+        elif name == "pp_ends":  # the first and last stages' ranks paired, the middle ones alone
+            ends = ranks[sorted({0, self.pp - 1})].flatten(1).T
+            middle = ranks[1:self.pp - 1].reshape(-1, 1)
+            return tuple(sorted((tuple(g.tolist()) for g in (*ends, *middle)), key=lambda g: g[0]))
+        elif name in GROUP_DIMS:
+            vary = tuple(sorted(ORDER[::-1].index(d) for d in GROUP_DIMS[name]))
+        else:
+            raise KeyError(f"unknown group '{name}'; groups are {', '.join(GROUP_NAMES)}")
+        keep = [d for d in range(ranks.dim()) if d not in vary]
+        size = 1
+        for d in vary:
+            size *= ranks.shape[d]
+        groups = ranks.permute(*keep, *vary).reshape(-1, size)
+        return tuple(sorted((tuple(g.tolist()) for g in groups), key=lambda g: g[0]))
+
+    @functools.lru_cache(maxsize=None)
     def crosses_nodes(self, name: str, per_node: int) -> bool:
         """Whether some group of kind `name` holds ranks of two nodes, ranks filling nodes of `per_node` in order."""
-        node = (torch.arange(self.world_size) // per_node).view([getattr(self, d) for d in reversed(ORDER)])
-        if name in ("ep", "edp"):  # [pp, dp_replicate, dp_shard * cp / ep, ep, tp]
-            node = node.flatten(2, 3).unflatten(2, (-1, self.ep))
-            vary = (3,) if name == "ep" else (1, 2)
-        elif name == "pp_ends":
-            node, vary = node[[0, self.pp - 1]], (0,)
-        else:
-            vary = tuple(ORDER[::-1].index(d) for d in GROUP_DIMS[name])
-        return bool((node.amax(vary) != node.amin(vary)).any())
-
-    def all_groups(self, name: str) -> list[tuple[int, ...]]:
-        """Every group of kind `name`: a partition of the world."""
-        seen: dict[tuple[int, ...], None] = {}
-        for r in range(self.world_size):
-            seen.setdefault(self.group_ranks(name, r), None)
-        return list(seen)
+        return any(g[0] // per_node != g[-1] // per_node for g in self.all_groups(name))
 
 
 class Groups:
@@ -178,8 +177,9 @@ class ParallelContext:
         dims = ParallelDims.from_config(parallel)
         world = int(os.environ.get("WORLD_SIZE", 1))
         try:
-            check_world_size(parallel, world, remedy=f"start {parallel.world_size} ranks in all (torchrun's --nnodes "
-                             f"times --nproc-per-node)" if under_torchrun() else "")
+            n = parallel.world_size
+            check_world_size(parallel, world, remedy=f"start {n} rank{'s' if n > 1 else ''} in all (torchrun's "
+                             f"--nnodes times --nproc-per-node)" if under_torchrun() else "")
         except ConfigError as e:
             raise on_every_rank(e) from None
         if world == 1:

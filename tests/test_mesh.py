@@ -5,7 +5,7 @@ import torch
 
 from sixfold.config import ConfigError
 from sixfold.join import pick_device
-from sixfold.mesh import GROUP_NAMES, ParallelDims
+from sixfold.mesh import GROUP_DIMS, GROUP_NAMES, ORDER, ParallelDims
 
 
 def test_rank_formulas():
@@ -25,6 +25,25 @@ def test_groups_partition_world():
         for name in GROUP_NAMES:
             groups = d.all_groups(name)
             assert sorted(r for g in groups for r in g) == list(range(d.world_size)), name
+
+
+def test_groups_are_the_ranks_that_share_every_other_coordinate():
+    """Each group, by its coordinates (coords()): the ranks equal on every dimension outside the group's, ep and
+    edp within a (pp, tp) pair by their own coordinates, pp_ends the first and last stages' ranks (a middle one
+    alone); each in rising rank order."""
+    same = {"ep": ("pp", "tp", "edp"), "edp": ("pp", "tp", "ep"), "pp_ends": ("tp", "cp", "dp_shard", "dp_replicate")}
+    for pp, dp_replicate, dp_shard, cp, tp in itertools.product((1, 3), (1, 2), (2, 4), (1, 3), (1, 2)):
+        for ep in (e for e in (1, 2, 4) if dp_shard * cp % e == 0):
+            d = ParallelDims(pp, dp_replicate, dp_shard, cp, tp, ep)
+            coords = [d.coords(r) for r in range(d.world_size)]
+            for name in GROUP_NAMES:
+                keys = same.get(name) or [k for k in ORDER if k not in GROUP_DIMS[name]]
+                for r, c in enumerate(coords):
+                    ranks = tuple(q for q, o in enumerate(coords) if all(o[k] == c[k] for k in keys))
+                    if name == "pp_ends":
+                        ends = {0, pp - 1}
+                        ranks = tuple(q for q in ranks if coords[q]["pp"] in ends) if c["pp"] in ends else (r,)
+                    assert d.group_ranks(name, r) == ranks, (d, name, r)
 
 
 def test_sixteen_ranks_with_ep():

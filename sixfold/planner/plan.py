@@ -115,16 +115,27 @@ def layouts(cfg: Config, world: int, per_node: int, refused: dict[str, str] | No
 
 
 def _fewest_micro_batches(c: Config, device: Device, per_node: int) -> Plan:
-    """Without pipelining, the plan with the fewest micro-batches that fits, or else the leaner of one and of one
-    sequence per micro-batch; under pipelining, the layout's own. From two micro-batches on, memory falls as they
-    grow (if one sequence per micro-batch does not fit, no other count from two does); from one to two it can rise:
-    ZeRO-2/3 then hold the whole gradients between micro-batches."""
+    """Without pipelining, the plan with the fewest micro-batches that fits (_fewest), under ZeRO-2/3 the faster of
+    that without and with reducing each micro-batch (which holds less but waits at each one's end); under
+    pipelining, the layout's own."""
     if c.parallel.pp > 1:
         return plan(c, device, per_node, ends_only=True)
+    each = (False, True) if c.parallel.zero >= 2 and not c.train.reduce_each_micro_batch else (None,)
+    found = [_fewest(c, device, per_node, reduce_each) for reduce_each in each]
+    fits = [p for p in found if p.fits]
+    return min(fits, key=lambda p: p.step_s) if fits else min(found, key=lambda p: p.peak)
 
+
+def _fewest(c: Config, device: Device, per_node: int, reduce_each: bool | None) -> Plan:
+    """The plan with the fewest micro-batches that fits, or else the leaner of one and of one sequence per
+    micro-batch; from two micro-batches on, train.reduce_each_micro_batch as given (None: as in c). From two on,
+    memory falls as they grow (if one sequence per micro-batch does not fit, no other count from two does); from
+    one to two it can rise: ZeRO-2/3 then hold the whole gradients between micro-batches unless reducing each."""
     def with_micro(micro: int) -> Plan:
         trial = copy.deepcopy(c)
         trial.train.micro_batches = micro
+        if reduce_each is not None and micro > 1:
+            trial.train.reduce_each_micro_batch = reduce_each
         return plan(trial, device, per_node, ends_only=True)
 
     one, *more = divisors(c.train.global_batch // (c.parallel.dp_replicate * c.parallel.dp_shard))

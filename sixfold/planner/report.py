@@ -23,8 +23,9 @@ def _unit(peak: float) -> tuple[str, float]:
 def describe(p: Plan, device: str, gpus: int, nodes: int) -> str:
     cfg = p.cfg
     unit, scale = _unit(p.peak)
+    each = ", each reduced" if cfg.train.reduce_each_micro_batch else ""
     lines = [f"{cfg.parallel.describe()} {_workload(cfg, device, gpus, nodes)}, {cfg.train.micro_batches} "
-             f"micro-batch(es), recompute {cfg.model.recompute}",
+             f"micro-batch(es){each}, recompute {cfg.model.recompute}",
              "", f"memory per rank ({unit})    params  grads  optim  activ  working  transient   peak",
              ]
     for s in p.stages:
@@ -64,10 +65,13 @@ def ranking(plans: list[Plan], cfg: Config, where: tuple[str, int, int], refused
              f"{'layout':<{wide}} {'micro':>5} {'recompute':>9} {'peak ' + unit:>8} {'step ms':>8} {'tokens/s':>11} "
              f"{'MFU':>6}"]
     for p in plans[:top]:
-        lines.append(f"{p.cfg.parallel.describe():<{wide}} {p.cfg.train.micro_batches:>5} {p.cfg.model.recompute:>9} "
+        micro = f"{p.cfg.train.micro_batches}{'*' if p.cfg.train.reduce_each_micro_batch else ''}"
+        lines.append(f"{p.cfg.parallel.describe():<{wide}} {micro:>5} {p.cfg.model.recompute:>9} "
                      f"{num(p.peak / scale):>8} {num(p.step_s * 1e3):>8} {p.tokens_per_s:>11,.0f} {p.mfu:>6.1%}")
     fit = "1 layout fits" if len(plans) == 1 else f"{len(plans)} layouts fit; fastest first"
     lines.append(f"({fit}" + (f", the first {top} shown: --top" if top < len(plans) else "") + ")")
+    if any(p.cfg.train.reduce_each_micro_batch for p in plans[:top]):
+        lines.append("(* with train.reduce_each_micro_batch=true)")
     return "\n".join(lines + refusals(refused or {}))
 
 

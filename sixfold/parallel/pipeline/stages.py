@@ -2,6 +2,7 @@
 in contiguous runs balanced by their compute (forward FLOPs per token, the embedding and head included)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -82,8 +83,20 @@ def check_stages(cfg: ModelConfig, pp: int, v: int = 1, schedule: str = "1f1b") 
 def split_stages(cfg: ModelConfig, n: int, seq_len: int) -> list[Stage]:
     """n contiguous stages whose largest cost is the least possible."""
     check_stages(cfg, n)
-    costs = layer_costs(cfg, seq_len)
-    prefix = list(accumulate([0.0] + costs))
+    bounds = _bounds(tuple(layer_costs(cfg, seq_len)), n)
+    items = bounds[-1]
+    stages = []
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        # piece p is the embedding (0), block p - 1, or the head (items - 1)
+        stages.append(Stage(s, range(max(a, 1) - 1, min(b, items - 1) - 1), a == 0, b == items))
+    return stages
+
+
+@functools.lru_cache(maxsize=256)  # the planner's search splits the same model into the same counts many times
+def _bounds(costs: tuple[float, ...], n: int) -> tuple[int, ...]:
+    """Where each of n contiguous stages over the pieces of `costs` begins, and the end: the largest stage's
+    cost the least possible."""
+    prefix = list(accumulate((0.0, *costs)))
     items = len(costs)
     # best[k][i]: the least largest cost of k stages over the first i pieces; cut[k][i]: where the last begins
     best = [[float("inf")] * (items + 1) for _ in range(n + 1)]
@@ -99,9 +112,4 @@ def split_stages(cfg: ModelConfig, n: int, seq_len: int) -> list[Stage]:
     for k in range(n, 0, -1):
         i = cut[k][i]
         bounds.append(i)
-    bounds.reverse()
-    stages = []
-    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        # piece p is the embedding (0), block p - 1, or the head (items - 1)
-        stages.append(Stage(s, range(max(a, 1) - 1, min(b, items - 1) - 1), a == 0, b == items))
-    return stages
+    return tuple(reversed(bounds))
