@@ -95,17 +95,20 @@ class Comm:
         self.ledger = ledger or Ledger()
         self.watcher = _Watcher(polls=ctx.backend != "gloo")
 
-    def _run(self, op: str, group: str, nbytes: int, label: str, async_op: bool, call) -> Pending:
+    def _run(self, op: str, group: str, nbytes: int, label: str, async_op: bool, call,
+             ranks: list[int] | None = None) -> Pending:
+        """`ranks`: those taking part (the group's members unless given: a point-to-point batch's peers)."""
         self.ledger.record(group, op, nbytes)
         name = f"{op} {group}{' ' + label if label else ''}"
+        ranks = ranks or self.ctx.members(group)
         start = now_us()
-        with collective(name, self.ctx.members(group), roll_call=self.ctx.roll_call):
+        with collective(name, ranks, roll_call=self.ctx.roll_call):
             work = call(self.ctx.groups[group], async_op)
         args = {"group": group, "op": op, "bytes": nbytes, **({"async": True} if async_op else {})}
         if not async_op:
             self.tracer.add(name, "comm", start, now_us(), **args)
-        return Pending(work if async_op else None, self.tracer, name, start, args, self.ctx.members(group),
-                       self.watcher, self.ctx.roll_call)
+        return Pending(work if async_op else None, self.tracer, name, start, args, ranks, self.watcher,
+                       self.ctx.roll_call)
 
     def all_reduce(self, t: torch.Tensor, group: str, async_op: bool = False, label: str = "",
                    op=dist.ReduceOp.SUM) -> Pending | None:
@@ -131,7 +134,11 @@ class Comm:
         rows = torch.empty_like(full)
         pending = self._run("reduce_scatter", group, nbytes, label, async_op,
                             lambda g, a: dist.all_to_all_single(rows, full, group=g, async_op=a))
-        pending.then = lambda: torch.sum(rows.view(n, -1), 0, out=out.view(-1))
+
+        def finish() -> None:
+            torch.sum(rows.view(n, -1), 0, out=out.view(-1))
+            rows.untyped_storage().resize_(0)  # freed now, not whenever gloo's thread lets go of the collective
+        pending.then = finish
         if not async_op:
             pending.then()
         return pending
@@ -168,7 +175,8 @@ class Comm:
         ops = [dist.P2POp(dist.isend, t, ranks[r], self.ctx.groups[group]) for t, r in sends] + \
               [dist.P2POp(dist.irecv, t, ranks[r], self.ctx.groups[group]) for t, r in recvs]
         nbytes = sum(t.numel() * t.element_size() for t, _ in sends)
-        return self._run("send_recv", group, nbytes, label, True, lambda g, a: dist.batch_isend_irecv(ops))
+        peers = sorted({ranks[r] for _, r in sends + recvs} | {self.ctx.rank})
+        return self._run("send_recv", group, nbytes, label, True, lambda g, a: dist.batch_isend_irecv(ops), peers)
 
     def gather_objects(self, obj, group: str) -> list:
         """Every member's `obj` (pickled in transit), on the group's first rank; elsewhere [obj]."""

@@ -51,5 +51,10 @@ class StopSignal:
     def _note(self, signum, frame) -> None:
         self.received = self.received or signal.Signals(signum).name
 
-    def __exit__(self, *exc) -> None:
+    def release(self) -> None:
+        """The handlers before, back before the exit: from here a signal ends the process as it would have."""
         put_back(self._previous)
+        self._previous = {}
+
+    def __exit__(self, *exc) -> None:
+        self.release()

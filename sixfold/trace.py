@@ -93,39 +93,43 @@ def _counterpart(label: str) -> str | None:
     return f"{'RECV' if end == 'SEND' else 'SEND'}_{kind}(s{stage + step},m{micro})"
 
 
+def _messages(e: dict) -> list[str]:
+    """The pipeline messages of a send_recv batch by label; none for other events (a cp ring's hop)."""
+    labels = e["name"].split()[2:]
+    ok = e["args"].get("op") == "send_recv" and labels and all(map(_counterpart, labels))
+    return labels if ok else []
+
+
 def _other_ends(asyncs: list[dict]) -> dict[int, list[dict | None]]:
     """id(event) -> for each pipeline message of a send_recv batch, the batch on a peer rank holding its other
     end (None where that is not traced)."""
-    messages = {}
-    for e in asyncs:
-        if e["args"].get("op") == "send_recv":
-            for label in e["name"].split()[2:]:
-                messages[e["args"]["step"], label, e["pid"]] = e
+    messages = {(e["args"]["step"], label, e["pid"]): e for e in asyncs for label in _messages(e)}
     out = {}
     for e in asyncs:
         a = e["args"]
-        if a.get("op") == "send_recv":
+        if labels := _messages(e):
             peers = [q for q in a.get("ranks", ()) if q != e["pid"]]
             out[id(e)] = [next((messages[k] for q in peers if (k := (a["step"], _counterpart(label), q)) in messages),
-                               None) for label in e["name"].split()[2:]]
+                               None) for label in labels]
     return out
 
 
 def _joined(asyncs: list[dict], ends: dict[int, list[dict | None]]) -> dict[int, float]:
-    """id(event) -> when the last rank it needs had posted its part: every member of the group for a collective
-    (the k-th of that name and step on each), the other end of each message for pipeline sends and receives."""
+    """id(event) -> when the last rank it needs had posted its part: every rank taking part in a collective or a
+    cp ring's hop (the k-th of that name and step on each), the other end of each message for pipeline sends and
+    receives."""
     ordered = sorted(asyncs, key=lambda e: e["ts"])
     runs: dict[tuple, list[float]] = defaultdict(list)
     for e in ordered:
-        if e["args"].get("op") != "send_recv":
-            runs[e["pid"], e["args"]["step"], e["name"], tuple(e["args"].get("ranks", ()))].append(e["ts"])
+        if id(e) not in ends:
+            runs[e["pid"], e["args"]["step"], e["name"], e["args"]["group"]].append(e["ts"])
     out, seen = {}, defaultdict(int)
     for e in ordered:
         a, ranks = e["args"], [q for q in e["args"].get("ranks", ()) if q != e["pid"]]
-        if a.get("op") == "send_recv":
+        if id(e) in ends:
             times = [o["ts"] for o in ends[id(e)] if o is not None]
         else:
-            key = (a["step"], e["name"], tuple(a.get("ranks", ())))
+            key = (a["step"], e["name"], a["group"])
             k = seen[(e["pid"], *key)]
             seen[(e["pid"], *key)] += 1
             times = [runs[(q, *key)][k] for q in ranks if len(runs[(q, *key)]) > k]

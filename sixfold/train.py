@@ -20,7 +20,7 @@ from . import checkpoint as ckpt
 from . import ledger, train_state
 from .comm import Comm
 from .config import (DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, check_available, check_bpe_size,
-                     check_tensorboard, differing, SUMMARIES, make_run_dir, shown)
+                     check_tensorboard, differing, PICTURES, SUMMARIES, make_run_dir, shown)
 from .console import console
 from .data import BatchLoader, BPETokenizer, DataError, TokenData, eval_batches, load_data, with_tokenizer
 from .logs import RunLog, start_metrics
@@ -98,6 +98,7 @@ class Trainer:
         resume = resume_path(cfg)
         if resume:
             self.load(resume)
+        self.started_at = self.step
 
     def _load_data(self):
         """The corpus: read (and tokenized into the cache) by this machine's first rank, then by the others."""
@@ -173,6 +174,7 @@ class Trainer:
             self.skipped = 0
         self.loader.load_state_dict({**self.loader.state_dict(), "next_step": self.step})
         if self.skipped > t.skip_nonfinite:
+            self.saver.wait()  # a background save of a step before them, in place (and named below)
             raise on_every_rank(TrainingError(
                 f"loss {loss_value}, gradient norm {grad_norm} at step {self.step}: not finite for {self.skipped} "
                 f"step(s) in a row (train.skip_nonfinite={t.skip_nonfinite}); the run stops here. Lower train.lr or "
@@ -422,6 +424,11 @@ class Trainer:
                     elif self.ctx.is_main:  # as during the streak: the weights may have diverged
                         warnings.warn(f"no final checkpoint: {self._not_finite()}")
                 self.saver.wait()
+                if history and (heard := self._stop_heard(stop)):  # during the last step's end or the final save
+                    raise on_every_rank(Stopped(
+                        f"stopped by {heard} after the last step ({self.step} of {t.steps}), its checkpoint (if any) "
+                        f"written; no sample and no summaries (ledger, trace) written", heard))
+                stop.release()  # nothing left to save: a signal now ends the run at once (the sample may be long)
                 self.comm.ledger.close("other")  # the last step's stop check, the final checkpoint
                 if cfg.log.sample_tokens:  # every rank: under ZeRO-3 each forward gathers weights from all
                     text = self.sample()
@@ -446,6 +453,7 @@ class Trainer:
             heard = next((name for name, n in zip(SIGNAL_NAMES, sums) if n > 0), "")
             failed = self.ctx.first_problem(problem) if sums[-1] else ""
         if failed:
+            self.saver.wait()  # a background save, in place to go on from
             raise on_every_rank(TrainingError(f"{failed}; make room there (or set log.run_dir elsewhere), then run "
                                               f"the same command with checkpoint.resume=auto to go on from the last "
                                               f"checkpoint"))
@@ -489,12 +497,15 @@ class Trainer:
         memory may be diverged already, so none is written during them), or from the start."""
         first = self.step - self.skipped + 1
         done = [p for p in ckpt.complete_steps(self.run_dir) if ckpt.step_of(p) < first]
+        if self.started_from and self.started_at < first and self.started_from.resolve() not in {
+                p.resolve() for p in done}:  # from another directory: older than this run's own
+            done.insert(0, self.started_from)
         if not done:
             return ("start again: this run has no checkpoint from before them to resume from (set checkpoint.every "
                     "to keep some along the way)")
         earlier = (f" (should it fail the same way, the update of its own step may be what diverged: then "
                    f"checkpoint.resume={done[-2]})" if len(done) > 1 else "")
-        return f"resume from this run's newest checkpoint before step {first}: checkpoint.resume={done[-1]}{earlier}"
+        return f"resume from the newest checkpoint before step {first}: checkpoint.resume={done[-1]}{earlier}"
 
     def sample(self) -> str:
         log = self.cfg.log
@@ -503,23 +514,30 @@ class Trainer:
 
     def _write_outputs(self, log: RunLog) -> None:
         """Every rank's ledger in comm_ledger.json and its summary printed; with log.trace, every rank's events in
-        trace.json, and the pictures."""
+        trace.json, and the pictures. An earlier launch's trace or pictures that this one did not write over (a run
+        resumed in its directory) are removed: `sixfold trace` would draw them as this one's."""
         self.comm.ledger.close("other")
         parts = self.comm.gather_objects(self.comm.ledger.summary(), "world")
         if self.ctx.is_main:
             with _writing_outputs(self.run_dir):
                 data = ledger.write(self.run_dir / "comm_ledger.json", parts, self.cfg.parallel.describe())
             log.print(f"{ledger.table(data)}\nledger: {self.run_dir / 'comm_ledger.json'}")
-        if not self.cfg.log.trace:
-            return
-        parts = self.comm.gather_objects(self.tracer.events, "world")  # every rank's events, on rank 0
-        events = [e for part in parts for e in part] if self.ctx.is_main else []
-        if self.ctx.is_main and events:
+        written = []
+        if self.cfg.log.trace:
+            parts = self.comm.gather_objects(self.tracer.events, "world")  # every rank's events, on rank 0
+            events = [e for part in parts for e in part] if self.ctx.is_main else []
+            if self.ctx.is_main and events:
+                with _writing_outputs(self.run_dir):
+                    write_chrome_trace(events, self.run_dir / "trace.json")
+                    written = [self.run_dir / "trace.json", *draw_pictures(self.run_dir, self.cfg)]
+                log.print(f"{overlap_table(events)}\ntrace: {written[0]}; pictures: {', '.join(map(str, written[1:]))}")
+        stale = [self.run_dir / n for n in ("trace.json", *PICTURES) if (self.run_dir / n) not in written]
+        if self.ctx.is_main and (stale := [p for p in stale if p.is_file()]):
             with _writing_outputs(self.run_dir):
-                write_chrome_trace(events, self.run_dir / "trace.json")
-                pictures = draw_pictures(self.run_dir, self.cfg)
-            log.print(f"{overlap_table(events)}\ntrace: {self.run_dir / 'trace.json'}; pictures: "
-                      f"{', '.join(map(str, pictures))}")
+                for path in stale:
+                    path.unlink()
+            log.print(f"removed {', '.join(p.name for p in stale)}: an earlier launch of this run wrote them, this "
+                      f"one did not")
 
 
 @contextlib.contextmanager
@@ -627,8 +645,8 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
     metrics.jsonl and summaries (ledger, trace and pictures, which `sixfold trace` would draw as this run's;
     TensorBoard events, which TensorBoard would mix with this run's), to checkpoints-before-DATE-TIME, or with no
     checkpoints to run-before-DATE-TIME; one that continues them from an earlier step moves aside those of later
-    steps, with their lines of metrics.jsonl, and points `latest` at its own; then config.yaml. A resume with no
-    step left to train changes nothing."""
+    steps, with their lines of metrics.jsonl, and points `latest` at its own; then config.yaml. A resume of its
+    own checkpoints with no step left to train changes nothing."""
     if ctx.is_main:
         run_dir, here = Path(cfg.log.run_dir), resumes_here(cfg)
         if not here:
@@ -665,7 +683,8 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
             if ckpt.step_dir(run_dir, step).is_dir():  # a crash before this run's first save resumes here again
                 ckpt.point_latest(run_dir, ckpt.step_dir(run_dir, step))
             start_metrics(run_dir, step, aside)
-        (run_dir / "config.yaml").write_text(RUN_CONFIG_HEAD + cfg.to_yaml())
+        if not here or step < cfg.train.steps:  # (else the run's settings stay those it was trained with)
+            (run_dir / "config.yaml").write_text(RUN_CONFIG_HEAD + cfg.to_yaml())
     ctx.barrier()
 
 

@@ -494,18 +494,19 @@ def test_a_bpe_run_of_a_small_vocabulary_resumes_by_auto_without_restating_its_s
     assert trainer.step == 1 and trainer.data.tokenizer.vocab_size <= 300
 
 
-def test_a_run_resumed_from_an_earlier_step_moves_the_later_checkpoints_aside(tmp_path):
+def test_a_run_resumed_from_an_earlier_step_moves_the_later_checkpoints_aside(tmp_path, capsys):
     run = tmp_path / "run"
     common = [f"log.run_dir={run}", "train.steps=6", "checkpoint.every=2", "checkpoint.keep=5", "log.tensorboard=true"]
-    first = train(load_config(TINY, common))
+    first = train(load_config(TINY, [*common, "log.trace=true"]))
     later = {p.name: (p / "model-00000.safetensors").read_bytes() for p in (run / "checkpoints").glob("step_*")
              if p.name > "step_0000002"}
     step2 = f"checkpoint.resume={run / 'checkpoints' / 'step_0000002'}"
-    ledger = (run / "comm_ledger.json").read_bytes()
+    ledger, settings = (run / "comm_ledger.json").read_bytes(), (run / "config.yaml").read_bytes()
     with pytest.warns(UserWarning, match="no step left to train"):  # changes nothing, the ledger of 6 steps kept
         train(load_config(TINY, [*common, step2, "train.steps=2"]))
     assert (run / "checkpoints" / "latest").read_text() == "step_0000006" and not list(run.glob("*-before-*"))
-    assert (run / "comm_ledger.json").read_bytes() == ledger
+    assert (run / "comm_ledger.json").read_bytes() == ledger and (run / "trace.json").is_file()
+    assert (run / "config.yaml").read_bytes() == settings  # steps: 6, as trained
     with (run / "metrics.jsonl").open("ab") as f:
         f.write(b"\xff\xfe damaged\n")
     replaced = run / "checkpoints" / ".step_0000006.old-99"  # a save of step 6 again, stopped between its renames
@@ -514,6 +515,10 @@ def test_a_run_resumed_from_an_earlier_step_moves_the_later_checkpoints_aside(tm
     with pytest.warns(UserWarning, match="goes on from step 2 of .* checkpoints of later steps: they and their "
                                          "lines of metrics.jsonl are moved to"):
         again = train(load_config(TINY, [*common, step2]))
+    # the first launch's trace and pictures are not this one's, which has none
+    assert not [p.name for p in run.iterdir() if p.name == "trace.json" or p.suffix == ".png"]
+    assert "removed trace.json, timeline.png, mesh.png: an earlier launch of this run wrote them" in \
+        capsys.readouterr().out
     (aside,) = run.glob("checkpoints-before-*")
     assert {p.name: (p / "model-00000.safetensors").read_bytes() for p in aside.glob("step_*")
             if p.name != "step_0000007"} == later and (aside / "step_0000007").is_dir()

@@ -163,7 +163,8 @@ def test_ledger_steps_match_the_formulas(run):
             got = ledger.step_traffic(part, step)
             assert {k: {"bytes": t["bytes"]} for k, t in got.items()} == expected, (rank, step)
         assert part["phases"]["eval"]["pp/send_recv"]["calls"] > 0  # the evaluations' forwards, apart
-        assert part["phases"]["other"]["world/all_reduce"]["calls"] == STEPS  # each step's stop check
+        # each step's stop check, and one after the final save
+        assert part["phases"]["other"]["world/all_reduce"]["calls"] == STEPS + 1
         assert part["phases"]["sample"]["pp/send_recv"]["calls"] > 0
         for key, t in part["total"].items():
             assert t["bytes"] == sum(p.get(key, {"bytes": 0})["bytes"] for p in part["phases"].values()), key
@@ -206,6 +207,10 @@ def test_overlap_counts_from_the_last_peer():
     events += [comm(1, "send_recv pp SEND_B(s1,m1)", 6000, 30000, 30000, 0, "send_recv"),
                comm(0, "send_recv pp RECV_B(s0,m1)", 5000, 7000, 6500, 500, "send_recv")]
     assert overlap(events)["pp"] == {0: (2.0, 0.25, 3.0), 1: (2.0, 1.0, 0.0)}  # rank 1: not 25.0 ms
+    # a cp ring's hop (no pipeline label) waits for the same hop on its peers
+    hops = [comm(0, "send_recv cp ring", 0, 5000, 1000, 4000, "send_recv"),
+            comm(1, "send_recv cp ring", 4000, 5000, 4500, 500, "send_recv")]
+    assert overlap(hops) == {"cp": {0: (1.0, 0.0, 3.0), 1: (1.0, 0.5, 0.0)}}
 
 
 def test_run_reports_the_pipeline_messages_hidden(run):

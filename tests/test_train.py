@@ -181,9 +181,28 @@ def test_nan_loss_stops_at_once_when_asked(tmp_path):
     # the weights in memory may have diverged already: nothing is written, the newest checkpoint is named
     saved = tmp_path / "run" / "checkpoints" / "step_0000001"
     assert "not finite for 1 step(s) in a row (train.skip_nonfinite=0); the run stops here. Lower train.lr or " \
-           f"check the data, then resume from this run's newest checkpoint before step 2: checkpoint.resume={saved}" \
+           f"check the data, then resume from the newest checkpoint before step 2: checkpoint.resume={saved}" \
            in proc.stderr
     assert [p.name for p in saved.parent.glob("step_*")] == ["step_0000001"]
+
+
+def test_a_stop_on_nonfinite_steps_names_a_save_still_being_written_and_the_checkpoint_it_started_from(
+        tmp_path, monkeypatch):
+    """A background save of the step before is waited for, not lost with the process; a run resumed from another
+    directory's checkpoint is told to go back to it."""
+    from sixfold import checkpoint
+    write = checkpoint.write_tensors
+    monkeypatch.setattr(checkpoint, "write_tensors", lambda *a, **k: (time.sleep(0.5), write(*a, **k))[1])
+    diverge = ["train.lr=1e30", "train.grad_clip=0", "train.warmup_steps=0", "train.skip_nonfinite=0",
+               "train.steps=4"]
+    first = tmp_path / "first"
+    with pytest.raises(TrainingError) as e:
+        train(load_config(TINY, [*diverge, "checkpoint.every=1", "checkpoint.async_save=true", f"log.run_dir={first}"]))
+    saved = first / "checkpoints" / "step_0000001"
+    assert f"before step 2: checkpoint.resume={saved}" in str(e.value) and (saved / "meta.json").is_file()
+    with pytest.raises(TrainingError) as e:
+        train(load_config(TINY, [*diverge, f"checkpoint.resume={saved}", f"log.run_dir={tmp_path / 'second'}"]))
+    assert f"then resume from the newest checkpoint before step 2: checkpoint.resume={saved}" in str(e.value)
 
 
 def test_no_checkpoint_is_written_while_steps_are_skipped_so_the_good_ones_stay(tmp_path):
@@ -198,7 +217,7 @@ def test_no_checkpoint_is_written_while_steps_are_skipped_so_the_good_ones_stay(
                                               "checkpoint.resume=auto", *every]))
     steps = run / "checkpoints"
     assert [p.name for p in sorted(steps.glob("step_*"))] == ["step_0000001", "step_0000002", "step_0000003"]
-    assert f"resume from this run's newest checkpoint before step 4: checkpoint.resume={steps / 'step_0000003'} " \
+    assert f"resume from the newest checkpoint before step 4: checkpoint.resume={steps / 'step_0000003'} " \
            f"(should it fail the same way, the update of its own step may be what diverged: then " \
            f"checkpoint.resume={steps / 'step_0000002'})" in str(e.value)
 
@@ -242,7 +261,7 @@ def test_a_stop_during_skipped_steps_writes_no_checkpoint(tmp_path):
     trainer.step, trainer.skipped = 4, 2  # steps 3 and 4 skipped
     said = str(trainer._stopped(False, "SIGTERM"))
     assert said == (f"stopped by SIGTERM after step 4 of 9; no checkpoint written: the last 2 step(s) were not "
-                    f"finite; lower train.lr or check the data, then resume from this run's newest checkpoint before "
+                    f"finite; lower train.lr or check the data, then resume from the newest checkpoint before "
                     f"step 3: checkpoint.resume={run / 'checkpoints' / 'step_0000002'} (should it fail the same way, "
                     f"the update of its own step may be what diverged: then checkpoint.resume="
                     f"{run / 'checkpoints' / 'step_0000001'})")
@@ -547,6 +566,26 @@ def test_a_signal_ends_an_evaluation_between_its_batches(tmp_path):
     assert trainer.evaluate(stop) > 0 and len(forwards) == 3
     stop.received = "SIGTERM"
     assert trainer.evaluate(stop) is None and len(forwards) == 3
+
+
+def test_a_signal_after_the_last_step_ends_the_run(tmp_path, monkeypatch):
+    """One heard during the final save ends the run once its checkpoint is in place, with the signal's exit code;
+    one during the sample (which may be long) interrupts it at once: nothing is left to save."""
+    from sixfold import checkpoint
+    from sixfold.train import Trainer
+    write = checkpoint.write_tensors
+    monkeypatch.setattr(checkpoint, "write_tensors", lambda *a, **k: (os.kill(os.getpid(), signal.SIGTERM),
+                                                                      time.sleep(0.1), write(*a, **k))[2])
+    run = tmp_path / "run"
+    with pytest.raises(Stopped, match="stopped by SIGTERM after the last step \\(2 of 2\\)") as e:
+        train(load_config(TINY, [f"log.run_dir={run}", "train.steps=2"]))
+    assert e.value.exit_code == 143 and (run / "checkpoints" / "step_0000002" / "meta.json").is_file()
+    monkeypatch.setattr(checkpoint, "write_tensors", write)
+    monkeypatch.setattr(Trainer, "sample", lambda self: (os.kill(os.getpid(), signal.SIGINT), time.sleep(5)))
+    began = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        train(load_config(TINY, [f"log.run_dir={tmp_path / 'again'}", "train.steps=2", "log.sample_tokens=8"]))
+    assert time.perf_counter() - began < 5
 
 
 def _launch(run: Path, *args: str) -> subprocess.Popen:
