@@ -269,6 +269,9 @@ def check_name(name: str) -> None:
         raise ConfigError(f"parallel.pp_schedule={name!r} is not one of {', '.join(SCHEDULES)}")
 
 
+LEAST_V = {"interleaved": 2, "zb-v": 2}  # the fewest virtual stages per rank a schedule runs (others: 1)
+
+
 def check(name: str, pp: int, v: int, m: int, sequences: int | None = None) -> None:
     """Raise ConfigError, naming the setting to change, where a schedule cannot run (pp, v, m); `sequences`: a
     data-parallel rank's per step, if known, which the micro-batch count must divide."""
@@ -281,7 +284,7 @@ def check(name: str, pp: int, v: int, m: int, sequences: int | None = None) -> N
             f"parallel.pp_schedule={name!r} runs one stage per rank: set parallel.pp_virtual_stages=1 "
             f"(got {v}), or choose 'interleaved', 'breadth-first' or 'zb-v'")
     if name == "interleaved":
-        if v < 2:
+        if v < LEAST_V[name]:
             raise ConfigError(
                 f"parallel.pp_schedule='interleaved' needs parallel.pp_virtual_stages >= 2 (got {v}); "
                 "with one stage per rank use '1f1b'")
@@ -293,7 +296,7 @@ def check(name: str, pp: int, v: int, m: int, sequences: int | None = None) -> N
                 f"/ dp): change train.global_batch or parallel.pp"
             raise ConfigError(f"parallel.pp_schedule='interleaved' needs train.micro_batches={m} to be a multiple of "
                               f"parallel.pp={pp}: {fix}, or choose another schedule")
-    if name == "zb-v" and v != 2:
+    if name == "zb-v" and v != LEAST_V[name]:
         raise ConfigError(
             f"parallel.pp_schedule='zb-v' places 2 stages per rank in a V: set parallel.pp_virtual_stages=2 "
             f"(got {v})")

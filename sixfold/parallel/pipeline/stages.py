@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from ...config import ConfigError, ModelConfig
+from .schedules import LEAST_V
 from .simulate import Costs
 
 
@@ -72,7 +73,7 @@ def check_stages(cfg: ModelConfig, pp: int, v: int = 1, schedule: str = "1f1b") 
     stages = pp * v
     if stages > cfg.n_layers + 2:
         blocks = f"{cfg.n_layers} block{'s' if cfg.n_layers > 1 else ''}"
-        fewer = "parallel.pp" if v <= {"interleaved": 2, "zb-v": 2}.get(schedule, 1) else \
+        fewer = "parallel.pp" if v <= LEAST_V.get(schedule, 1) else \
             "parallel.pp or parallel.pp_virtual_stages"
         raise ConfigError(
             f"parallel.pp*parallel.pp_virtual_stages={stages} stages, but the model has only {cfg.n_layers + 2} "
