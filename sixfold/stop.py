@@ -5,6 +5,7 @@ heard of it (a rank told alone passes it on) writes a checkpoint and ends. A sig
 (SIGHUP under nohup, SIGINT in a shell's background job) stays ignored."""
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 
@@ -51,10 +52,14 @@ class StopSignal:
     def _note(self, signum, frame) -> None:
         self.received = self.received or signal.Signals(signum).name
 
-    def release(self) -> None:
-        """The handlers before, back before the exit: from here a signal ends the process as it would have."""
+    @contextlib.contextmanager
+    def paused(self):
+        """Inside, the handlers before: a signal ends the process as it would have (work with nothing to save)."""
         put_back(self._previous)
-        self._previous = {}
+        try:
+            yield
+        finally:
+            self._previous = take(self._note)
 
     def __exit__(self, *exc) -> None:
-        self.release()
+        put_back(self._previous)

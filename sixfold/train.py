@@ -424,18 +424,21 @@ class Trainer:
                     elif self.ctx.is_main:  # as during the streak: the weights may have diverged
                         warnings.warn(f"no final checkpoint: {self._not_finite()}")
                 self.saver.wait()
-                if history and (heard := self._stop_heard(stop)):  # during the last step's end or the final save
+                if heard := self._stop_heard(stop):  # at the last step's end or during the final save
                     raise on_every_rank(Stopped(
                         f"stopped by {heard} after the last step ({self.step} of {t.steps}), its checkpoint (if any) "
                         f"written; no sample and no summaries (ledger, trace) written", heard))
-                stop.release()  # nothing left to save: a signal now ends the run at once (the sample may be long)
                 self.comm.ledger.close("other")  # the last step's stop check, the final checkpoint
                 if cfg.log.sample_tokens:  # every rank: under ZeRO-3 each forward gathers weights from all
-                    text = self.sample()
+                    with stop.paused():  # a signal ends it at once (it may be long): nothing is left to save
+                        text = self.sample()
                     log.print("sample:\n" + text)
                     self.comm.ledger.close("sample")
                 if history:  # else the last run's ledger and trace stay
                     self._write_outputs(log)
+                if stop.received:  # while they were written (in full)
+                    raise Stopped(f"stopped by {stop.received} at the run's end, its checkpoint and summaries written",
+                                  stop.received)
             finally:
                 log.close()
         return history
@@ -497,9 +500,10 @@ class Trainer:
         memory may be diverged already, so none is written during them), or from the start."""
         first = self.step - self.skipped + 1
         done = [p for p in ckpt.complete_steps(self.run_dir) if ckpt.step_of(p) < first]
-        if self.started_from and self.started_at < first and self.started_from.resolve() not in {
-                p.resolve() for p in done}:  # from another directory: older than this run's own
-            done.insert(0, self.started_from)
+        start = self.started_from
+        if start and self.started_at < first and (start / ckpt.META).is_file() and start.resolve() not in {
+                p.resolve() for p in done}:  # another directory's: older than this run's own
+            done.insert(0, start)
         if not done:
             return ("start again: this run has no checkpoint from before them to resume from (set checkpoint.every "
                     "to keep some along the way)")

@@ -203,6 +203,12 @@ def test_a_stop_on_nonfinite_steps_names_a_save_still_being_written_and_the_chec
     with pytest.raises(TrainingError) as e:
         train(load_config(TINY, [*diverge, f"checkpoint.resume={saved}", f"log.run_dir={tmp_path / 'second'}"]))
     assert f"then resume from the newest checkpoint before step 2: checkpoint.resume={saved}" in str(e.value)
+    third = tmp_path / "third"  # resumed from its own step 2, which checkpoint.keep=1 removed at step 3
+    keep = ["checkpoint.every=1", "checkpoint.keep=1", f"log.run_dir={third}"]
+    train(load_config(TINY, ["train.steps=2", *keep]))
+    with pytest.warns(UserWarning), pytest.raises(TrainingError) as e:
+        train(load_config(TINY, [*diverge, "checkpoint.resume=auto", *keep]))
+    assert str(e.value).endswith(f"checkpoint.resume={third / 'checkpoints' / 'step_0000003'}")
 
 
 def test_no_checkpoint_is_written_while_steps_are_skipped_so_the_good_ones_stay(tmp_path):
@@ -570,7 +576,8 @@ def test_a_signal_ends_an_evaluation_between_its_batches(tmp_path):
 
 def test_a_signal_after_the_last_step_ends_the_run(tmp_path, monkeypatch):
     """One heard during the final save ends the run once its checkpoint is in place, with the signal's exit code;
-    one during the sample (which may be long) interrupts it at once: nothing is left to save."""
+    one during the sample (which may be long) interrupts it at once: nothing is left to save; one while the
+    summaries are written ends the run once they are whole."""
     from sixfold import checkpoint
     from sixfold.train import Trainer
     write = checkpoint.write_tensors
@@ -581,11 +588,24 @@ def test_a_signal_after_the_last_step_ends_the_run(tmp_path, monkeypatch):
         train(load_config(TINY, [f"log.run_dir={run}", "train.steps=2"]))
     assert e.value.exit_code == 143 and (run / "checkpoints" / "step_0000002" / "meta.json").is_file()
     monkeypatch.setattr(checkpoint, "write_tensors", write)
-    monkeypatch.setattr(Trainer, "sample", lambda self: (os.kill(os.getpid(), signal.SIGINT), time.sleep(5)))
-    began = time.perf_counter()
-    with pytest.raises(KeyboardInterrupt):
-        train(load_config(TINY, [f"log.run_dir={tmp_path / 'again'}", "train.steps=2", "log.sample_tokens=8"]))
-    assert time.perf_counter() - began < 5
+
+    def sample(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(300):  # 30 s, unless interrupted
+            time.sleep(0.1)
+        return "not interrupted"
+    monkeypatch.setattr(Trainer, "sample", sample)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores it)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train(load_config(TINY, [f"log.run_dir={tmp_path / 'again'}", "train.steps=2", "log.sample_tokens=8"]))
+    finally:
+        signal.signal(signal.SIGINT, before)
+    written = ledger.write
+    monkeypatch.setattr(ledger, "write", lambda *a: (os.kill(os.getpid(), signal.SIGTERM), written(*a))[1])
+    with pytest.raises(Stopped, match="stopped by SIGTERM at the run's end, its checkpoint and summaries written"):
+        train(load_config(TINY, [f"log.run_dir={tmp_path / 'third'}", "train.steps=2"]))
+    assert ledger.read(tmp_path / "third")["layout"]
 
 
 def _launch(run: Path, *args: str) -> subprocess.Popen:
