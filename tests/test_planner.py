@@ -176,7 +176,7 @@ def test_the_search_keeps_a_zero3_layout_that_fits_with_one_micro_batch_only():
     assert best.fits and best.cfg.train.micro_batches == 1
 
 
-def test_the_search_reduces_each_micro_batch_where_that_alone_fits(capsys):
+def test_the_search_reduces_each_micro_batch_where_that_alone_fits():
     """Llama-3-8B, ZeRO-3 over 8 or 16 H100s: the search also plans each layout reducing each micro-batch, which
     fits with fewer micro-batches (2, 2.87 s planned, against 4, 3.27 s) or fits where nothing else does; the
     ranking marks those rows."""
@@ -190,9 +190,7 @@ def test_the_search_reduces_each_micro_batch_where_that_alone_fits(capsys):
     assert fewer.step_s < _fewest(fewer.cfg, DEVICES["h100"], 8, False).step_s
     assert only.fits and only.cfg.train.micro_batches == 4 and only.cfg.train.reduce_each_micro_batch
     assert best(16, 32, 256).cfg.train.micro_batches == 1  # one micro-batch fits: nothing to reduce early
-    assert cli.main(["plan", "configs/llama3-8b.yaml", "train.precision=bf16", "train.seq_len=8192",
-                     "train.global_batch=32", "--gpus", "8", "--search", "--top", "0"]) == 0
-    out = capsys.readouterr().out
+    out = ranking([only], only.cfg, ("h100", 8, 1))
     assert re.search(r"dp_shard8, zero3 +4\* ", out) and "(* with train.reduce_each_micro_batch=true)" in out
 
 
