@@ -8,6 +8,7 @@ pipeline ranks (a tied embedding and head), every other rank alone.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -117,10 +118,7 @@ class ParallelDims:
         else:
             raise KeyError(f"unknown group '{name}'; groups are {', '.join(GROUP_NAMES)}")
         keep = [d for d in range(ranks.dim()) if d not in vary]
-        size = 1
-        for d in vary:
-            size *= ranks.shape[d]
-        groups = ranks.permute(*keep, *vary).reshape(-1, size)
+        groups = ranks.permute(*keep, *vary).reshape(-1, math.prod(ranks.shape[d] for d in vary))
         return tuple(sorted((tuple(g.tolist()) for g in groups), key=lambda g: g[0]))
 
     @functools.lru_cache(maxsize=None)

@@ -535,8 +535,8 @@ class Trainer:
                     write_chrome_trace(events, self.run_dir / "trace.json")
                     written = [self.run_dir / "trace.json", *draw_pictures(self.run_dir, self.cfg)]
                 log.print(f"{overlap_table(events)}\ntrace: {written[0]}; pictures: {', '.join(map(str, written[1:]))}")
-        stale = [self.run_dir / n for n in ("trace.json", *PICTURES) if (self.run_dir / n) not in written]
-        if self.ctx.is_main and (stale := [p for p in stale if p.is_file()]):
+        if self.ctx.is_main and (stale := [p for n in ("trace.json", *PICTURES)
+                                           if (p := self.run_dir / n) not in written and p.is_file()]):
             with _writing_outputs(self.run_dir):
                 for path in stale:
                     path.unlink()

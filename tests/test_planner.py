@@ -4,6 +4,7 @@ within 2% of its activation count; the peak of a step's memory beyond the persis
 PEAK_OVER of the planner's. An MoE layer's routed rows reach each rank's experts as routing decides:
 their all-to-all bytes, saved activations and peaks are checked summed over the ranks. And `sixfold plan` prints a plan
 and a ranking."""
+import copy
 import json
 import re
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ from sixfold import cli
 from sixfold.config import load_config
 from sixfold.planner.devices import DEVICES
 from sixfold.planner.memory import activations, persistent, step
-from sixfold.planner.plan import PP_SCHEDULES, Plan, _fewest, _fewest_micro_batches, layouts, plan
+from sixfold.planner.plan import PP_SCHEDULES, Plan, _fewest_micro_batches, layouts, plan
 from sixfold.planner.report import ranking
 from sixfold.planner.rank import build_rank
 from sixfold.planner.traffic import step_bytes
@@ -187,7 +188,9 @@ def test_the_search_reduces_each_micro_batch_where_that_alone_fits():
         return _fewest_micro_batches(cfg, DEVICES["h100"], 8)
     fewer, only = best(16, 64, 4096), best(8, 32, 8192)
     assert fewer.fits and fewer.cfg.train.micro_batches == 2 and fewer.cfg.train.reduce_each_micro_batch
-    assert fewer.step_s < _fewest(fewer.cfg, DEVICES["h100"], 8, False).step_s
+    four = copy.deepcopy(fewer.cfg)
+    four.train.micro_batches, four.train.reduce_each_micro_batch = 4, False  # the fewest that fit without
+    assert plan(four, DEVICES["h100"], 8).fits and fewer.step_s < plan(four, DEVICES["h100"], 8).step_s
     assert only.fits and only.cfg.train.micro_batches == 4 and only.cfg.train.reduce_each_micro_batch
     assert best(16, 32, 256).cfg.train.micro_batches == 1  # one micro-batch fits: nothing to reduce early
     out = ranking([only], only.cfg, ("h100", 8, 1))

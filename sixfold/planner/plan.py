@@ -3,6 +3,7 @@ and the search over every layout of the world size, ranked by estimated throughp
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -115,38 +116,37 @@ def layouts(cfg: Config, world: int, per_node: int, refused: dict[str, str] | No
 
 
 def _fewest_micro_batches(c: Config, device: Device, per_node: int) -> Plan:
-    """Without pipelining, the plan with the fewest micro-batches that fits (_fewest), under ZeRO-2/3 the faster of
-    that without and with reducing each micro-batch (which holds less but waits at each one's end); under
-    pipelining, the layout's own."""
+    """Without pipelining, the plan with the fewest micro-batches that fits, or else the leanest of one and of one
+    sequence per micro-batch; under pipelining, the layout's own. From two micro-batches on, memory falls as they
+    grow (if one sequence per micro-batch does not fit, no other count from two does); from one to two it can rise:
+    ZeRO-2/3 then hold the whole gradients between micro-batches, unless they reduce each one, which holds less but
+    waits at each one's end: under ZeRO-2/3 counts from two are planned both ways, the faster that fits kept."""
     if c.parallel.pp > 1:
         return plan(c, device, per_node, ends_only=True)
-    each = (False, True) if c.parallel.zero >= 2 and not c.train.reduce_each_micro_batch else (None,)
-    found = [_fewest(c, device, per_node, reduce_each) for reduce_each in each]
-    fits = [p for p in found if p.fits]
-    return min(fits, key=lambda p: p.step_s) if fits else min(found, key=lambda p: p.peak)
 
-
-def _fewest(c: Config, device: Device, per_node: int, reduce_each: bool | None) -> Plan:
-    """The plan with the fewest micro-batches that fits, or else the leaner of one and of one sequence per
-    micro-batch; from two micro-batches on, train.reduce_each_micro_batch as given (None: as in c). From two on,
-    memory falls as they grow (if one sequence per micro-batch does not fit, no other count from two does); from
-    one to two it can rise: ZeRO-2/3 then hold the whole gradients between micro-batches unless reducing each."""
-    def with_micro(micro: int) -> Plan:
+    def with_micro(micro: int, reduce_each: bool) -> Plan:
         trial = copy.deepcopy(c)
         trial.train.micro_batches = micro
-        if reduce_each is not None and micro > 1:
+        if micro > 1:  # (one micro-batch keeps the config's: reducing each is the same there)
             trial.train.reduce_each_micro_batch = reduce_each
         return plan(trial, device, per_node, ends_only=True)
 
     one, *more = divisors(c.train.global_batch // (c.parallel.dp_replicate * c.parallel.dp_shard))
-    first = with_micro(one)
+    first = with_micro(one, False)
     if first.fits or not more:
         return first
-    *fewer, most = more
+    given = c.train.reduce_each_micro_batch
+    found = [_fewest(functools.partial(with_micro, reduce_each=each), more)
+             for each in ((False, True) if c.parallel.zero >= 2 and not given else (given,))]
+    fits = [p for p in found if p.fits]
+    return min(fits, key=lambda p: p.step_s) if fits else min([first, *found], key=lambda p: p.peak)
+
+
+def _fewest(with_micro, counts: list[int]) -> Plan:
+    """with_micro(k) for the fewest of `counts` (rising; memory falling) that fits, else for the last."""
+    *fewer, most = counts
     last = with_micro(most)
-    if last.fits:
-        return next((p for p in map(with_micro, fewer) if p.fits), last)
-    return min(first, last, key=lambda p: p.peak)
+    return next((p for p in map(with_micro, fewer) if p.fits), last) if last.fits else last
 
 
 def search(cfg: Config, world: int, device: Device, per_node: int, refused: dict[str, str] | None = None,
