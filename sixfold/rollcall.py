@@ -17,7 +17,8 @@ class RollCall:
     def __init__(self, store, rank: int, timeout_s: float):
         """The job's store (this start's keys), this rank, parallel.timeout_s; writes this rank's machine and pid."""
         self.store, self.rank, self.timeout_s, self.grace = store, rank, timeout_s, min(GRACE_S, timeout_s)
-        self.called = 0.0  # when this rank's last roll call ended: what others wrote before is another failure's
+        self.failures = 0  # this rank's failures so far: each is written under its own key
+        self.read: dict[int, int] = {}  # per other rank, its first failure not yet read here: each counts once
         store.set(f"rollcall/host/{rank}", f"{socket.gethostname()}, pid {os.getpid()}")
 
     def absent(self, name: str, ranks) -> str:
@@ -44,21 +45,16 @@ class RollCall:
 
     def _call(self, name: str, ranks: list[int]) -> str:
         began = time.time()
-        self.store.set(f"rollcall/failed/{self.rank}", f"{began} {name}")
+        self.store.set(f"rollcall/failed/{self.rank}/{self.failures}", f"{began} {name}")
+        self.failures += 1
         failed, deadline = {}, time.monotonic() + self.grace
         while True:
             for r in ranks:
-                key = f"rollcall/failed/{r}"
-                if r != self.rank and r not in failed and self.store.check([key]):
-                    when, what = self.store.get(key).decode().split(" ", 1)
-                    # not an earlier failure's: a group's ranks fail up to parallel.timeout_s apart (by the
-                    # machines' clocks, taken to agree within seconds)
-                    if float(when) > max(self.called, began - self.timeout_s - self.grace):
-                        failed[r] = what
+                if r != self.rank and r not in failed:
+                    self._take(r, began, failed)
             if len(failed) == len(ranks) - 1 or time.monotonic() >= deadline:
                 break
             time.sleep(0.5)
-        self.called = time.time()
         missing = [r for r in ranks if r != self.rank and r not in failed]
         elsewhere = [f"rank {r} in {what}" for r, what in sorted(failed.items()) if what != name]
         said = ""
@@ -72,6 +68,19 @@ class RollCall:
         if elsewhere:
             said += f" Failed in other collectives: {', '.join(elsewhere[:NAMED])}."
         return said
+
+    def _take(self, r: int, began: float, failed: dict[int, str]) -> None:
+        """Rank r's next failure not read here, into `failed`, where it is this one's: a group's ranks fail up to
+        parallel.timeout_s apart (by the machines' clocks, taken to agree within seconds); older ones are passed."""
+        while True:
+            key = f"rollcall/failed/{r}/{self.read.get(r, 0)}"
+            if not self.store.check([key]):
+                return
+            when, what = self.store.get(key).decode().split(" ", 1)
+            self.read[r] = self.read.get(r, 0) + 1
+            if float(when) > began - self.timeout_s - self.grace:
+                failed[r] = what
+                return
 
     def _host(self, rank: int) -> str:
         key = f"rollcall/host/{rank}"

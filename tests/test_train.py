@@ -415,6 +415,31 @@ def test_a_hung_peer_ends_the_collective_with_an_error_naming_its_group_and_the_
         assert [line.endswith(f"Failed in other collectives: {other}") for line in mine] == [False, False, True], mine
 
 
+def test_a_roll_call_counts_each_failure_of_another_rank_once_even_one_written_before_its_last_call_ended():
+    """Collectives after a timed-out one fail at once: rank 0 writes its second failure before rank 1's first roll
+    call has ended, and rank 1's second roll call still finds it (a check by time alone passed it as an old one)."""
+    import threading
+
+    from sixfold.rollcall import RollCall
+
+    store = torch.distributed.HashStore()
+    calls = [RollCall(store, rank, timeout_s=1) for rank in (0, 1)]
+    said: dict[int, list[str]] = {0: [], 1: []}
+
+    def fail(rank: int) -> None:
+        time.sleep(0.2 * rank)
+        said[rank] += [calls[rank].absent(name, [0, 1, 2]) for name in ("all_reduce a", "all_reduce b")]
+
+    threads = [threading.Thread(target=fail, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for rank in (0, 1):
+        assert said[rank] == [" Rank 2 (machine unknown) did not fail with it within 1 s: it died, hangs, or is busy "
+                              "elsewhere for longer than parallel.timeout_s."] * 2, said
+
+
 def test_a_rank_that_never_joins_ends_the_others_with_an_error_naming_the_timeout(tmp_path):
     """Rank 0 of 2 started alone (as when the other machine's ranks hang at start): the rendezvous times out."""
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
