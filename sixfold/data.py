@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import sysconfig
 import warnings
 from contextlib import contextmanager
@@ -32,6 +31,7 @@ import torch
 
 from sixfold.checkpoint import META, META_SHA256, file_sha256
 from sixfold.config import RUN_CONFIG_HEAD, DataConfig
+from sixfold.files import written
 from sixfold.model.documents import document_ids
 from sixfold.parallel.tensor import IGNORE_INDEX
 
@@ -67,18 +67,6 @@ def _docs_hash(docs) -> str:
             h.update(len(b).to_bytes(8, "little"))
             h.update(b)
     return h.hexdigest()
-
-
-@contextmanager
-def _written(path: Path):
-    """A temporary name beside `path`, moved onto it once the block completes; removed if the block stops part-way
-    (an error, a signal, a lost peer), so that no half-written file is left."""
-    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")  # several machines may write it
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 @contextmanager
@@ -176,7 +164,7 @@ class BPETokenizer:
         return cls(tok)
 
     def save(self, path) -> None:
-        with _written(Path(path)) as tmp:
+        with written(Path(path)) as tmp:
             self._tok.save(str(tmp))
 
     def to_json(self) -> str:
@@ -540,7 +528,7 @@ def with_tokenizer(cfg: DataConfig, text: bytes) -> DataConfig:
     path = Path(cfg.cache_dir).expanduser() / f"tokenizer-{hashlib.sha256(text).hexdigest()[:16]}.json"
     with _lock(path):
         if not path.is_file():
-            with _written(path) as tmp:
+            with written(path) as tmp:
                 tmp.write_bytes(text)
     return replace(cfg, tokenizer=str(path))
 
@@ -598,8 +586,8 @@ def _write_stream(tmp: Path, tok, docs, dtype, shift: int) -> None:
 
 
 def _write_cache(tok, train_docs, val_docs, train_path: Path, val_path: Path, val_fraction, dtype, shift) -> None:
-    with _written(train_path) as train_tmp:  # moved in last: its presence means both are complete
-        with _written(val_path) as val_tmp:
+    with written(train_path) as train_tmp:  # moved in last: its presence means both are complete
+        with written(val_path) as val_tmp:
             _write_stream(train_tmp, tok, train_docs, dtype, shift)
             if val_docs:
                 _write_stream(val_tmp, tok, val_docs, dtype, shift)
@@ -646,7 +634,7 @@ def _load_bin(cfg: DataConfig, root: Path, files) -> TokenData:
         path = Path(cfg.cache_dir).expanduser() / f"tokens-{_sha(CACHE_FORMAT, str(root), str(dtype), stats)[:32]}.bin"
         with _lock(path):
             if not path.exists():
-                with _written(path) as tmp, open(tmp, "wb") as out:
+                with written(path) as tmp, open(tmp, "wb") as out:
                     for _, p in files:
                         with open(p, "rb") as f:
                             shutil.copyfileobj(f, out, 1 << 24)
@@ -772,10 +760,10 @@ def load_data(cfg: DataConfig) -> TokenData:
     with _lock(train_path):
         if not (train_path.exists() and val_path.exists() and _intact(train_path, val_path)):
             _write_cache(tok, train_docs, val_docs, train_path, val_path, cfg.val_fraction, dtype, shift)
-            with _written(_sums_path(train_path)) as tmp:
+            with written(_sums_path(train_path)) as tmp:
                 tmp.write_text(json.dumps(_sums(train_path, val_path)))
         tok_file = "byte" if isinstance(tok, ByteTokenizer) else str(tok.path)
-        with _written(index) as tmp:
+        with written(index) as tmp:
             tmp.write_text(json.dumps({"train": str(train_path), "val": str(val_path), "dtype": np.dtype(dtype).name,
                                        "shift": shift, "tokenizer": tok_file, "read": read,
                                        "warnings": [str(w.message) for w in said],

@@ -6,6 +6,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from .files import write_text
+
 Traffic = dict[str, dict[str, int]]  # "group/op" -> {"bytes": ..., "calls": ...}
 
 
@@ -70,7 +72,7 @@ class Ledger:
 def write(path: Path, parts: list[dict], layout: str) -> dict:
     """Every rank's summary (in rank order) as comm_ledger.json; returns what was written."""
     data = {"layout": layout, "ranks": {str(r): part for r, part in enumerate(parts)}}
-    path.write_text(json.dumps(data, indent=1))
+    write_text(path, json.dumps(data, indent=1))
     return data
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .console import console, lose_console
+from .files import write_text
 
 
 def fmt_line(m: dict) -> str:
@@ -108,8 +109,8 @@ def start_metrics(run_dir: Path, up_to: int, aside: Path | None = None) -> None:
         except (ValueError, KeyError, TypeError):  # a line cut short when the run was killed, or damaged
             continue
     if aside is not None and later:
-        (aside / "metrics.jsonl").write_text("".join(later))
-    path.write_text("".join(kept))
+        write_text(aside / "metrics.jsonl", "".join(later))
+    write_text(path, "".join(kept))
 
 
 def _strict(metrics: dict) -> dict:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from . import ledger
 from .config import PICTURES, Config, load_saved_config
+from .files import written
 from .mesh import GROUP_DIMS, GROUP_NAMES, ORDER, ParallelDims
 from .parallel.pipeline import schedules
 from .parallel.pipeline.simulate import simulate
@@ -83,7 +84,8 @@ def draw_timeline(events: list[dict], path: Path, title: str, xlabel: str = "tim
     ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper center",
               bbox_to_anchor=(0.5, -0.12 - 0.2 / len(ranks)), ncol=6, fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    with written(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -181,6 +183,7 @@ def draw_mesh(dims: ParallelDims, data: dict, path: Path, title: str) -> Path:
         axes[0, 0].text(0.5, 0.5, "no communication", ha="center", va="center", transform=axes[0, 0].transAxes)
     fig.suptitle(f"{title}: each group's bytes per training step (ledger)\nranks {caption}. A box: a rank and its "
                  f"bytes in that kind of group; a line: a group, as thick as its bytes", fontsize=9)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    with written(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

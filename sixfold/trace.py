@@ -8,6 +8,8 @@ from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+from .files import write_text
+
 ROWS = {"compute": 0, "comm": 1, "optim": 0, "data": 0}
 
 
@@ -70,7 +72,7 @@ def write_chrome_trace(events: list[dict], path: Path) -> None:
             label = "compute" if row == 0 else "communication" + (f" {row}" if row > 1 else "")
             out.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": row, "args": {"name": label}})
     out += [{**e, "ph": "X", "ts": e["ts"] - t0, "tid": row} for e, row in zip(events, rows)]
-    path.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}))
+    write_text(path, json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}))
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:

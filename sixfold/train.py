@@ -22,6 +22,7 @@ from .comm import Comm
 from .config import (DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, check_available, check_bpe_size,
                      check_tensorboard, differing, PICTURES, SUMMARIES, make_run_dir, shown)
 from .console import console
+from .files import write_text
 from .data import BatchLoader, BPETokenizer, DataError, TokenData, eval_batches, load_data, with_tokenizer
 from .logs import RunLog, start_metrics
 from .errors import on_every_rank
@@ -688,7 +689,7 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
                 ckpt.point_latest(run_dir, ckpt.step_dir(run_dir, step))
             start_metrics(run_dir, step, aside)
         if not here or step < cfg.train.steps:  # (else the run's settings stay those it was trained with)
-            (run_dir / "config.yaml").write_text(RUN_CONFIG_HEAD + cfg.to_yaml())
+            write_text(run_dir / "config.yaml", RUN_CONFIG_HEAD + cfg.to_yaml())
     ctx.barrier()
 
 

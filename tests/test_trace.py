@@ -3,6 +3,7 @@ trace.json is Chrome trace format with one track per rank, its pictures are draw
 them, and every rank's ledger gives each training step the bytes of the formulas in docs/guide."""
 import json
 import re
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -85,6 +86,21 @@ def test_pictures_are_drawn_and_redrawn(run, capsys):
         (run_dir / "ledger.json").rename(ledger)
     assert f"kept {mesh}, not redrawn: the run has no comm_ledger.json" in capsys.readouterr().out
     assert main(["trace", str(run_dir)]) == 0 and mesh.stat().st_size > 10_000
+
+
+def test_a_summary_cut_short_leaves_the_earlier_one_whole(tmp_path):
+    """A full disk part-way through comm_ledger.json (or trace.json, a picture): the earlier file stays as it was."""
+    path = tmp_path / "comm_ledger.json"
+    path.write_text("an earlier run's ledger")
+
+    def half(self, text):
+        with open(self, "w") as f:
+            f.write(text[:10])
+        raise OSError(28, "No space left on device")
+
+    with mock.patch.object(Path, "write_text", autospec=True, side_effect=half), pytest.raises(OSError):
+        ledger.write(path, [{}], "dp 2")
+    assert path.read_text() == "an earlier run's ledger" and list(tmp_path.iterdir()) == [path]
 
 
 def test_trace_command_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
