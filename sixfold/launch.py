@@ -88,7 +88,7 @@ def torchrun(argv: list[str]) -> int:
     try:
         main(argv)
     except ChildFailedError as e:
-        rank, first = next(iter(e.failures.items()))  # in the order torchrun saw them end: first the cause
+        rank, first = e.get_first_failure()  # the earliest: the cause, the others were stopped for it
         if first.exitcode > 0:  # the rank has said why
             return first.exitcode
         print(_killed(rank, first.pid, first.signal_name()), file=sys.stderr)

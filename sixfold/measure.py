@@ -41,7 +41,7 @@ def peak_mb(base_kb: int) -> float:
 def busy_jiffies() -> int:
     """CPU time (1/100 s) the whole machine has spent busy since boot."""
     fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+    return sum(fields[:8]) - fields[3] - fields[4]  # all but idle and iowait; guest time is within user and nice
 
 
 def job_jiffies() -> int:
