@@ -637,11 +637,13 @@ def _look_for(path: str) -> None:
 
 
 def resumes_here(cfg: Config) -> bool:
-    """Whether the run continues from its own directory's checkpoints (the directory itself, or one of its
-    checkpoints/; not one set aside in checkpoints-before-*)."""
-    run_dir, resume = Path(cfg.log.run_dir), resume_path(cfg)
-    path = Path(resume).resolve() if resume else None
-    return bool(resume) and (path == run_dir.resolve() or (run_dir / "checkpoints").resolve() in path.parents)
+    """Whether the run continues from its own directory's checkpoints (the directory itself, its checkpoints/, or
+    one in there; not one set aside in checkpoints-before-*)."""
+    if not (resume := resume_path(cfg)):
+        return False
+    path, run_dir = Path(resume).resolve(), Path(cfg.log.run_dir)
+    checkpoints = (run_dir / "checkpoints").resolve()
+    return path in (run_dir.resolve(), checkpoints) or checkpoints in path.parents
 
 
 def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:

@@ -507,6 +507,9 @@ def test_a_run_resumed_from_an_earlier_step_moves_the_later_checkpoints_aside(tm
     assert (run / "checkpoints" / "latest").read_text() == "step_0000006" and not list(run.glob("*-before-*"))
     assert (run / "comm_ledger.json").read_bytes() == ledger and (run / "trace.json").is_file()
     assert (run / "config.yaml").read_bytes() == settings  # steps: 6, as trained
+    with pytest.warns(UserWarning, match="no step left to train"):  # its checkpoints directory: its own too
+        train(load_config(TINY, [*common, f"checkpoint.resume={run / 'checkpoints'}"]))
+    assert (run / "checkpoints" / "latest").read_text() == "step_0000006" and not list(run.glob("*-before-*"))
     with (run / "metrics.jsonl").open("ab") as f:
         f.write(b"\xff\xfe damaged\n")
     replaced = run / "checkpoints" / ".step_0000006.old-99"  # a save of step 6 again, stopped between its renames
