@@ -247,7 +247,12 @@ class Checkpoint:
             raise CheckpointError(f"{self.path} has no {fname} (its files: {', '.join(self.meta['files'])})")
         if not file.is_file():
             raise CheckpointError(f"{file} is missing{_elsewhere(self.path)}")
-        if file.stat().st_size != entry["bytes"] or file_sha256(file) != entry["sha256"]:
+        try:
+            same = file.stat().st_size == entry["bytes"] and file_sha256(file) == entry["sha256"]
+        except OSError as e:  # a file this user may not read (another's, or one written 0600)
+            raise CheckpointError(f"{file} cannot be read ({e.strerror or e}); make it readable to every rank"
+                                  f"{_elsewhere(self.path)}") from None
+        if not same:
             raise CheckpointError(f"{file} is corrupt: its size or checksum does not match {META}"
                                   f"{_elsewhere(self.path)}")
         return file
@@ -266,7 +271,11 @@ class Checkpoint:
                                   f"names ({e})") from None
 
     def blob(self, fname: str) -> bytes:
-        return self.file(fname).read_bytes()
+        file = self.file(fname)
+        try:
+            return file.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"{file} cannot be read ({e.strerror or e}){_elsewhere(self.path)}") from None
 
 
 def check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Size], where: str, hint: str = "",

@@ -376,6 +376,17 @@ def test_a_bad_file_that_one_rank_reads_stops_every_rank_with_its_message(saved,
         proc.stderr, proc.stderr[-3000:]
 
 
+def test_a_file_that_cannot_be_read_is_refused_naming_it(saved, monkeypatch):
+    """A shard another user wrote 0600 (root reads any, so the refusal is stood in for)."""
+    def denied(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr("sixfold.checkpoint.file_sha256", denied)
+    with pytest.raises(CheckpointError, match=r"model-00000.safetensors cannot be read \(Permission denied\); make "
+                                              "it readable to every rank"):
+        Checkpoint(saved).file("model-00000.safetensors")
+
+
 def test_a_data_order_every_rank_refuses_is_said_once(saved, tmp_path):
     proc = sixfold("train", TINY, f"log.run_dir={tmp_path / 'run'}", "train.steps=3", "parallel.tp=2",
                    "train.global_batch=4", f"checkpoint.resume={saved}")
