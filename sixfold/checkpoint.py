@@ -206,9 +206,20 @@ def _check_index(index: dict, where: Path) -> None:
             for i, piece in enumerate(entry["slices"]):
                 piece = piece if isinstance(piece, dict) else {}
                 require(piece, {"file": str, "key": str, "start": int, "stop": int}, where, f"{at}.slices.{i}.")
-                if not _counts(piece.get("cut"), 4) or piece["stop"] < piece["start"]:
-                    raise CheckpointError(f"{where} has no valid '{at}.slices.{i}' (a cut of 4 counts, and start at "
-                                          f"most stop); {NOT_OURS}")
+                if not _counts(piece.get("cut"), 4) or not _cuts(piece["cut"], entry["shape"]) or \
+                        piece["stop"] < piece["start"]:
+                    raise CheckpointError(f"{where} has no valid '{at}.slices.{i}' (a cut of 4 counts that cuts the "
+                                          f"shape, and start at most stop); {NOT_OURS}")
+
+
+def _cuts(cut: list[int], shape: list[int]) -> bool:
+    """Whether (dim, parts, index, padded) is a cut of `shape`: piece `index` of `parts` along a dimension it has,
+    padded (if at all) to a multiple of parts no shorter than that dimension."""
+    dim, parts, index, padded = cut
+    if parts == 1:
+        return index == 0
+    return 0 < parts and index < parts and dim < len(shape) and (
+        padded == 0 or (padded >= shape[dim] and padded % parts == 0))
 
 
 def _counts(value, length: int | None = None) -> bool:

@@ -174,6 +174,12 @@ BAD = {
     "index slice with a cut of another shape": (
         lambda p: _meta(p, lambda m: m["index"]["optim"]["norm.weight.exp_avg"]["slices"][0].update(cut=[0, 1])), [],
         "meta.json has no valid 'index.optim.norm.weight.exp_avg.slices.0' \\(a cut of 4 counts"),
+    "index slice cut into no parts": (
+        lambda p: _meta(p, lambda m: m["index"]["model"]["norm.weight"]["slices"][0].update(cut=[0, 0, 0, 0])), [],
+        "no valid 'index.model.norm.weight.slices.0' \\(a cut of 4 counts that cuts the shape"),
+    "index slice cut along a dimension its tensor lacks": (
+        lambda p: _meta(p, lambda m: m["index"]["model"]["norm.weight"]["slices"][0].update(cut=[5, 2, 0, 0])), [],
+        "no valid 'index.model.norm.weight.slices.0' \\(a cut of 4 counts that cuts the shape"),
     "meta.json without the optimizer's index": (lambda p: _meta(p, lambda m: m["index"].update(optim={})), [],
                                                 "index holds no optimizer state"),
 }
