@@ -654,45 +654,56 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
     checkpoints to run-before-DATE-TIME; one that continues them from an earlier step moves aside those of later
     steps, with their lines of metrics.jsonl, and points `latest` at its own; then config.yaml. A resume of its
     own checkpoints with no step left to train changes nothing."""
+    problem = ""
     if ctx.is_main:
-        run_dir, here = Path(cfg.log.run_dir), resumes_here(cfg)
-        if not here:
-            aside, metrics = ckpt.set_aside(run_dir), run_dir / "metrics.jsonl"
-            summaries = [run_dir / name for name in SUMMARIES if (run_dir / name).exists()]
-            had_metrics = metrics.is_file() and metrics.stat().st_size > 0
-            checkpoints = aside is not None
-            if not checkpoints and (summaries or had_metrics):  # an earlier run with none: its file as it is
-                aside = ckpt.unused_path(run_dir, "run-before")
-                aside.mkdir()
-                if had_metrics:
-                    metrics.rename(aside / metrics.name)
-            if aside:  # with checkpoints, its metrics.jsonl goes by start_metrics below
-                resume = cfg.checkpoint.resume
-                how = "starts over" if resume in ("", "auto") else f"goes on from {resume}"
-                for path in summaries:
-                    path.rename(aside / path.name)
-                if summaries and (run_dir / "config.yaml").is_file():  # for `sixfold trace ASIDE`
-                    shutil.copy(run_dir / "config.yaml", aside / "config.yaml")
-                moved = [*(["checkpoints"] if checkpoints else []), *(["metrics.jsonl"] if had_metrics else []),
-                         *(p.name for p in summaries)]
-                newest = ckpt.complete_in(aside)
-                kept = ("" if checkpoints else "it has no checkpoints; ") + \
-                    f"its {', '.join(moved)} {'are' if len(moved) > 1 else 'is'} moved to {aside}" + (
-                        f"; to go on with it instead, stop this run and set checkpoint.resume={newest[-1]}"
-                        if newest else "")
-                warnings.warn(f"{run_dir} holds an earlier run: this one {how}, replacing its config.yaml ({kept}); "
-                              f"to keep both runs apart, set another log.run_dir")
-            start_metrics(run_dir, 0, aside)
-        elif step < cfg.train.steps:
-            if aside := ckpt.set_aside(run_dir, after=step):
-                warnings.warn(f"this run goes on from step {step} of {run_dir}, which holds checkpoints of later "
-                              f"steps: they and their lines of metrics.jsonl are moved to {aside}")
-            if ckpt.step_dir(run_dir, step).is_dir():  # a crash before this run's first save resumes here again
-                ckpt.point_latest(run_dir, ckpt.step_dir(run_dir, step))
-            start_metrics(run_dir, step, aside)
-        if not here or step < cfg.train.steps:  # (else the run's settings stay those it was trained with)
-            write_text(run_dir / "config.yaml", RUN_CONFIG_HEAD + cfg.to_yaml())
-    ctx.barrier()
+        try:
+            _prepare_run_dir(cfg, step)
+        except OSError as e:
+            problem = (f"cannot prepare {cfg.log.run_dir} for this run: {e}; make room there (or set log.run_dir "
+                       f"elsewhere), then run the same command again")
+    if problem := ctx.first_problem(problem):
+        raise on_every_rank(TrainingError(problem))
+
+
+def _prepare_run_dir(cfg: Config, step: int) -> None:
+    """start_run_dir's moves and writes, on rank 0."""
+    run_dir, here = Path(cfg.log.run_dir), resumes_here(cfg)
+    if not here:
+        aside, metrics = ckpt.set_aside(run_dir), run_dir / "metrics.jsonl"
+        summaries = [run_dir / name for name in SUMMARIES if (run_dir / name).exists()]
+        had_metrics = metrics.is_file() and metrics.stat().st_size > 0
+        checkpoints = aside is not None
+        if not checkpoints and (summaries or had_metrics):  # an earlier run with none: its file as it is
+            aside = ckpt.unused_path(run_dir, "run-before")
+            aside.mkdir()
+            if had_metrics:
+                metrics.rename(aside / metrics.name)
+        if aside:  # with checkpoints, its metrics.jsonl goes by start_metrics below
+            resume = cfg.checkpoint.resume
+            how = "starts over" if resume in ("", "auto") else f"goes on from {resume}"
+            for path in summaries:
+                path.rename(aside / path.name)
+            if summaries and (run_dir / "config.yaml").is_file():  # for `sixfold trace ASIDE`
+                shutil.copy(run_dir / "config.yaml", aside / "config.yaml")
+            moved = [*(["checkpoints"] if checkpoints else []), *(["metrics.jsonl"] if had_metrics else []),
+                     *(p.name for p in summaries)]
+            newest = ckpt.complete_in(aside)
+            kept = ("" if checkpoints else "it has no checkpoints; ") + \
+                f"its {', '.join(moved)} {'are' if len(moved) > 1 else 'is'} moved to {aside}" + (
+                    f"; to go on with it instead, stop this run and set checkpoint.resume={newest[-1]}"
+                    if newest else "")
+            warnings.warn(f"{run_dir} holds an earlier run: this one {how}, replacing its config.yaml ({kept}); "
+                          f"to keep both runs apart, set another log.run_dir")
+        start_metrics(run_dir, 0, aside)
+    elif step < cfg.train.steps:
+        if aside := ckpt.set_aside(run_dir, after=step):
+            warnings.warn(f"this run goes on from step {step} of {run_dir}, which holds checkpoints of later "
+                          f"steps: they and their lines of metrics.jsonl are moved to {aside}")
+        if ckpt.step_dir(run_dir, step).is_dir():  # a crash before this run's first save resumes here again
+            ckpt.point_latest(run_dir, ckpt.step_dir(run_dir, step))
+        start_metrics(run_dir, step, aside)
+    if not here or step < cfg.train.steps:  # (else the run's settings stay those it was trained with)
+        write_text(run_dir / "config.yaml", RUN_CONFIG_HEAD + cfg.to_yaml())
 
 
 def _check_same_config(cfg: Config, ctx: ParallelContext) -> None:

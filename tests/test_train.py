@@ -488,6 +488,22 @@ def test_a_full_disk_at_the_summaries_says_the_training_is_done(tmp_path, monkey
     assert (tmp_path / "run" / "checkpoints" / "step_0000002").is_dir()
 
 
+def test_a_full_disk_while_preparing_a_resume_is_said_and_loses_nothing(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    common = [f"log.run_dir={run}", "checkpoint.every=2", "log.progress=false"]
+    train_module.train(load_config(TINY, [*common, "train.steps=2"]))
+    before = (run / "metrics.jsonl").read_bytes()
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("sixfold.logs.write_text", full)
+    with pytest.raises(TrainingError, match=f"cannot prepare {run} for this run: .*No space left on device; make "
+                                            "room there \\(or set log.run_dir elsewhere\\), then run the same command"):
+        train_module.train(load_config(TINY, [*common, "train.steps=4", "checkpoint.resume=auto"]))
+    assert (run / "metrics.jsonl").read_bytes() == before and (run / "checkpoints" / "step_0000002").is_dir()
+
+
 def test_ranks_that_do_not_share_the_run_directory_are_refused_before_training(tmp_path):
     proc = torchrun("unshared.py", 2, TINY, str(tmp_path))
     for rank in (0, 1):
