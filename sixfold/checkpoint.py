@@ -419,4 +419,5 @@ def mark_latest(run_dir: str | Path, path: Path, keep: int) -> None:
     point_latest(run_dir, path)
     steps = [p for p in complete_steps(run_dir) if step_of(p) <= step_of(path)]
     for old in steps[:-keep] if keep > 0 else []:
+        (old / META).unlink(missing_ok=True)  # first: one a kill stops part-way is not taken for complete
         shutil.rmtree(old, ignore_errors=True)
