@@ -28,10 +28,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import Config
+from .config import META, Config, checkpoint_over
 
 FORMAT = "sixfold-checkpoint-2"
-META = "meta.json"
 META_SHA256 = "meta.sha256"  # meta.json's own checksum (checkpoints written before it have none)
 KINDS = ("model", "optim")
 NOT_OURS = "the checkpoint is incomplete or was not written by sixfold"
@@ -119,10 +118,9 @@ def complete_steps(run_dir: str | Path) -> list[Path]:
 def outside_checkpoints(out: str | Path) -> None:
     """Refuse an output path inside a checkpoint or a run's checkpoints/ folder, whose contents later saves replace
     and checkpoint.keep removes."""
-    for parent in Path(out).resolve().parents:
-        if (parent / META).is_file() or (parent.name == "checkpoints" and (parent / "latest").is_file()):
-            raise CheckpointError(f"{out} is inside {parent}, whose contents sixfold's checkpoint saves replace and "
-                                  f"checkpoint.keep removes; write it outside the run's checkpoints/ folder")
+    if parent := checkpoint_over(out):
+        raise CheckpointError(f"{out} is inside {parent}, whose contents sixfold's checkpoint saves replace and "
+                              f"checkpoint.keep removes; write it outside the run's checkpoints/ folder")
 
 
 def has_checkpoint(run_dir: str | Path) -> bool:

@@ -461,12 +461,30 @@ PICTURES = ("timeline.png", "schedule.png", "mesh.png")  # what pictures.py draw
 SUMMARIES = {"comm_ledger.json": False, "trace.json": False, **dict.fromkeys(PICTURES, False), "tensorboard": True}
 
 
+META = "meta.json"  # a checkpoint's index, the file that makes a directory one
+
+
+def checkpoint_over(path: str | Path, itself: bool = False) -> Path | None:
+    """The checkpoint, or run's checkpoints/ folder, that `path` lies inside (or is, if `itself`): its contents are
+    what checkpoint saves replace and checkpoint.keep removes. None where there is none."""
+    resolved = Path(path).resolve()
+    for p in [resolved] * itself + list(resolved.parents):
+        if (p / META).is_file() or (p.name == "checkpoints" and (p / "latest").is_file()):
+            return p
+    return None
+
+
 def make_run_dir(cfg: Config) -> Path:
     """The run directory, created; refused early (before any process starts) if it cannot be written, or if its
     config.yaml, which the run replaces, is not a sixfold run's (the config file being trained from, say)."""
     if not cfg.log.run_dir.strip():
         raise ConfigError("log.run_dir is empty: set it to the directory for this run's checkpoints, metrics and "
                           "trace")
+    if holder := checkpoint_over(cfg.log.run_dir, itself=True):
+        where = "is" if holder == Path(cfg.log.run_dir).resolve() else "is inside"
+        raise ConfigError(f"log.run_dir {cfg.log.run_dir} {where} {holder}, whose contents checkpoint saves replace "
+                          f"and checkpoint.keep removes (this run's with them): set log.run_dir outside any run's "
+                          f"checkpoints/ folder")
     directory = writable_dir(cfg.log.run_dir, "log.run_dir")
     writes = {"checkpoints": True, "checkpoints/latest": False, "metrics.jsonl": False, "config.yaml": False,
               **SUMMARIES}

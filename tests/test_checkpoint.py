@@ -302,6 +302,15 @@ def test_checkpoints_are_ordered_by_step_number(tmp_path):
     assert [p.name for p in complete_steps(tmp_path)] == ["step_0000002", "step_9999999", "step_10000000"]
 
 
+def test_a_run_directory_inside_a_checkpoint_is_refused_before_training(saved, capsys):
+    """checkpoint.keep would remove it with the checkpoint, and a save of that step replace it."""
+    for run_dir, where in ((saved / "run", f"is inside {saved}"), (saved.parent, f"is {saved.parent}")):
+        assert cli.main(["train", TINY, f"log.run_dir={run_dir}", "train.steps=1"]) == 2
+        assert f"log.run_dir {run_dir} {where}, whose contents checkpoint saves replace and checkpoint.keep removes " \
+            "(this run's with them): set log.run_dir outside any run's checkpoints/ folder" in capsys.readouterr().err
+    assert not (saved / "run").exists()
+
+
 def test_a_run_directory_is_one_runs_at_a_time_and_keeps_what_it_did_not_write(tmp_path, capsys):
     """A second run in a directory another run holds is refused (before its processes start, and by its rank 0);
     a config.yaml no sixfold run wrote (the config being trained from) is not replaced; an earlier run's
