@@ -777,6 +777,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not cfg.data.source.strip() or cfg.data.max_bytes < 0:
         raise ConfigError("data.source must name a file, a directory or a pattern (or stdlib), and data.max_bytes be 0 "
                           "(all) or more")
+    if cfg.data.source != "stdlib" and cfg.log.run_dir.strip() and \
+            Path(cfg.data.source).resolve() == Path(cfg.log.run_dir).resolve():
+        raise ConfigError(f"data.source and log.run_dir are both {cfg.data.source}: the run would write its "
+                          f"metrics, config and checkpoints among its corpus and read them as text when next "
+                          f"started; set log.run_dir to another directory")
     if not cfg.data.cache_dir.strip():
         raise ConfigError("data.cache_dir is empty: set it to the directory that keeps the tokenized corpus "
                           "(by default ~/.cache/sixfold)")
