@@ -161,7 +161,8 @@ class Comm:
         self._run("all_to_all", group, x.numel() * x.element_size(), label, False,
                   lambda g, a: dist.all_to_all_single(out, x, group=g, async_op=a))
 
-    def all_to_all_v(self, x: torch.Tensor, send: list[int], recv: list[int], group: str, label: str = "") -> torch.Tensor:
+    def all_to_all_v(self, x: torch.Tensor, send: list[int], recv: list[int], group: str,
+                     label: str = "") -> torch.Tensor:
         """Rows of `x` to the group's ranks, `send[j]` to rank j; returns the `recv[j]` rows from each rank j."""
         out = x.new_empty((sum(recv), *x.shape[1:]))
         self._run("all_to_all", group, x.numel() * x.element_size(), label, False,

@@ -214,16 +214,19 @@ ALIASES = {"batch_size": "global_batch", "learning_rate": "lr", "gradient_accumu
            "context_parallel_size": "cp", "expert_model_parallel_size": "ep", "max_grad_norm": "grad_clip"}
 
 
-def _unknown(key: str, obj, where: str) -> ConfigError:
-    """Names the keys it may stand for: our name for another framework's (ALIASES), those it begins (dp:
-    dp_replicate, dp_shard), else the closest, else (a key given without its section: steps, dp) the sections' keys
-    it begins."""
-    choices = _fields(obj)
-    near = [ALIASES[key]] if ALIASES.get(key) in choices else sorted(c for c in choices if c.startswith(key)) or \
-        difflib.get_close_matches(key, list(choices), n=1, cutoff=0.5) or \
+def _unknown(key: str, obj, where: str, root) -> ConfigError:
+    """Names the keys it may stand for: our name for another framework's (ALIASES), the same key in another section
+    of `root` (train.tp: parallel.tp), those it begins (dp: dp_replicate, dp_shard), else the closest, else (a key
+    given without its section: steps, dp) the sections' keys it begins."""
+    choices, ours = _fields(obj), ALIASES.get(key, key)
+    others = [s for s in _fields(root) if dataclasses.is_dataclass(section := getattr(root, s)) and section is not obj]
+    near = [where + ALIASES[key]] if ALIASES.get(key) in choices else \
+        [f"{s}.{ours}" for s in others if where and ours in _fields(getattr(root, s))] or \
+        sorted(where + c for c in choices if c.startswith(key)) or \
+        [where + c for c in difflib.get_close_matches(key, list(choices), n=1, cutoff=0.5)] or \
         sorted(f"{c}.{k}" for c in choices if dataclasses.is_dataclass(getattr(obj, c))
                for k in _fields(getattr(obj, c)) if k.startswith(key))
-    named = " or ".join(f"'{where}{c}'" for c in near)
+    named = " or ".join(f"'{c}'" for c in near)
     hint = f"; did you mean {named}?" if near else f"; valid keys: {', '.join(sorted(choices))}"
     return ConfigError(f"unknown config key '{where}{key}'{hint}")
 
@@ -283,20 +286,19 @@ def _text_field(obj, path: list[str]) -> bool:
     return path[-1] in _fields(obj) and typing.get_type_hints(type(obj))[path[-1]] is str
 
 
-def _set(obj, path: list[str], value, where: str = "") -> None:
-    fields = _fields(obj)
-    key = path[0]
+def _set(obj, path: list[str], value, where: str = "", root=None) -> None:
+    fields, key, root = _fields(obj), path[0], root or obj
     if key not in fields:
-        raise _unknown(key, obj, where)
+        raise _unknown(key, obj, where, root)
     current = getattr(obj, key)
     if dataclasses.is_dataclass(current):
         if len(path) == 1:
             if not isinstance(value, dict) and value is not None:  # an empty section (`model:`) changes nothing
                 raise ConfigError(f"'{where}{key}' is a section; give it a mapping")
             for k, v in (value or {}).items():
-                _set(current, [str(k)], v, f"{where}{key}.")
+                _set(current, [str(k)], v, f"{where}{key}.", root)
             return
-        _set(current, path[1:], value, f"{where}{key}.")
+        _set(current, path[1:], value, f"{where}{key}.", root)
         return
     if len(path) > 1:
         raise ConfigError(f"'{where}{key}' is a value, not a section")
@@ -620,7 +622,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"split over ep); change parallel.ep or model.moe_experts")
     if (p.dp_shard * p.cp) % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide parallel.dp_shard*parallel.cp={p.dp_shard * p.cp} "
-                          f"(expert parallel borrows those ranks); change parallel.ep, parallel.dp_shard or parallel.cp")
+                          f"(expert parallel borrows those ranks); change parallel.ep, parallel.dp_shard or "
+                          f"parallel.cp")
     if m.rope_scaling not in ("none", "linear", "llama3"):
         raise ConfigError(f"model.rope_scaling={m.rope_scaling!r}: choose none, linear or llama3")
     if not 0 < m.rope_factor < math.inf or not 0 < m.rope_low_freq < m.rope_high_freq < math.inf \

@@ -35,6 +35,10 @@ def test_unknown_key_names_nearest():
         load_config(None, ["steps=10"])  # its section left out
     with pytest.raises(ConfigError, match="unknown config key 'train.batch_size'; did you mean 'train.global_batch'"):
         load_config(None, ["train.batch_size=16"])  # another framework's name
+    for key, meant in (("train.tp", "parallel.tp"), ("model.precision", "train.precision"),
+                       ("train.resume", "checkpoint.resume")):  # a key of another section
+        with pytest.raises(ConfigError, match=f"unknown config key '{key}'; did you mean '{meant}'\\?"):
+            load_config(None, [f"{key}=2"])
 
 
 def test_unknown_key_in_yaml(tmp_path):

@@ -351,7 +351,8 @@ class _Ring(torch.autograd.Function):
                     out[i], lse[i] = block_out, block_lse
                 else:
                     merged = torch.logaddexp(lse[i], block_lse)
-                    out[i] = out[i] * (lse[i] - merged).exp()[..., None] + block_out * (block_lse - merged).exp()[..., None]
+                    out[i] = out[i] * (lse[i] - merged).exp()[..., None] + \
+                        block_out * (block_lse - merged).exp()[..., None]
                     lse[i] = merged
             if pending is not None:
                 kv, work = pending
