@@ -134,14 +134,16 @@ def table(path: str | None, overrides: list[str], steps: int, write: bool, argv:
     """The layouts of TABLE, `runs` rounds over all of them (a slow spell of the machine then falls on every
     layout alike), each layout's median job reported."""
     configs = [workload_config(path, [*overrides, *layout.overrides], steps) for layout in TABLE]  # all refused first
-    # what the jobs train (no evaluation, checkpoints, sample), where the token cache lies aside
-    mine, workload = (quiet(c).to_dict() for c in (configs[0], workload_config(None, [], steps)))
-    changed = [f"{key}={ours} ({BENCH.name}: {theirs})"
-               for key, ours, theirs in differing(mine, workload, ("model", "train", "data"))]
+    # what the jobs train (no evaluation, checkpoints, sample) in each row's layout, where the token cache lies aside
+    changed = []
+    for layout, cfg in zip(TABLE, configs):
+        mine, workload = (quiet(c).to_dict() for c in (cfg, workload_config(None, list(layout.overrides), steps)))
+        changed += [said for key, ours, theirs in differing(mine, workload, ("model", "train", "data", "parallel"))
+                    if key != "parallel.timeout_s" and (said := f"{key}={ours} ({BENCH.name}: {theirs})") not in changed]
     if changed:
-        raise ConfigError(f"--table sets sixfold beside the peers' times on {BENCH.name}'s workload, which this "
-                          f"config changes: {', '.join(changed)}; set them back, or time your own config without "
-                          f"--table, one layout at a time")
+        raise ConfigError(f"--table sets sixfold beside the peers' times on {BENCH.name}'s workload in their layouts, "
+                          f"which this config changes: {', '.join(changed)}; set them back, or time your own config "
+                          f"without --table, one layout at a time")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the workload is the CPU's (gloo), as the peers' times are
     rev, results = revision(), [[] for _ in TABLE]
     for _ in range(runs):

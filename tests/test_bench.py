@@ -93,8 +93,9 @@ def test_max_seq_on_cpu_needs_a_budget(capsys):
     (["bench", "--write"], "add --table"),
     (["bench", "--runs", "3"], "add --table"),
     (["bench", "--table", "--runs", "0"], "give at least 1"),
-    (["bench", "--table", "train.precision=bf16"], "bench.yaml's workload, which this config changes: "
-                                                    "train.precision=bf16 (bench.yaml: fp32); set them back"),
+    (["bench", "--table", "train.precision=bf16"], "bench.yaml's workload in their layouts, which this config "
+                                                    "changes: train.precision=bf16 (bench.yaml: fp32); set them back"),
+    (["bench", "--table", "parallel.cp=2"], "which this config changes: parallel.cp=2 (bench.yaml: 1); set"),
     (["bench", TINY, "--table"], "model.vocab_size=320 (bench.yaml: 2048), model.dim=64 (bench.yaml: 256)"),
     (["bench", "--budget-gb", "1"], "--budget-gb: only with --max-seq"),
     (["bench", "--steps", "0"], "--steps 0: the first 2 steps are not timed"),
