@@ -404,6 +404,8 @@ def _model_from_checkpoint(cfg: Config, given: set[str]) -> None:
                 _set(cfg, ["model", key], saved[key])
             except ConfigError as e:
                 raise ConfigError(f"the checkpoint {resume} has {e}; set model.{key} here") from None
+    for key in set(inert(cfg.model)) - given:  # (an earlier version saved them without effect)
+        setattr(cfg.model, key, getattr(ModelConfig(), key))
 
 
 def _validate_saved(cfg: Config) -> Config:
@@ -411,6 +413,8 @@ def _validate_saved(cfg: Config) -> Config:
     dropped, so that its runs stay readable."""
     if cfg.parallel.zero != 3:
         cfg.parallel.reshard_after_forward = None
+    for key in inert(cfg.model):
+        setattr(cfg.model, key, getattr(ModelConfig(), key))
     validate(cfg)
     return cfg
 
@@ -631,6 +635,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"model.rope_factor={m.rope_factor} must be positive, 0 < model.rope_low_freq="
                           f"{m.rope_low_freq} < model.rope_high_freq={m.rope_high_freq}, and model.rope_original_len="
                           f"{m.rope_original_len} at least 1")
+    if unused := [f"model.{k}={shown(getattr(m, k))}" for k in inert(m) if getattr(m, k) != getattr(ModelConfig(), k)]:
+        one = len(unused) == 1
+        raise ConfigError(f"{', '.join(unused)}: model.rope_scaling={m.rope_scaling} leaves {'it' if one else 'them'} "
+                          f"unused (rope_factor scales under linear and llama3, the others under llama3); set "
+                          f"model.rope_scaling, or leave {'it' if one else 'those'} out")
     if m.recompute not in ("none", "selective", "full"):
         raise ConfigError(f"model.recompute={m.recompute!r}: choose none, selective (the attention core) or full "
                           "(every sub-layer from its input)")

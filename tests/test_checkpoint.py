@@ -199,9 +199,15 @@ def test_a_bad_checkpoint_is_refused_by_name_and_nothing_on_disk_changes(saved, 
 
 
 def test_a_training_checkpoint_resumes_with_rope_fields_its_scaling_does_not_use(saved, tmp_path):
-    """rope_factor means nothing with model.rope_scaling=none: the run is the checkpoint's model."""
-    cfg = load_config(TINY, [f"checkpoint.resume={saved}", f"log.run_dir={tmp_path / 'run'}", "model.rope_factor=4"])
+    """rope_factor means nothing with model.rope_scaling=none: the run is the checkpoint's model. An earlier version
+    saved it so; a config that sets it now is refused."""
+    old = tmp_path / "old"
+    shutil.copytree(saved, old)
+    _meta(old, lambda m: m["config"]["model"].update(rope_factor=4.0))
+    cfg = load_config(TINY, [f"checkpoint.resume={old}", f"log.run_dir={tmp_path / 'run'}"])
     assert Trainer(cfg, ParallelContext.single()).step == 2
+    with pytest.raises(ConfigError, match="model.rope_factor=4.0: model.rope_scaling=none leaves it unused"):
+        load_config(TINY, [f"checkpoint.resume={saved}", "model.rope_factor=4"])
 
 
 def test_an_unwritable_run_directory_is_refused_before_training(tmp_path, capsys, monkeypatch):
