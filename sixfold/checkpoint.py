@@ -58,9 +58,11 @@ def resume_source(resume: str, run_dir: str) -> str:
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or the latest checkpoint of a run directory (or of its checkpoints directory): the
-    one `latest` names, or without that pointer the newest complete one."""
+    """A checkpoint directory (or its meta.json), or the latest checkpoint of a run directory (or of its checkpoints
+    directory, or its `latest`): the one `latest` names, or without that pointer the newest complete one."""
     path = Path(path)
+    if path.name in (META, "latest") and path.is_file():  # a file of the checkpoint, or of the run, given
+        path = path.parent
     if (path / META).is_file():
         return path
     if path.name == "checkpoints" and ((path / "latest").is_file() or any(path.glob("step_*"))):

@@ -258,7 +258,8 @@ def test_an_unfinished_save_is_ignored_and_cleared_and_the_last_k_are_kept(tmp_p
     assert read_metrics(run)[-1]["step"] == 3 and not replaced.exists()  # resumed from step 2 moved aside, put back
     assert not partial.exists() and (run / "checkpoints" / "latest").read_text() == "step_0000003"
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000002", "step_0000003"]  # keep=2
-    assert find_checkpoint(run / "checkpoints") == run / "checkpoints" / "step_0000003"  # its run's latest
+    for given in ("checkpoints", "checkpoints/latest", "checkpoints/step_0000003/meta.json"):  # its run's latest
+        assert find_checkpoint(run / given) == run / "checkpoints" / "step_0000003"
 
 
 def test_a_run_that_starts_over_moves_the_earlier_runs_checkpoints_aside(tmp_path):
