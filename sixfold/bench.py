@@ -138,8 +138,9 @@ def table(path: str | None, overrides: list[str], steps: int, write: bool, argv:
     changed = []
     for layout, cfg in zip(TABLE, configs):
         mine, workload = (quiet(c).to_dict() for c in (cfg, workload_config(None, list(layout.overrides), steps)))
-        changed += [said for key, ours, theirs in differing(mine, workload, ("model", "train", "data", "parallel"))
-                    if key != "parallel.timeout_s" and (said := f"{key}={ours} ({BENCH.name}: {theirs})") not in changed]
+        for key, ours, theirs in differing(mine, workload, ("model", "train", "data", "parallel")):
+            if key != "parallel.timeout_s" and (said := f"{key}={ours} ({BENCH.name}: {theirs})") not in changed:
+                changed.append(said)
     if changed:
         raise ConfigError(f"--table sets sixfold beside the peers' times on {BENCH.name}'s workload in their layouts, "
                           f"which this config changes: {', '.join(changed)}; set them back, or time your own config "
