@@ -139,10 +139,11 @@ def unused_path(parent: Path, stem: str) -> Path:
     return path
 
 
-def set_aside(run_dir: str | Path, after: int | None = None) -> Path | None:
+def set_aside(run_dir: str | Path, after: int | None = None, first=None) -> Path | None:
     """Move an earlier run's checkpoints out of the way of a run in its directory: all of them (one that starts
     over), or those of steps after `after`, complete or not (one that resumes from an earlier step, whose own would
-    replace them), to checkpoints-before-DATE-TIME beside them (returned); None if there were none."""
+    replace them), to checkpoints-before-DATE-TIME beside them (returned); None if there were none. With `after`,
+    first(aside) is called before any is moved (what goes with them: should it fail, they are still in place)."""
     root = Path(run_dir) / "checkpoints"
     for old in root.glob(".step_*.old-*"):  # a save replacing it stopped in between: it moves too (or is kept)
         restore_replaced(old)
@@ -154,6 +155,12 @@ def set_aside(run_dir: str | Path, after: int | None = None) -> Path | None:
         root.rename(aside)
         return aside
     aside.mkdir()
+    if first is not None:
+        try:
+            first(aside)
+        except BaseException:
+            aside.rmdir()
+            raise
     for path in sorted(moved):
         path.rename(aside / path.name)
     latest = step_of(Path((root / "latest").read_text().strip())) if (root / "latest").is_file() else None
@@ -419,5 +426,8 @@ def mark_latest(run_dir: str | Path, path: Path, keep: int) -> None:
     point_latest(run_dir, path)
     steps = [p for p in complete_steps(run_dir) if step_of(p) <= step_of(path)]
     for old in steps[:-keep] if keep > 0 else []:
+        if old.is_symlink():  # a checkpoint kept elsewhere: only the link is this run's
+            old.unlink()
+            continue
         (old / META).unlink(missing_ok=True)  # first: one a kill stops part-way is not taken for complete
         shutil.rmtree(old, ignore_errors=True)

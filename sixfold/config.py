@@ -475,7 +475,8 @@ def checkpoint_over(path: str | Path, itself: bool = False) -> Path | None:
     what checkpoint saves replace and checkpoint.keep removes. None where there is none."""
     resolved = Path(path).resolve()
     for p in [resolved] * itself + list(resolved.parents):
-        if (p / META).is_file() or (p.name == "checkpoints" and (p / "latest").is_file()):
+        if ((p / META).is_file() and any(p.glob("*.safetensors"))) or (
+                p.name == "checkpoints" and (p / "latest").is_file() and any(p.glob("step_*"))):
             return p
     return None
 
@@ -491,6 +492,10 @@ def make_run_dir(cfg: Config) -> Path:
         raise ConfigError(f"log.run_dir {cfg.log.run_dir} {where} {holder}, whose contents checkpoint saves replace "
                           f"and checkpoint.keep removes (this run's with them): set log.run_dir outside any run's "
                           f"checkpoints/ folder")
+    if cfg.data.source != "stdlib" and Path(cfg.data.source).resolve() == Path(cfg.log.run_dir).resolve():
+        raise ConfigError(f"data.source and log.run_dir are both {cfg.data.source}: the run would write its "
+                          f"metrics, config and checkpoints among its corpus and read them as text when next "
+                          f"started; set log.run_dir to another directory")
     directory = writable_dir(cfg.log.run_dir, "log.run_dir")
     writes = {"checkpoints": True, "checkpoints/latest": False, "metrics.jsonl": False, "config.yaml": False,
               **SUMMARIES}
@@ -789,11 +794,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not cfg.data.source.strip() or cfg.data.max_bytes < 0:
         raise ConfigError("data.source must name a file, a directory or a pattern (or stdlib), and data.max_bytes be 0 "
                           "(all) or more")
-    if cfg.data.source != "stdlib" and cfg.log.run_dir.strip() and \
-            Path(cfg.data.source).resolve() == Path(cfg.log.run_dir).resolve():
-        raise ConfigError(f"data.source and log.run_dir are both {cfg.data.source}: the run would write its "
-                          f"metrics, config and checkpoints among its corpus and read them as text when next "
-                          f"started; set log.run_dir to another directory")
     if not cfg.data.cache_dir.strip():
         raise ConfigError("data.cache_dir is empty: set it to the directory that keeps the tokenized corpus "
                           "(by default ~/.cache/sixfold)")

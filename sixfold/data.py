@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from sixfold.checkpoint import META, META_SHA256, file_sha256
-from sixfold.config import RUN_CONFIG_HEAD, DataConfig
+from sixfold.config import RUN_CONFIG_HEAD, DataConfig, checkpoint_over
 from sixfold.files import written
 from sixfold.model.documents import document_ids
 from sixfold.parallel.tensor import IGNORE_INDEX
@@ -334,7 +334,7 @@ def _corpus(cfg: DataConfig) -> tuple[str, Path, list[tuple[str, Path]]]:
         if not root.exists():
             raise DataError(f"data.source={cfg.source!r}: {root} does not exist; give a file, a directory, a pattern "
                             "or 'stdlib'")
-        if root.is_dir() and _sixfold_output(root):
+        if root.is_dir() and (_sixfold_output(root) or checkpoint_over(root, itself=True)):
             raise DataError(f"data.source={cfg.source!r}: {root} is a sixfold run directory or checkpoint, whose "
                             f"files are no corpus; point data.source at the directory of the text files")
         files, own = ([(root.name, root)], []) if root.is_file() else _walk(root, cache=cache)

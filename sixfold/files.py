@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,10 +12,13 @@ from pathlib import Path
 def written(path: Path):
     """A temporary name beside `path`, moved onto it once the block completes; removed if the block stops part-way
     (an error, a signal, a lost peer), so that no half-written file is left."""
+    path = Path(os.path.realpath(path))  # a link's file is replaced, the link kept
     tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")  # several machines may write it
     try:
         yield tmp
         try:
+            if path.is_file():
+                shutil.copymode(path, tmp)  # as the file had it, not as the umask gives a new one
             os.replace(tmp, path)
         except OSError as e:  # named by the file it was for, not the temporary one
             raise OSError(e.errno, e.strerror, str(path)) from None

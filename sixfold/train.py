@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import math
@@ -659,7 +660,8 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
         try:
             _prepare_run_dir(cfg, step)
         except OSError as e:
-            problem = (f"cannot prepare {cfg.log.run_dir} for this run: {e}; make room there (or set log.run_dir "
+            problem = (f"cannot prepare {cfg.log.run_dir} for this run: {e}; "
+                       f"{'make room there' if e.errno == errno.ENOSPC else 'make it writable'} (or set log.run_dir "
                        f"elsewhere), then run the same command again")
     if problem := ctx.first_problem(problem):
         raise on_every_rank(TrainingError(problem))
@@ -696,12 +698,13 @@ def _prepare_run_dir(cfg: Config, step: int) -> None:
                           f"to keep both runs apart, set another log.run_dir")
         start_metrics(run_dir, 0, aside)
     elif step < cfg.train.steps:
-        if aside := ckpt.set_aside(run_dir, after=step):
+        if aside := ckpt.set_aside(run_dir, after=step, first=lambda aside: start_metrics(run_dir, step, aside)):
             warnings.warn(f"this run goes on from step {step} of {run_dir}, which holds checkpoints of later "
                           f"steps: they and their lines of metrics.jsonl are moved to {aside}")
+        else:
+            start_metrics(run_dir, step)
         if ckpt.step_dir(run_dir, step).is_dir():  # a crash before this run's first save resumes here again
             ckpt.point_latest(run_dir, ckpt.step_dir(run_dir, step))
-        start_metrics(run_dir, step, aside)
     if not here or step < cfg.train.steps:  # (else the run's settings stay those it was trained with)
         write_text(run_dir / "config.yaml", RUN_CONFIG_HEAD + cfg.to_yaml())
 

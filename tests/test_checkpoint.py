@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sixfold import cli, config
-from sixfold.checkpoint import (Checkpoint, CheckpointError, complete_steps, find_checkpoint, publish, start_staging,
-                                write_tensors)
+from sixfold.checkpoint import (Checkpoint, CheckpointError, complete_steps, find_checkpoint, mark_latest, publish,
+                                start_staging, write_tensors)
 from sixfold.config import RUN_CONFIG_HEAD, ConfigError, load_config
 from sixfold.data import BPETokenizer, DataError, load_data
 from sixfold.logs import read_metrics
@@ -316,6 +316,22 @@ def test_a_run_directory_inside_a_checkpoint_is_refused_before_training(saved, c
         assert f"log.run_dir {run_dir} {where}, whose contents checkpoint saves replace and checkpoint.keep removes " \
             "(this run's with them): set log.run_dir outside any run's checkpoints/ folder" in capsys.readouterr().err
     assert not (saved / "run").exists()
+    project = saved.parent.parent.parent / "project"  # another tool's meta.json above it: no checkpoint
+    (project / "runs").mkdir(parents=True)
+    (project / "meta.json").write_text('{"name": "my project"}')
+    assert config.make_run_dir(load_config(TINY, [f"log.run_dir={project / 'runs' / 'a'}"])).is_dir()
+
+
+def test_checkpoint_keep_removes_a_linked_checkpoint_by_its_link(tmp_path):
+    archive = tmp_path / "archive" / "step_0000001"
+    root = tmp_path / "run" / "checkpoints"
+    for step in (archive, root / "step_0000002", root / "step_0000003"):
+        step.mkdir(parents=True)
+        (step / "meta.json").write_text("{}")
+    (root / "step_0000001").symlink_to(archive)
+    mark_latest(tmp_path / "run", root / "step_0000003", keep=2)
+    assert (archive / "meta.json").is_file() and sorted(p.name for p in root.iterdir()) == [
+        "latest", "step_0000002", "step_0000003"]
 
 
 def test_a_run_directory_is_one_runs_at_a_time_and_keeps_what_it_did_not_write(tmp_path, capsys):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sixfold import data as data_module
-from sixfold.config import RUN_CONFIG_HEAD, ConfigError, DataConfig, load_config
+from sixfold.config import RUN_CONFIG_HEAD, ConfigError, DataConfig, load_config, make_run_dir
 from sixfold.data import (BatchLoader, BPETokenizer, ByteTokenizer, DataError, build_tokenizer, eval_batches,
                           iter_documents, load_data, split_documents)
 from sixfold.parallel.tensor import IGNORE_INDEX
@@ -641,9 +641,11 @@ def test_run_and_checkpoint_directories_inside_the_corpus_are_skipped(tmp_path):
         docs = iter_documents(cfg(tmp_path, source=str(root)))
     assert [d for d, _ in docs] == ["doc00.txt", "doc01.txt", "project/comm_ledger.json", "project/config.yaml",
                                     "project/meta.json"]
-    for directory in (run, step):  # given as the source itself: refused, not read as text
+    (run / "checkpoints" / "latest").write_text("step_0000002")
+    for directory in (run, run / "checkpoints", step):  # given as the source itself: refused, not read as text
         with pytest.raises(DataError, match=f"{directory} is a sixfold run directory or checkpoint, whose files are "
                                             f"no corpus; point data.source at the directory of the text files"):
             iter_documents(cfg(tmp_path, source=str(directory)))
+    same = load_config(None, [f"data.source={root}", f"log.run_dir={root}/."])  # a saved config so is read
     with pytest.raises(ConfigError, match="data.source and log.run_dir are both .* set log.run_dir to another"):
-        load_config(None, [f"data.source={root}", f"log.run_dir={root}/."])
+        make_run_dir(same)  # and refused before training

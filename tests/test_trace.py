@@ -101,6 +101,13 @@ def test_a_summary_cut_short_leaves_the_earlier_one_whole(tmp_path):
     with mock.patch.object(Path, "write_text", autospec=True, side_effect=half), pytest.raises(OSError):
         ledger.write(path, [{}], "dp 2")
     assert path.read_text() == "an earlier run's ledger" and list(tmp_path.iterdir()) == [path]
+    (tmp_path / "kept").mkdir()
+    path.rename(tmp_path / "kept" / path.name)
+    path.symlink_to(tmp_path / "kept" / path.name)  # a link and a mode of the user's: kept
+    path.chmod(0o640)
+    ledger.write(path, [{}], "dp 2")
+    assert path.is_symlink() and json.loads(path.read_text())["layout"] == "dp 2"
+    assert path.stat().st_mode & 0o777 == 0o640
 
 
 def test_trace_command_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):

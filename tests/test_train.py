@@ -489,19 +489,28 @@ def test_a_full_disk_at_the_summaries_says_the_training_is_done(tmp_path, monkey
 
 
 def test_a_full_disk_while_preparing_a_resume_is_said_and_loses_nothing(tmp_path, monkeypatch):
+    """Resumed from an earlier step, the later checkpoints go aside with their lines of metrics.jsonl: a failure to
+    write those leaves both in place, for the same command to move them once there is room."""
     run = tmp_path / "run"
-    common = [f"log.run_dir={run}", "checkpoint.every=2", "log.progress=false"]
-    train_module.train(load_config(TINY, [*common, "train.steps=2"]))
+    common = [f"log.run_dir={run}", "checkpoint.every=2", "log.progress=false", "train.steps=4",
+              f"checkpoint.resume={run / 'checkpoints' / 'step_0000002'}"]
+    first = train_module.train(load_config(TINY, common[:-1]))
     before = (run / "metrics.jsonl").read_bytes()
 
     def full(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("sixfold.logs.write_text", full)
-    with pytest.raises(TrainingError, match=f"cannot prepare {run} for this run: .*No space left on device; make "
-                                            "room there \\(or set log.run_dir elsewhere\\), then run the same command"):
-        train_module.train(load_config(TINY, [*common, "train.steps=4", "checkpoint.resume=auto"]))
-    assert (run / "metrics.jsonl").read_bytes() == before and (run / "checkpoints" / "step_0000002").is_dir()
+    with monkeypatch.context() as patched:
+        patched.setattr("sixfold.logs.write_text", full)
+        with pytest.raises(TrainingError, match=f"cannot prepare {run} for this run: .*No space left on device; make "
+                                                "room there \\(or set log.run_dir elsewhere\\), then run the same"):
+            train_module.train(load_config(TINY, common))
+    assert (run / "metrics.jsonl").read_bytes() == before and not list(run.glob("checkpoints-before-*"))
+    assert (run / "checkpoints" / "step_0000004").is_dir()
+    with pytest.warns(UserWarning, match="goes on from step 2"):
+        train_module.train(load_config(TINY, common))
+    (aside,) = run.glob("checkpoints-before-*")
+    assert read_metrics(aside) == first[2:] and (aside / "step_0000004").is_dir()
 
 
 def test_ranks_that_do_not_share_the_run_directory_are_refused_before_training(tmp_path):
