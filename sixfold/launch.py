@@ -67,7 +67,9 @@ def _run(cmd: list[str], env: dict[str, str], capture: bool) -> subprocess.Compl
         put_back(previous)
     if heard and capture:
         raise Stopped(f"stopped by {heard[0]}, and the job it ran with it", heard[0])
-    return subprocess.CompletedProcess(cmd, job.returncode, out, err)
+    # a job a signal ended (torchrun before it handles them, as it starts) as a shell reports it: 128 + the signal
+    code = 128 - job.returncode if job.returncode < 0 else job.returncode
+    return subprocess.CompletedProcess(cmd, code, out, err)
 
 
 def run_ranks(nproc: int, module: str, argv: list[str], threads: str | None = None) -> subprocess.CompletedProcess:
@@ -107,4 +109,7 @@ def _killed(rank: int, pid: int, signal_name: str) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(torchrun(sys.argv[1:]))
+    try:
+        sys.exit(torchrun(sys.argv[1:]))
+    except KeyboardInterrupt:  # a Ctrl-C passed on before torchrun took SIGINT over: no traceback
+        sys.exit(128 + signal.SIGINT)

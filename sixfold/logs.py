@@ -56,9 +56,14 @@ class RunLog:
             self.problem = f"rank 0 cannot write {self.file.name} at step {metrics['step']}: {e}"
             return
         if self.tb:
-            for k, v in metrics.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, metrics["step"])
+            try:
+                for k, v in metrics.items():
+                    if k != "step" and isinstance(v, (int, float)):
+                        self.tb.add_scalar(k, v, metrics["step"])
+            except OSError as e:  # its writer's thread failed to write an earlier one: said as for metrics.jsonl
+                self.problem = f"rank 0 cannot write {Path(self.file.name).parent / 'tensorboard'} at step " \
+                               f"{metrics['step']}: {e}"
+                return
         if show:
             self.print(fmt_line(metrics))
         if self.bar:
@@ -76,7 +81,11 @@ class RunLog:
             return
         self.end_progress()
         if self.tb:
-            self.tb.close()
+            try:
+                self.tb.close()
+            except OSError:  # the events it could not write, already reported
+                if not self.problem:
+                    raise
         try:
             self.file.close()
         except OSError:  # what the failed step left in the buffer, already reported

@@ -32,6 +32,24 @@ def _lock(fd: int, kind: int, tries: int = 10) -> None:
             time.sleep(0.1)
 
 
+def _open(path: Path) -> tuple[int, bool]:
+    """The lock file, made as the umask allows (a group's shared directory: its members' too), and whether it could
+    be opened for writing: another user's lock file is locked read-only (flock needs no more)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666), True
+    except PermissionError:
+        pass
+    except OSError as e:
+        raise ConfigError(f"cannot open {path} ({e.strerror or e}), which keeps a second run out of "
+                          f"{path.parent}: set log.run_dir to another directory") from None
+    try:
+        return os.open(path, os.O_RDONLY), False
+    except OSError as e:
+        raise ConfigError(f"cannot open {path} ({e.strerror or e}), which keeps a second run out of {path.parent}: "
+                          f"make it readable and writable, remove it (no run is using the directory), or set "
+                          f"log.run_dir to another directory") from None
+
+
 class RunLock:
     """Held from __enter__ to __exit__; __enter__ refuses a directory another run holds."""
 
@@ -39,7 +57,7 @@ class RunLock:
         self.run_dir, self.fd = Path(run_dir), None
 
     def __enter__(self) -> RunLock:
-        fd = os.open(self.run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd, writable = _open(self.run_dir / LOCK)
         try:
             _lock(fd, fcntl.LOCK_EX)
         except BlockingIOError:
@@ -51,8 +69,9 @@ class RunLock:
             warnings.warn(f"{self.run_dir / LOCK} cannot be locked ({e.strerror or e}): nothing stops a second run "
                           f"from using {self.run_dir} at the same time")
             return self
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{socket.gethostname()} {os.getpid()}\n".encode(), 0)
+        if writable:  # (who holds it, for the message of a run refused)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{socket.gethostname()} {os.getpid()}\n".encode(), 0)
         self.fd = fd
         return self
 

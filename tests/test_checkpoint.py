@@ -322,6 +322,24 @@ def test_a_run_directory_inside_a_checkpoint_is_refused_before_training(saved, c
     assert config.make_run_dir(load_config(TINY, [f"log.run_dir={project / 'runs' / 'a'}"])).is_dir()
 
 
+def test_a_lock_file_this_user_may_not_write_still_keeps_a_second_run_out(tmp_path, monkeypatch):
+    """Another user's .lock in a shared directory (root writes any, so the refusal is stood in for)."""
+    import os
+
+    (tmp_path / ".lock").write_text("their-host 1\n")
+    opened = os.open
+
+    def read_only(path, flags, *args):
+        if flags & os.O_RDWR:
+            raise PermissionError(13, "Permission denied", str(path))
+        return opened(path, flags, *args)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "open", read_only)
+        with RunLock(tmp_path), pytest.raises(ConfigError, match="is in use by another run"):
+            RunLock(tmp_path).__enter__()
+
+
 def test_checkpoint_keep_removes_a_linked_checkpoint_by_its_link(tmp_path):
     archive = tmp_path / "archive" / "step_0000001"
     root = tmp_path / "run" / "checkpoints"

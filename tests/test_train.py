@@ -476,6 +476,19 @@ def test_a_full_disk_in_the_metrics_stops_every_rank_after_the_step(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["latest", "step_0000002"]
 
 
+def test_a_full_disk_under_tensorboard_stops_as_one_under_metrics_jsonl(tmp_path, monkeypatch):
+    from torch.utils.tensorboard import SummaryWriter
+
+    def full(*args, **kwargs):  # as its writer's thread reports a failed write, at the next scalar
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(SummaryWriter, "add_scalar", full)
+    with pytest.raises(TrainingError, match=f"rank 0 cannot write {tmp_path / 'run' / 'tensorboard'} at step 1: .*No "
+                                            "space left on device; make room there"):
+        train_module.train(load_config(TINY, [f"log.run_dir={tmp_path / 'run'}", "train.steps=2",
+                                              "log.tensorboard=true", "log.progress=false"]))
+
+
 def test_a_full_disk_at_the_summaries_says_the_training_is_done(tmp_path, monkeypatch):
     def full(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -765,6 +778,14 @@ def test_a_ranks_error_ends_the_launcher_with_its_exit_code_and_no_torchrun_trac
                   "train.steps=3", nproc=2)
     assert proc.returncode == 2 and proc.stderr.count("sixfold error: loss nan") == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "torch.distributed.elastic" not in proc.stderr
+
+
+def test_a_job_a_signal_ended_exits_as_a_shell_reports_it():
+    """torchrun ended by a signal as it starts (before it handles them): 143, not the -15 that sys.exit made 241."""
+    from sixfold.launch import _run
+    ended = _run([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"], dict(os.environ),
+                 capture=False)
+    assert ended.returncode == 128 + signal.SIGTERM
 
 
 def test_a_rank_ended_by_a_signal_is_named_by_the_launcher(tmp_path):
