@@ -5,7 +5,6 @@ heard of it (a rank told alone passes it on) writes a checkpoint and ends. A sig
 (SIGHUP under nohup, SIGINT in a shell's background job) stays ignored."""
 from __future__ import annotations
 
-import contextlib
 import signal
 import threading
 
@@ -43,6 +42,7 @@ class StopSignal:
 
     def __init__(self):
         self.received = ""
+        self.heard = ""  # a signal any rank received, as the ranks found it together (Trainer.sample)
         self._previous: dict = {}
 
     def __enter__(self) -> "StopSignal":
@@ -51,15 +51,6 @@ class StopSignal:
 
     def _note(self, signum, frame) -> None:
         self.received = self.received or signal.Signals(signum).name
-
-    @contextlib.contextmanager
-    def paused(self):
-        """Inside, the handlers before: a signal ends the process as it would have (work with nothing to save)."""
-        put_back(self._previous)
-        try:
-            yield
-        finally:
-            self._previous = take(self._note)
 
     def __exit__(self, *exc) -> None:
         put_back(self._previous)

@@ -432,15 +432,13 @@ class Trainer:
                         f"written; no sample and no summaries (ledger, trace) written", heard))
                 self.comm.ledger.close("other")  # the last step's stop check, the final checkpoint
                 if cfg.log.sample_tokens:  # every rank: under ZeRO-3 each forward gathers weights from all
-                    with stop.paused():  # a signal ends it at once (it may be long): nothing is left to save
-                        text = self.sample()
-                    log.print("sample:\n" + text)
+                    text = self.sample(stop)  # which a signal cuts short: checked by all before each token
+                    log.print("sample:\n" + text + (f"\n(cut short by {heard})" if (heard := stop.heard) else ""))
                     self.comm.ledger.close("sample")
                 if history:  # else the last run's ledger and trace stay
                     self._write_outputs(log)
-                if stop.received:  # while they were written (in full)
-                    raise Stopped(f"stopped by {stop.received} at the run's end, its checkpoint and summaries written",
-                                  stop.received)
+                if heard := stop.heard or stop.received:  # during the sample, or while the summaries were written
+                    raise Stopped(f"stopped by {heard} at the run's end, its checkpoint and summaries written", heard)
             finally:
                 log.close()
         return history
@@ -513,10 +511,16 @@ class Trainer:
                    f"checkpoint.resume={done[-2]})" if len(done) > 1 else "")
         return f"resume from the newest checkpoint before step {first}: checkpoint.resume={done[-1]}{earlier}"
 
-    def sample(self) -> str:
+    def sample(self, stop: StopSignal | None = None) -> str:
+        """The end-of-run sample; with `stop`, cut short once any rank has received a signal (stop.heard)."""
         log = self.cfg.log
+
+        def halt() -> bool:
+            stop.heard = stop.heard or self._stop_heard(stop)
+            return bool(stop.heard)
+
         return sample_text(self.pipeline or self.model, self.data.tokenizer, log.sample_prompt, log.sample_tokens,
-                           seed=self.cfg.train.seed, stop=end_ids(self.carried))
+                           seed=self.cfg.train.seed, stop=end_ids(self.carried), halt=halt if stop else None)
 
     def _write_outputs(self, log: RunLog) -> None:
         """Every rank's ledger in comm_ledger.json and its summary printed; with log.trace, every rank's events in

@@ -639,10 +639,9 @@ def test_a_signal_ends_an_evaluation_between_its_batches(tmp_path):
 
 def test_a_signal_after_the_last_step_ends_the_run(tmp_path, monkeypatch):
     """One heard during the final save ends the run once its checkpoint is in place, with the signal's exit code;
-    one during the sample (which may be long) interrupts it at once: nothing is left to save; one while the
+    one during the sample (which may be long) cuts it short, and the summaries are written; one while the
     summaries are written ends the run once they are whole."""
-    from sixfold import checkpoint
-    from sixfold.train import Trainer
+    from sixfold import checkpoint, generate
     write = checkpoint.write_tensors
     monkeypatch.setattr(checkpoint, "write_tensors", lambda *a, **k: (os.kill(os.getpid(), signal.SIGTERM),
                                                                       time.sleep(0.1), write(*a, **k))[2])
@@ -651,19 +650,16 @@ def test_a_signal_after_the_last_step_ends_the_run(tmp_path, monkeypatch):
         train(load_config(TINY, [f"log.run_dir={run}", "train.steps=2"]))
     assert e.value.exit_code == 143 and (run / "checkpoints" / "step_0000002" / "meta.json").is_file()
     monkeypatch.setattr(checkpoint, "write_tensors", write)
-
-    def sample(self):
-        os.kill(os.getpid(), signal.SIGINT)
-        for _ in range(300):  # 30 s, unless interrupted
-            time.sleep(0.1)
-        return "not interrupted"
-    monkeypatch.setattr(Trainer, "sample", sample)
+    drawn, pick = [], generate.pick
+    monkeypatch.setattr(generate, "pick", lambda *a: (drawn.append(os.kill(os.getpid(), signal.SIGINT)), pick(*a))[1])
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores it)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            train(load_config(TINY, [f"log.run_dir={tmp_path / 'again'}", "train.steps=2", "log.sample_tokens=8"]))
+        with pytest.raises(Stopped, match="stopped by SIGINT at the run's end, its checkpoint and summaries") as e:
+            train(load_config(TINY, [f"log.run_dir={tmp_path / 'again'}", "train.steps=2", "log.sample_tokens=30"]))
     finally:
         signal.signal(signal.SIGINT, before)
+    assert e.value.exit_code == 130 and len(drawn) == 1 and ledger.read(tmp_path / "again")["layout"]
+    monkeypatch.setattr(generate, "pick", pick)
     written = ledger.write
     monkeypatch.setattr(ledger, "write", lambda *a: (os.kill(os.getpid(), signal.SIGTERM), written(*a))[1])
     with pytest.raises(Stopped, match="stopped by SIGTERM at the run's end, its checkpoint and summaries written"):
