@@ -159,7 +159,7 @@ def set_aside(run_dir: str | Path, after: int | None = None, first=None) -> Path
         try:
             first(aside)
         except BaseException:
-            aside.rmdir()
+            shutil.rmtree(aside, ignore_errors=True)
             raise
     for path in sorted(moved):
         path.rename(aside / path.name)

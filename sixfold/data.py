@@ -334,9 +334,10 @@ def _corpus(cfg: DataConfig) -> tuple[str, Path, list[tuple[str, Path]]]:
         if not root.exists():
             raise DataError(f"data.source={cfg.source!r}: {root} does not exist; give a file, a directory, a pattern "
                             "or 'stdlib'")
-        if root.is_dir() and (_sixfold_output(root) or checkpoint_over(root, itself=True)):
-            raise DataError(f"data.source={cfg.source!r}: {root} is a sixfold run directory or checkpoint, whose "
-                            f"files are no corpus; point data.source at the directory of the text files")
+        if root.is_dir() and (_sixfold_output(root) or (holder := checkpoint_over(root, itself=True))):
+            where = "" if _sixfold_output(root) or holder == root else f" (inside {holder})"
+            raise DataError(f"data.source={cfg.source!r}: {root} is a sixfold run directory or checkpoint{where}, "
+                            f"whose files are no corpus; point data.source at the directory of the text files")
         files, own = ([(root.name, root)], []) if root.is_file() else _walk(root, cache=cache)
     if own:  # said on every load: the corpus is listed before the cache is looked in
         warnings.warn(f"skipped {len(own)} of sixfold's own directories and files in {root} (run directories, "

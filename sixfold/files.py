@@ -12,7 +12,8 @@ from pathlib import Path
 def written(path: Path):
     """A temporary name beside `path`, moved onto it once the block completes; removed if the block stops part-way
     (an error, a signal, a lost peer), so that no half-written file is left."""
-    path = Path(os.path.realpath(path))  # a link's file is replaced, the link kept
+    if (real := Path(os.path.realpath(path))).parent.is_dir():  # a link's file is replaced, the link kept
+        path = real
     tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")  # several machines may write it
     try:
         yield tmp

@@ -25,11 +25,11 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Genera
 @torch.no_grad()
 def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, stop: Collection[int] = (), vocab: int | None = None,
-             halt: Callable[[], bool] | None = None) -> list[int]:
+             agree: Callable[[int], int | None] | None = None) -> list[int]:
     """New tokens after prompt_ids (ending with a stop token if one was drawn); the total stays within max_seq_len.
     `model` is the whole model, or a pipeline run on every one of its ranks. `vocab`: the tokenizer's size, the ids
-    from which on (a model's vocabulary padded beyond its tokenizer's) are never drawn. `halt()`, asked before each
-    token (on every rank alike), ends it early."""
+    from which on (a model's vocabulary padded beyond its tokenizer's) are never drawn. `agree(token)`, asked of each
+    token drawn (on every rank alike), gives the token to take, or None to end there."""
     limit = model.cfg.max_seq_len
     if not 0 < len(prompt_ids) <= limit:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; give one of 1 to {limit} tokens (the model's "
@@ -43,9 +43,12 @@ def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int
     cache = KVCache(model.cfg.n_layers)
     tokens = torch.tensor([prompt_ids], device=device)
     out: list[int] = []
-    while len(out) < max_new_tokens and len(prompt_ids) + len(out) < limit and not (halt and halt()):
+    while len(out) < max_new_tokens and len(prompt_ids) + len(out) < limit:
         logits = model(tokens, cache)[0, -1, :vocab].float().cpu()
-        out.append(pick(logits, temperature, top_k, gen))
+        token = pick(logits, temperature, top_k, gen)
+        if agree is not None and (token := agree(token)) is None:
+            break
+        out.append(token)
         if out[-1] in stop:
             break
         tokens = torch.tensor([[out[-1]]], device=device)
@@ -60,12 +63,12 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 def sample_text(model: Llama | Pipeline, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
                 top_k: int = 40, seed: int = 0, stop: Collection[int] = (),
-                halt: Callable[[], bool] | None = None) -> str:
+                agree: Callable[[int], int | None] | None = None) -> str:
     """The prompt followed by a sampled continuation, which ends at the end of text or a token of `stop` (left
-    out), or where `halt()` says (generate)."""
+    out), or where `agree` says (generate)."""
     ids = prompt_ids(tokenizer, prompt)
     stop = {tokenizer.eot, *stop}
-    out = generate(model, ids, max_new_tokens, temperature, top_k, seed, stop, tokenizer.vocab_size, halt)
+    out = generate(model, ids, max_new_tokens, temperature, top_k, seed, stop, tokenizer.vocab_size, agree)
     if out and out[-1] in stop:
         out = out[:-1]
     return continued(tokenizer, prompt, ids, out)

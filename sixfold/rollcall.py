@@ -45,8 +45,8 @@ class RollCall:
 
     def _call(self, name: str, ranks: list[int]) -> str:
         began = time.time()
-        mine, self.failures = self.failures, self.failures + 1  # taken first: a set that hangs leaves no gap
-        self.store.set(f"rollcall/failed/{self.rank}/{mine}", f"{began} {name}")
+        self.store.set(f"rollcall/failed/{self.rank}/{self.failures}", f"{began} {name}")
+        self.failures += 1
         failed, deadline = {}, time.monotonic() + self.grace
         while True:
             for r in ranks:

@@ -16,8 +16,9 @@ LOCK = ".lock"
 
 def _in_use(run_dir: Path, fd: int) -> ConfigError:
     holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
-    return ConfigError(f"log.run_dir={run_dir} is in use by another run (host and process {holder}, which holds "
-                       f"{run_dir / LOCK}): wait for it to end, stop it, or set another log.run_dir")
+    return ConfigError(f"log.run_dir={run_dir} is in use by another run (it holds {run_dir / LOCK}, which names host "
+                       f"and process {holder}, the last run that could write it): wait for it to end, stop it, or set "
+                       f"another log.run_dir")
 
 
 def _lock(fd: int, kind: int, tries: int = 10) -> None:

@@ -418,9 +418,10 @@ class Trainer:
                 log.end_progress()
                 self.sharded.settle()
                 again = not history and ckpt.step_dir(self.run_dir, self.step).is_dir()  # no step, nothing new
+                final = None
                 if cfg.checkpoint.save_final and not again:
                     if not self.skipped:
-                        saved = self.save()
+                        saved = final = self.save()
                         self.saver.wait()  # a background save: said once it is in place
                         log.print(f"checkpoint: {saved}")
                     elif self.ctx.is_main:  # as during the streak: the weights may have diverged
@@ -432,13 +433,17 @@ class Trainer:
                         f"written; no sample and no summaries (ledger, trace) written", heard))
                 self.comm.ledger.close("other")  # the last step's stop check, the final checkpoint
                 if cfg.log.sample_tokens:  # every rank: under ZeRO-3 each forward gathers weights from all
-                    text = self.sample(stop)  # which a signal cuts short: checked by all before each token
+                    text = self.sample(stop)  # which a signal cuts short: checked by all after each token
                     log.print("sample:\n" + text + (f"\n(cut short by {heard})" if (heard := stop.heard) else ""))
                     self.comm.ledger.close("sample")
                 if history:  # else the last run's ledger and trace stay
                     self._write_outputs(log)
                 if heard := stop.heard or stop.received:  # during the sample, or while the summaries were written
-                    raise Stopped(f"stopped by {heard} at the run's end, its checkpoint and summaries written", heard)
+                    done = [*([f"its checkpoint {final}"] if final else []), *(["its summaries"] if history else [])]
+                    cut = " (the sample cut short)" if stop.heard else ""
+                    stopped = Stopped(f"stopped by {heard} at the run's end{cut}"
+                                      f"{', ' + ' and '.join(done) + ' written' if done else ''}", heard)
+                    raise on_every_rank(stopped) if stop.heard else stopped
             finally:
                 log.close()
         return history
@@ -448,19 +453,22 @@ class Trainer:
         world once a step, so that all stop after the same step (counted in the ledger's "other" phase, outside the
         steps). With them, whether a rank could not write the step's metrics (`problem`): then every rank raises
         that rank's TrainingError."""
-        if self.ctx.world_size == 1:
-            heard, failed = stop.received, problem
-        else:
-            sums = self.comm.sum_scalars([float(stop.received == n) for n in SIGNAL_NAMES] + [float(bool(problem))],
-                                         "world")
-            heard = next((name for name, n in zip(SIGNAL_NAMES, sums) if n > 0), "")
-            failed = self.ctx.first_problem(problem) if sums[-1] else ""
+        heard, (any_failed,) = self._heard_with(stop, [float(bool(problem))])
+        failed = (problem if self.ctx.world_size == 1 else self.ctx.first_problem(problem)) if any_failed else ""
         if failed:
             self.saver.wait()  # a background save, in place to go on from
             raise on_every_rank(TrainingError(f"{failed}; make room there (or set log.run_dir elsewhere), then run "
                                               f"the same command with checkpoint.resume=auto to go on from the last "
                                               f"checkpoint"))
         return heard
+
+    def _heard_with(self, stop: StopSignal, values: list[float]) -> tuple[str, list[float]]:
+        """The signal any rank has received ("" if none; SIGTERM over SIGINT over SIGHUP), and `values` summed over
+        the world, in one collective."""
+        if self.ctx.world_size == 1:
+            return stop.received, values
+        sums = self.comm.sum_scalars([float(stop.received == n) for n in SIGNAL_NAMES] + values, "world")
+        return next((name for name, n in zip(SIGNAL_NAMES, sums) if n > 0), ""), sums[len(SIGNAL_NAMES):]
 
     def _stopped(self, saved: bool, signal_name: str) -> Stopped:
         """The end of a run stopped by a signal: the step's checkpoint (unless `saved` already, checkpoints are off,
@@ -512,15 +520,18 @@ class Trainer:
         return f"resume from the newest checkpoint before step {first}: checkpoint.resume={done[-1]}{earlier}"
 
     def sample(self, stop: StopSignal | None = None) -> str:
-        """The end-of-run sample; with `stop`, cut short once any rank has received a signal (stop.heard)."""
+        """The end-of-run sample; with `stop`, every rank's token is rank 0's, and the sample is cut short once any
+        rank has received a signal (stop.heard)."""
         log = self.cfg.log
 
-        def halt() -> bool:
-            stop.heard = stop.heard or self._stop_heard(stop)
-            return bool(stop.heard)
+        def agree(token: int) -> int | None:
+            """Rank 0's token on every rank (replicas that drew another would leave the others waiting in the
+            check), or None once any rank has received a signal."""
+            stop.heard, (token,) = self._heard_with(stop, [float(token) if self.ctx.is_main else 0.0])
+            return None if stop.heard else int(token)
 
         return sample_text(self.pipeline or self.model, self.data.tokenizer, log.sample_prompt, log.sample_tokens,
-                           seed=self.cfg.train.seed, stop=end_ids(self.carried), halt=halt if stop else None)
+                           seed=self.cfg.train.seed, stop=end_ids(self.carried), agree=agree if stop else None)
 
     def _write_outputs(self, log: RunLog) -> None:
         """Every rank's ledger in comm_ledger.json and its summary printed; with log.trace, every rank's events in
@@ -664,8 +675,9 @@ def start_run_dir(cfg: Config, ctx: ParallelContext, step: int) -> None:
         try:
             _prepare_run_dir(cfg, step)
         except OSError as e:
+            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
             problem = (f"cannot prepare {cfg.log.run_dir} for this run: {e}; "
-                       f"{'make room there' if e.errno == errno.ENOSPC else 'make it writable'} (or set log.run_dir "
+                       f"{'make room there' if full else 'make it writable'} (or set log.run_dir "
                        f"elsewhere), then run the same command again")
     if problem := ctx.first_problem(problem):
         raise on_every_rank(TrainingError(problem))

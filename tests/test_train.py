@@ -654,7 +654,8 @@ def test_a_signal_after_the_last_step_ends_the_run(tmp_path, monkeypatch):
     monkeypatch.setattr(generate, "pick", lambda *a: (drawn.append(os.kill(os.getpid(), signal.SIGINT)), pick(*a))[1])
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores it)
     try:
-        with pytest.raises(Stopped, match="stopped by SIGINT at the run's end, its checkpoint and summaries") as e:
+        with pytest.raises(Stopped, match="stopped by SIGINT at the run's end \\(the sample cut short\\), its checkpoint "
+                                          ".*step_0000002 and its summaries written") as e:
             train(load_config(TINY, [f"log.run_dir={tmp_path / 'again'}", "train.steps=2", "log.sample_tokens=30"]))
     finally:
         signal.signal(signal.SIGINT, before)
@@ -662,7 +663,7 @@ def test_a_signal_after_the_last_step_ends_the_run(tmp_path, monkeypatch):
     monkeypatch.setattr(generate, "pick", pick)
     written = ledger.write
     monkeypatch.setattr(ledger, "write", lambda *a: (os.kill(os.getpid(), signal.SIGTERM), written(*a))[1])
-    with pytest.raises(Stopped, match="stopped by SIGTERM at the run's end, its checkpoint and summaries written"):
+    with pytest.raises(Stopped, match="stopped by SIGTERM at the run's end, its checkpoint .* and its summaries written"):
         train(load_config(TINY, [f"log.run_dir={tmp_path / 'third'}", "train.steps=2"]))
     assert ledger.read(tmp_path / "third")["layout"]
 
