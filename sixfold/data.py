@@ -234,7 +234,7 @@ def _walk(root: Path, skip=(), cache: Path | None = None) -> tuple[list[tuple[st
     """(relative path, file) for every regular, non-hidden file under root, sorted, and what was left out as
     sixfold's own: directories below root that sixfold writes (_sixfold_output), and the token cache's files
     (CACHE_FILE) in `cache`, not the whole directory, which may be root. Linked directories are followed, each
-    real directory once."""
+    real directory once; each real file is listed once, by its first name."""
     out, own, seen = [], [], {os.path.realpath(root)}
     cache = os.path.realpath(cache) if cache else None
     for d, dirs, names in os.walk(root, followlinks=True):
@@ -256,7 +256,10 @@ def _walk(root: Path, skip=(), cache: Path | None = None) -> tuple[list[tuple[st
                 own.append(p)
             elif not n.startswith(".") and p.is_file():
                 out.append((p.relative_to(root).as_posix(), p))
-    return sorted(out), sorted(p.relative_to(root).as_posix() for p in own)
+    once = {}  # a file that links lead to by several names, read once (else it could be in both splits)
+    for name, p in sorted(out):
+        once.setdefault(os.path.realpath(p), (name, p))
+    return sorted(once.values()), sorted(p.relative_to(root).as_posix() for p in own)
 
 
 def _glob(pattern: Path, cache: Path) -> tuple[Path, list[tuple[str, Path]], list[str]]:
@@ -637,7 +640,7 @@ def _load_bin(cfg: DataConfig, root: Path, files) -> TokenData:
         stats = [(i, *_stamp(p)) for i, p in files]
         path = Path(cfg.cache_dir).expanduser() / f"tokens-{_sha(CACHE_FORMAT, str(root), str(dtype), stats)[:32]}.bin"
         with _lock(path):
-            if not path.exists():
+            if not path.is_file() or path.stat().st_size != sum(size for _, _, size, *_ in stats):  # or damaged
                 with written(path) as tmp, open(tmp, "wb") as out:
                     for _, p in files:
                         with open(p, "rb") as f:

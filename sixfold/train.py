@@ -66,6 +66,8 @@ class Trainer:
         self.tracer = Tracer(False, ctx.rank)
         self.comm = Comm(ctx, self.tracer)
         self.data = data if data is not None else self._load_data()
+        if ctx.world_size > 1:
+            self._check_same_data_everywhere()
         with warnings.catch_warnings():
             if not ctx.is_main:  # what every rank would say, said once
                 warnings.simplefilter("ignore")
@@ -365,6 +367,18 @@ class Trainer:
         spread = train[:: max(len(train) // 4096, 1)][:4096]
         return {"tokenizer": self.data.tokenizer.name, "train_tokens": len(train),
                 "train_sample": hashlib.sha256(np.ascontiguousarray(spread, dtype=np.int64).tobytes()).hexdigest()}
+
+    def _check_same_data_everywhere(self) -> None:
+        """Every rank read the tokens rank 0 did: a machine with another copy of data.source (or another tokenizer
+        file) would train on other batches than the others, in silence."""
+        found = self.ctx.all_gather_objects(self._data_identity())
+        for rank, other in enumerate(found):
+            if other != found[0]:
+                raise on_every_rank(DataError(
+                    f"rank {rank} read other data than rank 0 ({other['train_tokens']:,} training tokens with "
+                    f"tokenizer {other['tokenizer']}, against {found[0]['train_tokens']:,} with "
+                    f"{found[0]['tokenizer']}, or the same count of other tokens): give every machine the same "
+                    f"data.source files and data.tokenizer"))
 
     def _check_same_data(self, saved: dict) -> None:
         """Resume on the tokens the checkpoint was trained on: another tokenizer is refused (its ids mean other

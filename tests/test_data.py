@@ -225,6 +225,11 @@ def test_bin_round_trip(tmp_path, dtype):
     os.utime(root / "a.bin", ns=(stat.st_atime_ns, stat.st_mtime_ns))
     again = load_data(cfg(tmp_path, source=str(root), format="bin", bin_dtype=dtype, val_fraction=0.1))
     assert np.array_equal(np.concatenate([again.train, again.val]), np.concatenate([np.full(600, 42), tokens[600:]]))
+    joined = max((tmp_path / "cache").glob("tokens-*.bin"), key=lambda p: p.stat().st_mtime_ns)  # the cache's
+    # copy of the files cut short: made again, not read so
+    os.truncate(joined, 100)
+    whole = load_data(cfg(tmp_path, source=str(root), format="bin", bin_dtype=dtype, val_fraction=0.1))
+    assert np.array_equal(np.concatenate([whole.train, whole.val]), np.concatenate([np.full(600, 42), tokens[600:]]))
 
 
 def test_bin_errors(tmp_path):
@@ -355,6 +360,7 @@ def test_linked_directories_are_followed_once(tmp_path):
     (root / "linked").symlink_to(tmp_path / "shard")
     (root / "loop").symlink_to(root)  # a cycle is not followed around
     (root / "twin").symlink_to(tmp_path / "shard")  # two links to one directory: read once
+    (root / "latest.txt").symlink_to(root / "doc01.txt")  # a file by two names: read once, by its first
     ids = [d for d, _ in iter_documents(cfg(tmp_path, source=str(root)))]
     assert ids == ["doc00.txt", "doc01.txt", "linked/doc00.txt"]
 

@@ -536,6 +536,14 @@ def test_ranks_that_do_not_share_the_run_directory_are_refused_before_training(t
     assert [p.name for p in (tmp_path / "machine0" / "run").iterdir()] == [".lock"]
 
 
+def test_ranks_that_read_other_data_are_refused_before_training(tmp_path):
+    proc = torchrun("unshared_data.py", 2, TINY, str(tmp_path))
+    for rank in (0, 1):
+        assert f"rank {rank} refused: rank 1 read other data than rank 0 (" in proc.stdout and "give every machine " \
+               "the same data.source files and data.tokenizer" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
     proc = _train(tmp_path / "run", "train.lr=1e30", "train.grad_clip=0", "train.warmup_steps=0", "train.steps=8",
                   "train.skip_nonfinite=2", "checkpoint.save_final=false")
