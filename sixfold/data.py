@@ -16,6 +16,7 @@ import codecs
 import fcntl
 import fnmatch
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -316,7 +317,19 @@ SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".bin": "bin"}  # data.format
 def _format(cfg: DataConfig, path: Path) -> str:
     if cfg.format != "auto":
         return cfg.format
+    if path.suffix.lower() == ".json":  # JSON lines by another name (as some exporters write them), or a document
+        return "jsonl" if _json_lines(path) else "text"
     return SUFFIXES.get(path.suffix.lower(), "text")
+
+
+def _json_lines(path: Path) -> bool:
+    """Whether the file's first two lines that are not blank are each a JSON object."""
+    try:
+        with open(path, "rb") as f:
+            lines = [line for line in itertools.islice(f, 1000) if line.strip()][:2]
+        return len(lines) == 2 and all(isinstance(json.loads(line), dict) for line in lines)
+    except (OSError, ValueError):  # unreadable: refused as text when read; not JSON lines
+        return False
 
 
 def _corpus(cfg: DataConfig) -> tuple[str, Path, list[tuple[str, Path]]]:
@@ -525,9 +538,11 @@ def build_tokenizer(cfg: DataConfig, train_docs):
     key = _sha("bpe", cfg.bpe_vocab_size, _docs_hash(train_docs))[:16]
     path = Path(cfg.cache_dir).expanduser() / f"bpe-{key}.json"
     with _lock(path):
-        if not path.exists():
+        try:
+            return BPETokenizer.from_file(path)  # every process uses the file on disk
+        except DataError:  # none yet, or damaged: trained (again)
             BPETokenizer.train((doc[1] for doc in train_docs), cfg.bpe_vocab_size).save(path)
-    return BPETokenizer.from_file(path)  # every process uses the file on disk
+    return BPETokenizer.from_file(path)
 
 
 def with_tokenizer(cfg: DataConfig, text: bytes) -> DataConfig:

@@ -152,6 +152,15 @@ def test_json_lines_are_known_by_their_name_in_any_case(tmp_path, name):
     assert iter_documents(cfg(tmp_path, source=str(path)))[1] == (f"{name}:2", "line 1")
 
 
+def test_a_json_file_of_json_lines_is_read_as_them_and_a_json_document_as_text(tmp_path):
+    lines = tmp_path / "lines.json"
+    lines.write_text("\n".join(json.dumps({"text": f"line {i}", "id": i}) for i in range(3)) + "\n")
+    assert iter_documents(cfg(tmp_path, source=str(lines)))[1] == ("lines.json:2", "line 1")
+    document = tmp_path / "document.json"
+    document.write_text(json.dumps({"text": "one", "more": [1, 2]}, indent=1))
+    assert iter_documents(cfg(tmp_path, source=str(document))) == [("document.json", document.read_text())]
+
+
 def qa_corpus(path: Path, n: int = 40) -> Path:
     """JSON lines of a prompt and its answer (a line without an answer among them)."""
     lines = [json.dumps({"prompt": f"Q: what is {i} + {i}?\nA:", "answer": f" {2 * i}\n"}) for i in range(n)]
@@ -298,6 +307,10 @@ def test_load_data_bpe_and_cache_reuse(tmp_path, monkeypatch):
     again = load_data(c)
     assert [f.stat().st_mtime_ns for f in files] == stamps
     assert np.array_equal(again.train, data.train) and again.tokenizer.name == data.tokenizer.name
+    bpe = files[-1]
+    bpe.write_text(bpe.read_text()[:100])  # damaged: trained again, under its name
+    monkeypatch.undo()
+    assert load_data(c).tokenizer.encode("# document 1") == data.tokenizer.encode("# document 1")
     text = data.tokenizer.decode(np.asarray(data.train))
     assert "# document" in text and "<|endoftext|>" in text
 
