@@ -476,7 +476,7 @@ def checkpoint_over(path: str | Path, itself: bool = False) -> Path | None:
     resolved = Path(path).resolve()
     for p in [resolved] * itself + list(resolved.parents):
         if ((p / META).is_file() and any(p.glob("*.safetensors"))) or (
-                p.name == "checkpoints" and (p / "latest").is_file() and any(p.glob("step_*"))):
+                p.name == "checkpoints" and (p / "latest").is_file()):
             return p
     return None
 
