@@ -404,8 +404,13 @@ def _model_from_checkpoint(cfg: Config, given: set[str]) -> None:
                 _set(cfg, ["model", key], saved[key])
             except ConfigError as e:
                 raise ConfigError(f"the checkpoint {resume} has {e}; set model.{key} here") from None
-    for key in set(inert(cfg.model)) - given:  # (an earlier version saved them without effect)
-        setattr(cfg.model, key, getattr(ModelConfig(), key))
+    _unset(cfg.model, set(inert(cfg.model)) - given)  # (an earlier version saved them without effect)
+
+
+def _unset(model: ModelConfig, keys) -> None:
+    """The model settings `keys` back at their defaults."""
+    for key in keys:
+        setattr(model, key, getattr(ModelConfig(), key))
 
 
 def _validate_saved(cfg: Config) -> Config:
@@ -413,8 +418,7 @@ def _validate_saved(cfg: Config) -> Config:
     dropped, so that its runs stay readable."""
     if cfg.parallel.zero != 3:
         cfg.parallel.reshard_after_forward = None
-    for key in inert(cfg.model):
-        setattr(cfg.model, key, getattr(ModelConfig(), key))
+    _unset(cfg.model, inert(cfg.model))
     validate(cfg)
     return cfg
 

@@ -350,8 +350,9 @@ def _corpus(cfg: DataConfig) -> tuple[str, Path, list[tuple[str, Path]]]:
         if not root.exists():
             raise DataError(f"data.source={cfg.source!r}: {root} does not exist; give a file, a directory, a pattern "
                             "or 'stdlib'")
-        if root.is_dir() and (_sixfold_output(root) or (holder := checkpoint_over(root, itself=True))):
-            where = "" if _sixfold_output(root) or holder == root else f" (inside {holder})"
+        holder = (root if _sixfold_output(root) else checkpoint_over(root, itself=True)) if root.is_dir() else None
+        if holder:
+            where = "" if holder == root else f" (inside {holder})"
             raise DataError(f"data.source={cfg.source!r}: {root} is a sixfold run directory or checkpoint{where}, "
                             f"whose files are no corpus; point data.source at the directory of the text files")
         files, own = ([(root.name, root)], []) if root.is_file() else _walk(root, cache=cache)
