@@ -132,7 +132,10 @@ class BPETokenizer:
         self._tok, self.eot = tok, eot
         self.path: Path | None = None  # the file it was read from
         self.vocab_size = max(tok.get_vocab_size(), max(tok.get_vocab().values(), default=-1) + 1)
-        probe = tok.encode("a", add_special_tokens=True)
+        try:
+            probe = tok.encode("a", add_special_tokens=True)
+        except Exception as e:  # tokenizers' own errors, e.g. a WordLevel model without its unknown token
+            raise DataError(f"{where} cannot encode text ({e}); give a tokenizer.json that can, or 'bpe'") from None
         lead = next((i for i, special in enumerate(probe.special_tokens_mask) if not special), 0)
         self.start = tuple(probe.ids[:lead])
         self.start_token = probe.tokens[0] if lead == 1 else None  # a single start token is a model's bos

@@ -136,6 +136,50 @@ def test_rope_scaling_imports_and_exports_as_in_transformers(tmp_path, kind):
         assert max_diff(back(tokens()).logits, expected) <= TOL
 
 
+def test_a_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(tmp_path):
+    """transformers 5 writes rope_parameters; a rope_scaling added to such a config.json (to extend the context)
+    replaces it whole when transformers loads the model, so it must here too: scaled, or refused if unknown."""
+    hf = tmp_path / "hf"
+    hf_model(False).save_pretrained(hf)
+    config = json.loads((hf / "config.json").read_text())
+    assert config.get("rope_parameters") and not config.get("rope_scaling")
+    (hf / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}))
+    expected = LlamaForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
+    import_hf(hf, tmp_path / "ckpt")
+    model, cfg = load_model(tmp_path / "ckpt")
+    assert (cfg.model.rope_scaling, cfg.model.rope_factor) == ("linear", 4.0)
+    with torch.no_grad():
+        assert max_diff(model(tokens()), expected(tokens()).logits) <= TOL
+    for scaling, said in (({"rope_type": "yarn", "factor": 4.0}, "rope_type='yarn'"),
+                          ({"rope_type": "linear"}, "rope_type='linear' without factor")):
+        with pytest.raises(ConfigError, match=said):
+            model_config_from_hf({**config, "rope_scaling": scaling})
+
+
+def test_a_tied_model_is_read_from_whichever_name_holds_its_one_copy(tmp_path):
+    """transformers loads a tied model stored with lm_head.weight alone (its embedding is that tensor)."""
+    from safetensors.torch import load_file, save_file
+    hf = hf_model(True)
+    hf.save_pretrained(tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    stored = load_file(weights)
+    stored["lm_head.weight"] = stored.pop("model.embed_tokens.weight")
+    save_file(stored, weights, {"format": "pt"})
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    model, _ = load_model(tmp_path / "ckpt")
+    with torch.no_grad():
+        assert max_diff(model(tokens()), hf(tokens()).logits) <= TOL
+
+
+def test_a_sliding_window_is_refused_for_mixtral_only():
+    """transformers' Llama has no sliding window and ignores the field; Mixtral's attention uses it."""
+    llama = {**hf_config_from_model(ModelConfig()), "sliding_window": 4096}
+    assert model_config_from_hf(llama) == model_config_from_hf({**llama, "sliding_window": None})
+    mixtral = hf_config_from_model(ModelConfig(moe_experts=4, moe_top_k=2))
+    with pytest.raises(ConfigError, match="sliding_window=4096"):
+        model_config_from_hf({**mixtral, "sliding_window": 4096})
+
+
 @pytest.mark.parametrize("field,value", [
     ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}),
@@ -159,6 +203,10 @@ def test_import_refuses_bias_model(tmp_path):
 
 
 def test_import_missing_files(tmp_path):
+    (tmp_path / "hf").write_text("")
+    with pytest.raises(CheckpointError, match="hf is not a directory"):
+        import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    (tmp_path / "hf").unlink()
     (tmp_path / "hf").mkdir()
     with pytest.raises(CheckpointError, match="config.json"):
         import_hf(tmp_path / "hf", tmp_path / "ckpt")
@@ -477,11 +525,20 @@ def _beyond_the_vocabulary(text: str) -> str:
     return json.dumps(spec)
 
 
+def _without_unknown() -> str:
+    """A word-level tokenizer.json whose unknown token is not in its vocabulary: it cannot encode 'a'."""
+    from tokenizers import Tokenizer, models
+    tok = Tokenizer(models.WordLevel({"b": 0, "<|endoftext|>": 1}, unk_token="<unk>"))
+    tok.add_special_tokens(["<|endoftext|>"])
+    return tok.to_str()
+
+
 @pytest.mark.parametrize("text, why", [
     (llama2_style_tokenizer(["<unk>"]), "has no end-of-text token"),
     ("{not json", "is not a tokenizers JSON file"),
     (_beyond_the_vocabulary(llama2_style_tokenizer(["<s>", "</s>"])), "its 70001 tokens are more than the model's 320"),
-], ids=["no end of text", "not a tokenizer", "ids beyond the vocabulary"])
+    (_without_unknown(), "cannot encode text"),
+], ids=["no end of text", "not a tokenizer", "ids beyond the vocabulary", "cannot encode"])
 def test_a_tokenizer_sixfold_cannot_use_is_left_out_of_an_import_with_a_warning(tmp_path, text, why):
     hf_model(False).save_pretrained(tmp_path / "hf")
     (tmp_path / "hf" / "tokenizer.json").write_text(text)

@@ -110,11 +110,12 @@ ROPE = {"default": {}, "linear": {"factor": "rope_factor"},
 
 def _rope(hf: dict, defaults: dict) -> dict:
     """The model settings of config.json's RoPE (transformers 5's rope_parameters, or the older rope_theta and
-    rope_scaling): rope_theta if given, and rope_scaling with its fields; refuses the kinds sixfold lacks."""
+    rope_scaling): rope_theta if given, and rope_scaling with its fields; refuses the kinds sixfold lacks. As
+    transformers reads them, a rope_scaling that is not empty replaces rope_parameters whole."""
     parts = [hf.get(k) or {} for k in ("rope_scaling", "rope_parameters")]
     if not all(isinstance(p, dict) for p in parts):
         raise ConfigError(f"config.json's rope_scaling and rope_parameters must be objects: {parts}")
-    given = {**parts[0], **parts[1]}
+    given = dict(parts[0] or parts[1])
     kind = given.get("rope_type", given.get("type", "default"))
     if kind not in ROPE:
         raise ConfigError(f"rope_type={kind!r} (config.json's rope_scaling or rope_parameters: {given}): sixfold's "
@@ -164,7 +165,7 @@ def model_config_from_hf(hf: dict, source: str | Path = "config.json") -> ModelC
     hf = {k: v for k, v in hf.items() if v is not None}
     if hf.get("model_type") not in ("llama", "mixtral"):
         raise ConfigError(f"model_type={hf.get('model_type')!r}: only 'llama' and 'mixtral' models can be imported")
-    if hf.get("sliding_window"):
+    if hf.get("sliding_window") and hf["model_type"] == "mixtral":  # transformers' Llama has no window
         raise ConfigError(f"sliding_window={hf['sliding_window']}: sixfold attends to the whole causal context")
     defaults = DEFAULTS[hf["model_type"]]
     rope = _rope(hf, defaults)
@@ -282,7 +283,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     tokenizer.json where sixfold can use it."""
     hf_dir, out_dir = Path(hf_dir), _new_output(out_dir)
     if not hf_dir.is_dir():
-        raise CheckpointError(f"{hf_dir} does not exist; give a directory written by save_pretrained")
+        raise CheckpointError(f"{hf_dir} {'is not a directory' if hf_dir.exists() else 'does not exist'}; give a "
+                              f"directory written by save_pretrained")
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{hf_dir} has no config.json; give a directory written by save_pretrained")
     model_cfg = model_config_from_hf(_read_json(hf_dir / "config.json"), hf_dir / "config.json")
@@ -296,8 +298,10 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
         v = read.pop(k)
         if not k.endswith("rotary_emb.inv_freq"):
             tensors[sixfold_name(k)] = v.float()
-    if model_cfg.tie_embeddings:
-        tensors.pop("head.weight", None)
+    if model_cfg.tie_embeddings:  # either name may hold the one copy, as transformers ties them
+        head = tensors.pop("head.weight", None)
+        if "embed.weight" not in tensors and head is not None:
+            tensors["embed.weight"] = head
     check_shapes(full_shapes(model_cfg), {k: v.shape for k, v in tensors.items()}, str(hf_dir),
                  "its weights do not match its config.json", _as_hf)
     meta = {"step": 0, "config": cfg.to_dict(), "source": f"{IMPORTED} {hf_dir}"}
