@@ -165,7 +165,7 @@ def cmd_plan(args, argv) -> int:
     from .planner.report import describe, ranking, refusals
     from tqdm import tqdm
     path, overrides = _split(args.config)
-    cfg = load_config(path, overrides)
+    cfg = load_config(path, overrides, check=not args.search)  # the search validates each layout it plans
     if args.gpus % args.nodes:
         raise ConfigError(f"--gpus {args.gpus} must be divisible by --nodes {args.nodes}")
     device, per_node = DEVICES[args.gpu], args.gpus // args.nodes

@@ -217,12 +217,19 @@ def _field_problem(fields: dict, need: dict[str, type], prefix: str = "") -> str
 
 def _span_problem(e: dict) -> str | None:
     """What a span lacks that the tables and pictures read, or None: its fields, its step, the group of an
-    asynchronous collective, the micro-batch of a pipeline action."""
+    asynchronous collective, the micro-batch of a pipeline action; and what it holds of the optional ones in
+    another type (a collective's ranks and waits)."""
     if problem := _field_problem(e, SPAN):
         return problem
     args = e["args"]
     need = {"step": int, **({"group": str} if args.get("async") else {}), **({"mb": int} if "stage" in args else {})}
-    return _field_problem(args, need, "args.")
+    given = {k: float for k in ("waited_us", "wait_after_us") if k in args}
+    if problem := _field_problem(args, {**need, **given}, "args."):
+        return problem
+    ranks = args.get("ranks", [])
+    if not isinstance(ranks, list) or not all(_fits(q, int) for q in ranks):
+        return f"args.ranks={ranks!r}, not a list of integers"
+    return None
 
 
 def read_chrome_trace(path: Path) -> list[dict]:

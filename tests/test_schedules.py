@@ -135,10 +135,14 @@ def test_crowds_count_each_stage_pairs_and_the_largest_is_the_peak(name):
     for s in valid(name)[::3]:
         for r, stats in enumerate(simulate(s).ranks):
             mine = {st for st, at in enumerate(s.placement) if at == r}
-            assert all({st for st, _ in crowd} <= mine and all(n > 0 for _, n in crowd) for crowd in stats.crowds)
-            assert max(sum(n for _, n in crowd) for crowd in stats.crowds) == stats.peak_in_flight
+            assert all({st for st, *_ in crowd} <= mine and all(n > 0 and 0 <= w <= n for _, n, w in crowd)
+                       for crowd in stats.crowds)
+            assert max(sum(n for _, n, _ in crowd) for crowd in stats.crowds) == stats.peak_in_flight
+            assert any(w for crowd in stats.crowds for *_, w in crowd) == any(a.kind == W for a in s.ranks[r])
     if name == "zb-v":  # rank 0 holds the first stage and the head's: its four pairs, three of them the first's
-        assert ((0, 3), (3, 1)) in simulate(build("zb-v", 2, 2, 4)).ranks[0].crowds
+        assert ((0, 3, 0), (3, 1, 1)) in simulate(build("zb-v", 2, 2, 4)).ranks[0].crowds  # the head's past its B
+    if name == "zb-h1":  # the last rank's B's leave both pairs waiting for their W's
+        assert ((1, 2, 2),) in simulate(build("zb-h1", 2, 1, 4)).ranks[1].crowds
 
 
 @pytest.mark.parametrize("name", SCHEDULES)

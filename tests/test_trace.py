@@ -128,7 +128,11 @@ def test_a_malformed_trace_is_refused_naming_the_file(tmp_path, capsys):
     for event, problem in (({"ph": "X"}, "no name"), ({**span, "ts": "a"}, "ts='a', not a number"),
                            ({**span, "args": []}, "args=[], not an object"),
                            ({**span, "args": {"mb": 0}}, "no args.step"), (comm, "no args.group"),
-                           ({**span, "args": {"step": 1, "stage": 0}}, "no args.mb")):
+                           ({**span, "args": {"step": 1, "stage": 0}}, "no args.mb"),
+                           ({**comm, "args": {**comm["args"], "group": "pp", "ranks": None}},
+                            "args.ranks=None, not a list of integers"),
+                           ({**comm, "args": {**comm["args"], "group": "pp", "waited_us": "x"}},
+                            "args.waited_us='x', not a number")):
         path.write_text(json.dumps({"traceEvents": [span, event]}))
         with pytest.raises(ValueError, match=rf"trace.json is not a trace sixfold wrote \(traceEvents\[1\] has "
                                              rf"{re.escape(problem)}\)"):

@@ -27,10 +27,11 @@ key/value widths, a the heads, f the ffn width:
               model.loss_chunk the head weight's gradient instead, 4 * vocab * dim), token ids and labels
               (16 * T)
   rotary      the tables (4 * seq / cp * head_dim), once: one set is alive at a time
-A pipeline rank keeps each stage's activations for that stage's (stage, micro-batch) pairs in flight (of the
-simulator's crowds of pairs, the largest in bytes). The step's peak (step()) adds the computation's temporaries
-and transient buffers at the largest of three moments: the loss's backward, the first block's, and under
-pipelining an early sender's weight gradient.
+A pipeline rank keeps each stage's activations for that stage's (stage, micro-batch) pairs in flight, and for a
+pair past a B that leaves its weight gradients to a W, what that W needs instead (of the simulator's crowds of
+pairs, the largest in bytes). The step's peak (step()) adds the computation's temporaries and transient buffers
+at the largest of its moments: the loss's backward, the first block's, and under pipelining an early sender's
+weight gradient, or a W's.
 """
 from __future__ import annotations
 
@@ -130,6 +131,18 @@ def deferred(rank: Rank, layer: int) -> tuple[int, int]:
     return held, b * max(products)
 
 
+def waiting(rank: Rank, stage) -> tuple[int, int]:
+    """Bytes a micro-batch holds on `stage` from a B that leaves its weight gradients to a W until that W: its
+    blocks' deferred tensors and, on the head's stage, the head's input and logits' gradient (the head's weight
+    gradient waits for the W too, unless model.loss_chunk computes it inside the loss); and the largest weight
+    gradient the W makes."""
+    held = [deferred(rank, layer) for layer in stage.layers]
+    if stage.head and not rank.cfg.model.loss_chunk:
+        b, t, dim, vocab = rank.compute_bytes, rank.micro_tokens, rank.cfg.model.dim, _vocab(rank)
+        held.append((b * t * (dim + vocab), b * vocab * dim))
+    return sum(h for h, _ in held), max((p for _, p in held), default=0)
+
+
 def ends(rank: Rank) -> int:
     """Bytes the head's rank saves for backward at the model's ends per micro-batch: the final norm, the logits
     (or with model.loss_chunk the head weight's gradient), token ids and labels."""
@@ -146,16 +159,28 @@ def _vocab(rank: Rank) -> int:
 
 
 def activations(rank: Rank) -> dict[str, int]:
-    """Bytes saved for backward on this rank at the peak: each stage's blocks and ends times its (stage,
-    micro-batch) pairs in flight, in the simulated schedule's largest crowd (without pipelining, one pair: each
-    backward follows its forward); and the rotary tables once (a pipeline step makes one set for all its
-    micro-batches; without pipelining, one micro-batch's are freed before the next's are made), and so the
+    """Bytes saved for backward on this rank at the peak: the largest of the simulated schedule's crowds of
+    (stage, micro-batch) pairs in flight (crowds()); and the rotary tables once (a pipeline step makes one set for
+    all its micro-batches; without pipelining, one micro-batch's are freed before the next's are made), and so the
     document masks of every micro-batch under pipelining, of one without."""
+    return {"saved": max(n for _, n in crowds(rank)) + _shared(rank)}
+
+
+def crowds(rank: Rank, backward: bool = False) -> list[tuple[tuple[tuple[int, int, int], ...], int]]:
+    """Each crowd of (stage, pairs, pairs waiting for their W) the simulated schedule has alive at once on this
+    rank (without pipelining, one pair: each backward follows its forward), or with `backward` as a B begins, with
+    its bytes: each pair's stage activations, or past its B, what it holds for its W (waiting())."""
     own = {st.index: _stage_activations(rank, st) for st in rank.model.stages}
+    held = {st.index: waiting(rank, st)[0] for st in rank.model.stages}
+    alive = [tuple((i, 1, 0) for i in own)] if not rank.pipeline else \
+        rank.pipeline.backward_crowds if backward else rank.pipeline.crowds
+    return [(crowd, sum((n - w) * own[s] + w * held[s] for s, n, w in crowd)) for crowd in alive]
+
+
+def _shared(rank: Rank) -> int:
+    """Bytes of the rotary tables and document masks, as activations() counts them."""
     rope = 4 * rank.cfg.train.seq_len // rank.model.cp.size * rank.cfg.model.head_dim if rank.blocks else 0
-    masks = document_masks(rank) * (rank.cfg.train.micro_batches if rank.schedule else 1)
-    crowds = rank.pipeline.crowds if rank.pipeline else [tuple((i, 1) for i in own)]
-    return {"saved": max(sum(n * own[s] for s, n in crowd) for crowd in crowds) + rope + masks}
+    return rope + document_masks(rank) * (rank.cfg.train.micro_batches if rank.schedule else 1)
 
 
 def document_masks(rank: Rank) -> int:
@@ -197,12 +222,14 @@ def step(rank: Rank) -> dict[str, int]:
     of that micro-batch, now freed; the MLP's temporaries (mlp_working), two hidden-state gradients, under full
     recomputation that sub-layer rebuilt (not an MoE layer's, which is not run again); all the buffers above
     and the full gradients of the units being reduced (ZeRO-2/3) and their copies in the reduction's dtype
-    (bf16 gradients reduced in fp32): the REDUCING + 1 largest units'.
-    Under pipelining, at the weight gradient of a B that sent its input gradient first (Schedule.sends_early), or
-    at a W: the saved activations less that B's micro-batch's on its stage (freed by the B), that stage's deferred
-    tensors and its largest weight gradient (deferred()), the input gradient an early B sent, and the buffers of
-    the first moment (its units start reducing after it). The MLP of a B that defers holds its experts' deferred
-    tensors (mlp_working)."""
+    (bf16 gradients reduced in fp32): the REDUCING + 1 largest units'. The saved activations are the crowd's
+    alive as a B begins. The MLP of a B that defers holds w_down's output gradient and its experts' deferred
+    tensors (mlp_working).
+    Under pipelining, at the weight gradient of a B that sent its input gradient first (Schedule.sends_early):
+    the saved activations less that B's micro-batch's on its stage (freed by the B), that stage's deferred
+    tensors and its largest weight gradient (deferred()), the input gradient it sent, and the buffers of the
+    first moment (its units start reducing after it). At a W: a crowd its pair waits in (waiting()) and the
+    largest weight gradient it makes, with the same buffers."""
     b, th, dim = rank.compute_bytes, rank.hidden_tokens, rank.cfg.model.dim
     saved = activations(rank)["saved"]
     buffers = _buffers(rank)
@@ -226,15 +253,22 @@ def step(rank: Rank) -> dict[str, int]:
                 moe = rank.moe(layer) is not None  # its MLP is not run again
                 full = rank.cfg.model.recompute == "full" and not moe
                 rebuilt = b * th * dim + 4 * th + mlp_activations(rank, layer) if full else 0
-                working = mlp_working(rank, layer, st.index in early | split)
+                deferring = st.index in early | split  # w_down's output gradient waits for its weight gradient
+                working = mlp_working(rank, layer, deferring) + (b * rank.micro_tokens * dim if deferring else 0)
                 block = max(block, rebuilt + working + 2 * b * th * dim)
-        moments.append({"saved": saved - ends(rank), "working": block, "transient": buffers["reducing"]})
+        before = max(n for _, n in crowds(rank, backward=True)) + _shared(rank)  # as a B begins
+        moments.append({"saved": before - ends(rank), "working": block, "transient": buffers["reducing"]})
     sent = b * th * dim  # an early sender's input gradient, on its way
-    for st in (st for st in rank.model.stages if st.index in early | split):
+    for st in (st for st in rank.model.stages if st.index in early):
         held = [deferred(rank, layer) for layer in st.layers]
         gone = _stage_activations(rank, st)  # its B is done: the micro-batch's saved tensors freed but for `held`
-        working = sum(h for h, _ in held) + max((p for _, p in held), default=0) + (sent if st.index in early else 0)
+        working = sum(h for h, _ in held) + max((p for _, p in held), default=0) + sent
         moments.append({"saved": saved - gone, "working": working, "transient": buffers["early"]})
+    products = {st.index: waiting(rank, st)[1] for st in rank.model.stages if st.index in split}
+    for crowd, held in crowds(rank):  # a W: its pair waits in the crowd alive then; the product it makes
+        for s, _, w in crowd:
+            if w and s in products:
+                moments.append({"saved": held + _shared(rank), "working": products[s], "transient": buffers["early"]})
     peak = max(moments, key=lambda m: sum(m.values()))
     peak["transient"] += buffers["held"]
     return peak

@@ -7,8 +7,8 @@ import functools
 import itertools
 from dataclasses import dataclass
 
-from ..config import Config, ConfigError, divisors, validate
-from ..parallel.pipeline.schedules import placement
+from ..config import Config, ConfigError, ParallelConfig, divisors, validate
+from ..parallel.pipeline.schedules import build, placement
 from ..parallel.pipeline.stages import split_stages
 from .devices import Device, peak
 from .memory import persistent, step as step_memory
@@ -42,8 +42,10 @@ class Plan:
 
 def _pp_ranks(cfg: Config, ends_only: bool) -> list[int]:
     """The pipeline ranks to plan: all; or with `ends_only`, the first and last (the embedding's and the head's)
-    and of the others, which hold blocks only, the one with the most. A V placement (zb-v) puts both ends on
-    the first rank and its middle ranks' crowds differ: all of them are planned."""
+    and of the others, which hold blocks only, the one with the most: of those with as many, the first (the most
+    pairs in flight), or under a schedule with W's the last (the most pairs waiting for their W, which hold more
+    than they had saved under sequence-TP or recomputation). A V placement (zb-v) puts both ends on the first rank
+    and its middle ranks' crowds differ: all of them are planned."""
     p = cfg.parallel
     where = placement(p.pp, p.pp_virtual_stages, p.pp_schedule)
     if not ends_only or p.pp <= 2 or where[-1] == 0:
@@ -51,7 +53,8 @@ def _pp_ranks(cfg: Config, ends_only: bool) -> list[int]:
     blocks = [0] * p.pp
     for stage in split_stages(cfg.model, p.pp * p.pp_virtual_stages, cfg.train.seq_len):
         blocks[where[stage.index]] += len(stage.layers)
-    return sorted({0, p.pp - 1, max(range(1, p.pp - 1), key=lambda r: blocks[r])})
+    later = build(p.pp_schedule, p.pp, p.pp_virtual_stages, cfg.train.micro_batches).splits
+    return sorted({0, p.pp - 1, max(range(1, p.pp - 1), key=lambda r: (blocks[r], r if later else -r))})
 
 
 def plan(cfg: Config, device: Device, per_node: int, ends_only: bool = False) -> Plan:
@@ -102,7 +105,7 @@ def layouts(cfg: Config, world: int, per_node: int, refused: dict[str, str] | No
                 c.parallel.dp_replicate, c.parallel.dp_shard, c.parallel.tp, c.parallel.cp = replicate, shard, tp, cp
                 c.parallel.pp, c.parallel.zero, c.parallel.ep = pp, zero, ep
                 c.parallel.pp_schedule, c.parallel.pp_virtual_stages = schedule, v
-                c.parallel.reshard_after_forward = None
+                c.parallel.reshard_after_forward = cfg.parallel.reshard_after_forward if zero == 3 else None
                 c.train.reduce_each_micro_batch = t.reduce_each_micro_batch and zero >= 2 and pp == 1
                 c.model.recompute = recompute
                 c.train.micro_batches = t.global_batch // dp if pp > 1 else 1
@@ -153,7 +156,11 @@ def search(cfg: Config, world: int, device: Device, per_node: int, refused: dict
            progress=lambda layouts: layouts) -> list[Plan]:
     """Plans of every layout that fits, fastest first; without pipelining, each with the fewest micro-batches
     that fits. Layouts that validation refuses go into `refused` (description: reason). `progress` wraps the
-    list of layouts to plan (a progress bar)."""
+    list of layouts to plan (a progress bar). cfg's own layout plays no part: what it sets beside it is checked
+    as one process would run it, at once."""
+    alone = copy.deepcopy(cfg)
+    alone.parallel, alone.train.reduce_each_micro_batch = ParallelConfig(), False
+    validate(alone)
     plans = [_fewest_micro_batches(c, device, per_node) for c in progress(list(layouts(cfg, world, per_node, refused)))]
     if not plans:
         raise ConfigError(f"no layout of {world} GPUs divides this model and batch (tp must divide model.n_heads="

@@ -20,10 +20,15 @@ def _unit(peak: float) -> tuple[str, float]:
     return ("GB", GB) if peak >= GB / 10 else ("MB", 1e6)
 
 
+def _reduced_each(cfg) -> bool:
+    """Whether the plan reduces each of several micro-batches (with one, the setting changes nothing)."""
+    return cfg.train.reduce_each_micro_batch and cfg.train.micro_batches > 1
+
+
 def describe(p: Plan, device: str, gpus: int, nodes: int) -> str:
     cfg = p.cfg
     unit, scale = _unit(p.peak)
-    each = ", each reduced" if cfg.train.reduce_each_micro_batch else ""
+    each = ", each reduced" if _reduced_each(cfg) else ""
     lines = [f"{cfg.parallel.describe()} {_workload(cfg, device, gpus, nodes)}, {cfg.train.micro_batches} "
              f"micro-batch(es){each}, recompute {cfg.model.recompute}",
              "", f"memory per rank ({unit})    params  grads  optim  activ  working  transient   peak",
@@ -65,12 +70,12 @@ def ranking(plans: list[Plan], cfg: Config, where: tuple[str, int, int], refused
              f"{'layout':<{wide}} {'micro':>5} {'recompute':>9} {'peak ' + unit:>8} {'step ms':>8} {'tokens/s':>11} "
              f"{'MFU':>6}"]
     for p in plans[:top]:
-        micro = f"{p.cfg.train.micro_batches}{'*' if p.cfg.train.reduce_each_micro_batch else ''}"
+        micro = f"{p.cfg.train.micro_batches}{'*' if _reduced_each(p.cfg) else ''}"
         lines.append(f"{p.cfg.parallel.describe():<{wide}} {micro:>5} {p.cfg.model.recompute:>9} "
                      f"{num(p.peak / scale):>8} {num(p.step_s * 1e3):>8} {p.tokens_per_s:>11,.0f} {p.mfu:>6.1%}")
     fit = "1 layout fits" if len(plans) == 1 else f"{len(plans)} layouts fit; fastest first"
     lines.append(f"({fit}" + (f", the first {top} shown: --top" if top < len(plans) else "") + ")")
-    if any(p.cfg.train.reduce_each_micro_batch for p in plans[:top]):
+    if any(_reduced_each(p.cfg) for p in plans[:top]):
         lines.append("(* with train.reduce_each_micro_batch=true)")
     return "\n".join(lines + refusals(refused or {}))
 

@@ -50,8 +50,10 @@ class RankStats:
     bubble: float  # idle fraction of the makespan: 1 - busy / makespan
     peak_in_flight: int  # most (stage, micro) pairs with saved activations alive at once
     events: tuple[tuple[float, float, Action], ...]  # (start, end, action) for each action, in list order
-    # each distinct crowd of pairs alive after a forward, as (stage, pairs of that stage) for the rank's stages
-    crowds: frozenset[tuple[tuple[int, int], ...]] = frozenset()
+    # each distinct crowd of pairs alive after a forward or a B that leaves its weight gradient to a W, as (stage,
+    # pairs of that stage, those of them past their B and waiting for their W) for the rank's stages
+    crowds: frozenset[tuple[tuple[int, int, int], ...]] = frozenset()
+    backward_crowds: frozenset[tuple[tuple[int, int, int], ...]] = frozenset()  # those alive as a B begins
 
 
 @dataclass(frozen=True)
@@ -87,10 +89,12 @@ class _Run:
         self.early = set().union(*(schedule.sends_early(r) for r in range(schedule.pp))) if early else set()
         n = schedule.pp
         self.pos, self.clock, self.busy, self.peak = [0] * n, [0.0] * n, [0.0] * n, [0] * n
-        self.crowds: list[set[tuple[tuple[int, int], ...]]] = [set() for _ in range(n)]
+        self.crowds: list[set[tuple[tuple[int, int, int], ...]]] = [set() for _ in range(n)]
+        self.backward_crowds: list[set[tuple[tuple[int, int, int], ...]]] = [set() for _ in range(n)]
         self.ready = [0.0] * n  # when the data of each rank's last compute could be sent
         self.events: list[list[tuple[float, float, Action]]] = [[] for _ in range(n)]
         self.alive: list[set[tuple[int, int]]] = [set() for _ in range(n)]
+        self.waiting: list[set[tuple[int, int]]] = [set() for _ in range(n)]  # of those, past B, before W
         self.done: dict[Action, float] = {}  # every finished action, with its end time
         # (src, dst) -> the messages sent and the receives posted on that channel, with their post times and
         # their index in the posting rank's list
@@ -161,13 +165,24 @@ class _Run:
         self.busy[r] += cost + weights
         self.done[a] = self.clock[r]
         self.events[r].append((start, self.clock[r], a))
+        if a.kind == B:
+            self.backward_crowds[r].add(self.crowd(r))
         if a.kind == F:
             self.alive[r].add((s, m))
             self.peak[r] = max(self.peak[r], len(self.alive[r]))
-            self.crowds[r].add(tuple(sorted(Counter(st for st, _ in self.alive[r]).items())))
+            self.crowds[r].add(self.crowd(r))
         elif a.kind == W or not split or self.release == "B":
             self.alive[r].discard((s, m))
+            self.waiting[r].discard((s, m))
+        else:  # a B whose W is to come: its pair holds what the W needs
+            self.waiting[r].add((s, m))
+            self.crowds[r].add(self.crowd(r))
         return True
+
+    def crowd(self, r: int) -> tuple[tuple[int, int, int], ...]:
+        """Rank r's pairs alive now, as (stage, pairs, those past their B) for each of its stages with any."""
+        alive, waiting = (Counter(st for st, _ in pairs) for pairs in (self.alive[r], self.waiting[r]))
+        return tuple((st, n, waiting[st]) for st, n in sorted(alive.items()))
 
     def post(self, r: int, a: Action, at: int) -> Posted:
         """Post the SEND or RECV at index `at` of rank r's list."""
@@ -266,7 +281,8 @@ class _Run:
         makespan = max(self.clock)
         return Simulation(makespan, tuple(
             RankStats(self.clock[r], self.busy[r], 1 - self.busy[r] / makespan if makespan else 0.0,
-                      self.peak[r], tuple(self.events[r]), frozenset(self.crowds[r])) for r in ranks))
+                      self.peak[r], tuple(self.events[r]), frozenset(self.crowds[r]),
+                      frozenset(self.backward_crowds[r])) for r in ranks))
 
     def check_complete(self) -> None:
         for channel, queue in self.sends.items():
