@@ -115,6 +115,15 @@ class ParallelConfig:
             if self.pp > 1 else ""
         return (" x ".join(parts) or "single process") + sp + cp + pp + (f", zero{self.zero}" if self.zero else "")
 
+    def inert(self) -> str:
+        """What to tell a user whose settings of a dimension of size 1 change nothing, or ""."""
+        fields = {"sequence_parallel": "tp", "cp_mode": "cp", "cp_zigzag": "cp", "pp_schedule": "pp"}
+        idle = {f: dim for f, dim in fields.items()
+                if getattr(self, dim) == 1 and getattr(self, f) != getattr(ParallelConfig, f)}
+        said = ", ".join(f"parallel.{f}={shown(getattr(self, f))}" for f in idle)
+        dims = " and ".join(f"parallel.{dim}=1" for dim in dict.fromkeys(idle.values()))
+        return f"{said}: no effect with {dims}" if idle else ""
+
     @property
     def reshard(self) -> bool:
         """ZeRO-3 frees a unit's weights after its forward (else they stay gathered for the step)."""

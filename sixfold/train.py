@@ -84,9 +84,9 @@ class Trainer:
         self.moe = {int(n.split(".")[1]): m for n, m in self.model.named_modules() if isinstance(m, MoE)}
         if t.compile:
             self.model.compile_blocks()
-        routing = routing_warning(cfg.model)
-        if ctx.is_main and routing:
-            warnings.warn(routing)
+        for said in (routing_warning(cfg.model), p.inert()):
+            if ctx.is_main and said:
+                warnings.warn(said)
         for m in self.moe.values():
             m.micro_batches = t.micro_batches
         self.sharded = Sharded(self.model, self.comm, p.zero, p.reshard,

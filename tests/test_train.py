@@ -875,3 +875,16 @@ def test_ctrl_c_outside_the_training_steps_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_trace", interrupted)
     assert cli.main(["trace", "anywhere"]) == 128 + signal.SIGINT
     assert "sixfold: interrupted by SIGINT outside the training steps" in capsys.readouterr().err
+
+
+
+def test_settings_of_a_dimension_of_size_one_are_named_as_doing_nothing(tmp_path):
+    """parallel.cp_mode=ulysses without parallel.cp trains without cp: training says so as it starts."""
+    assert load_config(TINY, ["parallel.cp=2", "parallel.cp_mode=ulysses"]).parallel.inert() == ""
+    assert load_config(TINY, ["parallel.cp_mode=ring", "parallel.pp_schedule=1f1b"]).parallel.inert() == ""
+    idle = load_config(TINY, ["parallel.cp_zigzag=false", "parallel.pp_schedule=zb-v",
+                              "parallel.sequence_parallel=false"]).parallel.inert()
+    assert idle == ("parallel.sequence_parallel=false, parallel.cp_zigzag=false, parallel.pp_schedule='zb-v': no "
+                    "effect with parallel.tp=1 and parallel.cp=1 and parallel.pp=1")
+    with pytest.warns(UserWarning, match=r"parallel.cp_mode='ulysses': no effect with parallel.cp=1"):
+        train(load_config(TINY, [f"log.run_dir={tmp_path / 'run'}", "train.steps=1", "parallel.cp_mode=ulysses"]))
