@@ -253,8 +253,10 @@ def step(rank: Rank) -> dict[str, int]:
                 moe = rank.moe(layer) is not None  # its MLP is not run again
                 full = rank.cfg.model.recompute == "full" and not moe
                 rebuilt = b * th * dim + 4 * th + mlp_activations(rank, layer) if full else 0
-                deferring = st.index in early | split  # w_down's output gradient waits for its weight gradient
-                working = mlp_working(rank, layer, deferring) + (b * rank.micro_tokens * dim if deferring else 0)
+                # a dense w_down's output gradient (a shared expert's too) waits for its weight gradient
+                dense = rank.moe(layer) is None or rank.moe(layer).shared is not None
+                held = b * rank.micro_tokens * dim if dense and st.index in early | split else 0
+                working = mlp_working(rank, layer, st.index in early | split) + held
                 block = max(block, rebuilt + working + 2 * b * th * dim)
         before = max(n for _, n in crowds(rank, backward=True)) + _shared(rank)  # as a B begins
         moments.append({"saved": before - ends(rank), "working": block, "transient": buffers["reducing"]})

@@ -3,6 +3,7 @@ and the search over every layout of the world size, ranked by estimated throughp
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -43,9 +44,9 @@ class Plan:
 def _pp_ranks(cfg: Config, ends_only: bool) -> list[int]:
     """The pipeline ranks to plan: all; or with `ends_only`, the first and last (the embedding's and the head's)
     and of the others, which hold blocks only, the one with the most: of those with as many, the first (the most
-    pairs in flight), or under a schedule with W's the last (the most pairs waiting for their W, which hold more
-    than they had saved under sequence-TP or recomputation). A V placement (zb-v) puts both ends on the first rank
-    and its middle ranks' crowds differ: all of them are planned."""
+    pairs in flight), and under a schedule with W's the last too (the most pairs waiting for their W, which hold
+    more than they had saved under sequence-TP or recomputation, less without). A V placement (zb-v) puts both
+    ends on the first rank and its middle ranks' crowds differ: all of them are planned."""
     p = cfg.parallel
     where = placement(p.pp, p.pp_virtual_stages, p.pp_schedule)
     if not ends_only or p.pp <= 2 or where[-1] == 0:
@@ -53,8 +54,9 @@ def _pp_ranks(cfg: Config, ends_only: bool) -> list[int]:
     blocks = [0] * p.pp
     for stage in split_stages(cfg.model, p.pp * p.pp_virtual_stages, cfg.train.seq_len):
         blocks[where[stage.index]] += len(stage.layers)
-    later = build(p.pp_schedule, p.pp, p.pp_virtual_stages, cfg.train.micro_batches).splits
-    return sorted({0, p.pp - 1, max(range(1, p.pp - 1), key=lambda r: (blocks[r], r if later else -r))})
+    most = [r for r in range(1, p.pp - 1) if blocks[r] == max(blocks[1:-1])]
+    waits = build(p.pp_schedule, p.pp, p.pp_virtual_stages, cfg.train.micro_batches).splits
+    return sorted({0, p.pp - 1, most[0], most[-1] if waits else most[0]})
 
 
 def plan(cfg: Config, device: Device, per_node: int, ends_only: bool = False) -> Plan:
@@ -77,6 +79,8 @@ def plan(cfg: Config, device: Device, per_node: int, ends_only: bool = False) ->
 
 
 PP_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))  # (schedule, virtual stages)
+SEARCHED = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "pp_schedule", "pp_virtual_stages", "zero",
+            "reshard_after_forward")  # the parallel settings layouts() sets
 
 
 def layouts(cfg: Config, world: int, per_node: int, refused: dict[str, str] | None = None):
@@ -158,8 +162,9 @@ def search(cfg: Config, world: int, device: Device, per_node: int, refused: dict
     that fits. Layouts that validation refuses go into `refused` (description: reason). `progress` wraps the
     list of layouts to plan (a progress bar). cfg's own layout plays no part: what it sets beside it is checked
     as one process would run it, at once."""
-    alone = copy.deepcopy(cfg)
-    alone.parallel, alone.train.reduce_each_micro_batch = ParallelConfig(), False
+    alone = copy.deepcopy(cfg)  # the settings the search keeps as they are (cp_mode, timeout_s, ...) stay
+    alone.parallel = dataclasses.replace(cfg.parallel, **{k: getattr(ParallelConfig, k) for k in SEARCHED})
+    alone.train.reduce_each_micro_batch = False
     validate(alone)
     plans = [_fewest_micro_batches(c, device, per_node) for c in progress(list(layouts(cfg, world, per_node, refused)))]
     if not plans:
