@@ -231,7 +231,8 @@ def step(rank: Rank) -> dict[str, int]:
     first moment (its units start reducing after it). At a W: a crowd its pair waits in (waiting()) and the
     largest weight gradient it makes, with the same buffers."""
     b, th, dim = rank.compute_bytes, rank.hidden_tokens, rank.cfg.model.dim
-    saved = activations(rank)["saved"]
+    shared, alive = _shared(rank), crowds(rank)
+    saved = max(n for _, n in alive) + shared  # activations(), from the crowds the W's moments read too
     buffers = _buffers(rank)
     moments = [{"saved": saved, "working": 0, "transient": buffers["early"]}]
     if rank.model.norm is not None:
@@ -250,15 +251,15 @@ def step(rank: Rank) -> dict[str, int]:
         block = 0
         for st in rank.model.stages:
             for layer in st.layers:
-                moe = rank.moe(layer) is not None  # its MLP is not run again
-                full = rank.cfg.model.recompute == "full" and not moe
+                moe = rank.moe(layer)
+                full = rank.cfg.model.recompute == "full" and moe is None  # an MoE layer's MLP is not run again
                 rebuilt = b * th * dim + 4 * th + mlp_activations(rank, layer) if full else 0
+                deferring = st.index in early | split
                 # a dense w_down's output gradient (a shared expert's too) waits for its weight gradient
-                dense = rank.moe(layer) is None or rank.moe(layer).shared is not None
-                held = b * rank.micro_tokens * dim if dense and st.index in early | split else 0
-                working = mlp_working(rank, layer, st.index in early | split) + held
+                held = b * rank.micro_tokens * dim if deferring and (moe is None or moe.shared is not None) else 0
+                working = mlp_working(rank, layer, deferring) + held
                 block = max(block, rebuilt + working + 2 * b * th * dim)
-        before = max(n for _, n in crowds(rank, backward=True)) + _shared(rank)  # as a B begins
+        before = max(n for _, n in crowds(rank, backward=True)) + shared  # as a B begins
         moments.append({"saved": before - ends(rank), "working": block, "transient": buffers["reducing"]})
     sent = b * th * dim  # an early sender's input gradient, on its way
     for st in (st for st in rank.model.stages if st.index in early):
@@ -267,10 +268,10 @@ def step(rank: Rank) -> dict[str, int]:
         working = sum(h for h, _ in held) + max((p for _, p in held), default=0) + sent
         moments.append({"saved": saved - gone, "working": working, "transient": buffers["early"]})
     products = {st.index: waiting(rank, st)[1] for st in rank.model.stages if st.index in split}
-    for crowd, held in crowds(rank):  # a W: its pair waits in the crowd alive then; the product it makes
+    for crowd, held in alive:  # a W: its pair waits in the crowd alive then; the product it makes
         for s, _, w in crowd:
             if w and s in products:
-                moments.append({"saved": held + _shared(rank), "working": products[s], "transient": buffers["early"]})
+                moments.append({"saved": held + shared, "working": products[s], "transient": buffers["early"]})
     peak = max(moments, key=lambda m: sum(m.values()))
     peak["transient"] += buffers["held"]
     return peak

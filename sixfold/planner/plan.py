@@ -54,7 +54,8 @@ def _pp_ranks(cfg: Config, ends_only: bool) -> list[int]:
     blocks = [0] * p.pp
     for stage in split_stages(cfg.model, p.pp * p.pp_virtual_stages, cfg.train.seq_len):
         blocks[where[stage.index]] += len(stage.layers)
-    most = [r for r in range(1, p.pp - 1) if blocks[r] == max(blocks[1:-1])]
+    fullest = max(blocks[1:-1])
+    most = [r for r in range(1, p.pp - 1) if blocks[r] == fullest]
     waits = build(p.pp_schedule, p.pp, p.pp_virtual_stages, cfg.train.micro_batches).splits
     return sorted({0, p.pp - 1, most[0], most[-1] if waits else most[0]})
 
