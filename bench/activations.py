@@ -129,8 +129,9 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    if args.cp and args.cp[0] != 1:
-        parser.error("--cp must start with 1, the baseline")
+    for dim in ("tp", "cp"):
+        if getattr(args, dim) and getattr(args, dim)[0] != 1:
+            parser.error(f"--{dim} must start with 1, the baseline")
     head = [f"Command: `python bench/activations.py {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}  ",
             f"sixfold: {revision()}", ""]
     if args.tp or not args.cp:

@@ -59,17 +59,10 @@ def overrides(bench: Bench, world: int, steps: int, run_dir: str) -> list[str]:
 
 # ---- workers (one torchrun rank each) ----
 
-def _libraries() -> None:
-    """What torch.optim loads on first use (torch._dynamo, sympy: some 70 MB), which torch's side needs and
-    sixfold's does not: both load it before their memory mark, so that neither counts libraries."""
-    import torch._dynamo  # noqa: F401
-
-
 def sixfold_worker(cfg) -> dict:
     import sixfold.train as trainer
     from sixfold.model.llama import Llama
 
-    _libraries()
     base = {}
 
     def build(*args):  # the trainer's own Llama, with the memory mark taken just before it
@@ -141,7 +134,6 @@ def torch_worker(cfg, wrap, grads_to_none: bool, build=None, data_parallel=True,
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     data = load_data(cfg.data)
-    _libraries()
     warm(mesh(cfg) if mesh else None)
     base = mark_memory()
     torch.manual_seed(t.seed)
@@ -211,7 +203,6 @@ def pipeline_worker(cfg, build: Callable, schedule: str, loss_context=contextlib
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     data = load_data(cfg.data)
-    _libraries()
     warm(mesh(cfg) if mesh else None)
     base = mark_memory()
     torch.manual_seed(t.seed)

@@ -160,7 +160,7 @@ def table(path: str | None, overrides: list[str], steps: int, write: bool, argv:
 
 def _given(args, *flags: str) -> list[str]:
     """Those of `flags` set on the command line."""
-    return [f for f in flags if getattr(args, f[2:].replace("-", "_")) not in (None, False)]
+    return [f for f in flags if (v := getattr(args, f[2:].replace("-", "_"))) is not None and v is not False]
 
 
 def bench(args, path: str | None, overrides: list[str], argv: list[str]) -> None:
@@ -169,12 +169,9 @@ def bench(args, path: str | None, overrides: list[str], argv: list[str]) -> None
         raise ConfigError("run sixfold bench outside torchrun: it starts a job of its own for each run")
     if args.runs < 1:
         raise ConfigError(f"--runs {args.runs}: give at least 1")
-    if args.runs != 1 and not args.table:
-        raise ConfigError(f"--runs {args.runs}: rounds over the --table's layouts; add --table")
     if args.max_seq:
-        if _given(args, "--table", "--write", "--steps"):
-            raise ConfigError(f"{', '.join(_given(args, '--table', '--write', '--steps'))}: not with --max-seq, "
-                              f"whose probes run 2 steps each")
+        if refused := _given(args, "--table", "--write", "--steps") + ["--runs"] * (args.runs != 1):
+            raise ConfigError(f"{', '.join(refused)}: not with --max-seq, whose probes run 2 steps each, once")
         if args.budget_gb is not None and not 0 < args.budget_gb < math.inf:
             raise ConfigError(f"--budget-gb {args.budget_gb}: give a positive, finite number of GB")
         from .maxseq import max_seq
@@ -182,6 +179,8 @@ def bench(args, path: str | None, overrides: list[str], argv: list[str]) -> None
         return
     if _given(args, "--budget-gb", "--min", "--max"):
         raise ConfigError(f"{', '.join(_given(args, '--budget-gb', '--min', '--max'))}: only with --max-seq")
+    if args.runs != 1 and not args.table:
+        raise ConfigError(f"--runs {args.runs}: rounds over the --table's layouts; add --table")
     if args.write and not args.table:
         raise ConfigError("--write puts the --table into docs/benchmarks.md; add --table")
     steps = 10 if args.steps is None else args.steps
