@@ -118,8 +118,13 @@ def cmd_check(args, argv) -> int:
         raise ConfigError(f"sixfold check runs --steps steps (now {args.steps}), not train.steps: give --steps "
                           f"instead")
     from .data import load_data
-    from .parity import check, layout_config
+    from .parity import check, layout_config, reference_config, reference_key
     from .train import check_inputs
+    if reference_key(layout_config(cfg, Path("."), args.steps)) == \
+            reference_key(reference_config(cfg, Path("."), args.steps)):
+        raise ConfigError("the config trains as the single-process reference does: sixfold check would compare the "
+                          "run with itself; give the layout to check (e.g. parallel.dp_shard=2, or "
+                          "train.micro_batches=2)")
     if args.workdir:
         earlier = [name for name in ("layout", "reference") if (Path(args.workdir) / name).exists()]
         if earlier:
@@ -199,6 +204,9 @@ def cmd_matrix(args, argv) -> int:
     load_config(path, overrides)  # refused here, before any process starts
     if args.workdir:
         writable_dir(args.workdir, "--workdir")
+    if args.table and args.only:
+        raise ConfigError(f"--table {args.table} with --only: the table lists the whole matrix (docs/parity.md: every "
+                          f"layout); leave out --only to write it, or --table to run some layouts")
     if args.table:
         writable_dir(Path(args.table).parent, "--table's directory")
         if Path(args.table).is_dir():

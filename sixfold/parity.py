@@ -109,14 +109,20 @@ def _steps(layout_dir: Path, reference_dir: Path) -> tuple[list[dict], list[dict
 
 
 def _weight_diff(layout_dir: Path, reference_dir: Path) -> tuple[float, str]:
-    """The largest per-parameter RMS(layout - reference) / RMS(reference), and its parameter."""
+    """The largest per-parameter RMS(layout - reference) / RMS(reference) (RMS(layout) where the reference is
+    all zeros), and its parameter; inf for a nan, or a parameter that one checkpoint lacks (named)."""
     wa = Reader(Checkpoint(layout_dir), "model").all()
     wb = Reader(Checkpoint(reference_dir), "model").all()
+    if wa.keys() != wb.keys():
+        name = min(wa.keys() ^ wb.keys())
+        return math.inf, f"{name}, in the {'layout' if name in wa else 'reference'}'s checkpoint only"
     worst, weight_rel = "", 0.0
     for name, ref in wb.items():
-        diff = (wa[name].double() - ref.double()).pow(2).mean().sqrt() / ref.double().pow(2).mean().sqrt()
-        if float(diff) >= weight_rel:
-            worst, weight_rel = name, float(diff)
+        scale = float(ref.double().pow(2).mean().sqrt()) or 1.0
+        diff = float((wa[name].double() - ref.double()).pow(2).mean().sqrt()) / scale
+        diff = math.inf if math.isnan(diff) else diff
+        if diff >= weight_rel:
+            worst, weight_rel = name, diff
     return weight_rel, worst
 
 

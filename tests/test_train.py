@@ -16,6 +16,7 @@ import tempfile
 import termios
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -285,6 +286,8 @@ def test_layout_errors_before_any_process_starts(tmp_path):
     assert proc.returncode == 2 and "--workdir=/proc/sixfold cannot be written" in proc.stderr, proc.stderr
     proc = sixfold("matrix", TINY, "--table", "/proc/sixfold/parity.md")  # before any layout runs
     assert proc.returncode == 2 and "--table's directory=/proc/sixfold cannot be written" in proc.stderr
+    proc = sixfold("matrix", TINY, "--table", str(tmp_path / "parity.md"), "--only", "dp2")
+    assert proc.returncode == 2 and "the table lists the whole matrix" in proc.stderr, proc.stderr
     proc = _train(tmp_path / "run", "parallel.dp_shrd=2")
     assert proc.returncode == 2 and "did you mean 'parallel.dp_shard'" in proc.stderr
     empty = tmp_path / "empty"
@@ -352,13 +355,28 @@ def test_a_step_that_only_one_run_has_a_loss_for_fails_parity(monkeypatch):
     assert parity.compare_learning(None, None, "bf16").loss_rel == pytest.approx(0.005)
 
 
+def test_final_weights_that_are_nan_or_missing_fail_parity(monkeypatch):
+    """A nan compares as inf (a comparison with nan is false: it passed as 0); so does a parameter one checkpoint
+    lacks; a reference of zeros is compared by the layout's RMS."""
+    weights = {"layout": {"a": torch.full((4,), math.nan), "b": torch.ones(4)}, "reference": {"a": torch.ones(4),
+                                                                                              "b": torch.ones(4)}}
+    monkeypatch.setattr(parity, "Checkpoint", lambda run: run)
+    monkeypatch.setattr(parity, "Reader", lambda run, kind: mock.Mock(all=lambda: weights[run]))
+    assert parity._weight_diff("layout", "reference") == (math.inf, "a")
+    weights["layout"] = {"b": torch.ones(4)}
+    assert parity._weight_diff("layout", "reference") == (math.inf, "a, in the reference's checkpoint only")
+    weights["layout"], weights["reference"] = {"z": torch.full((4,), 0.5)}, {"z": torch.zeros(4)}
+    assert parity._weight_diff("layout", "reference") == (0.5, "z")
+
+
 def test_check_removes_its_temporary_runs_when_parity_holds(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    assert cli.main(["check", TINY, "--steps", "1"]) == 0
+    assert cli.main(["check", TINY, "train.micro_batches=2", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("parity OK: single process, 1 steps") and len(out.splitlines()) == 1, out  # no runs' paths
     assert not list(tmp_path.iterdir())
     for argv, said in ((["checkpoint.resume=auto"], "checkpoint.resume=auto would not be used; leave it out"),
+                       ([], "sixfold check would compare the run with itself; give the layout to check"),
                        (["train.grad_reduce=bf16", "parallel.dp_shard=2"], "set train.grad_reduce=fp32"),
                        (["train.steps=2"], "runs --steps steps (now 5), not train.steps: give --steps instead"),
                        (["model.vocab_size=100", "parallel.tp=2"], "model.vocab_size=100 is smaller than the "
