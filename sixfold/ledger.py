@@ -119,8 +119,9 @@ def _problem(data) -> str | None:
     return None
 
 
-def read(run_dir: str | Path) -> dict:
-    """comm_ledger.json of a run directory, refused by name when it is not one that write made."""
+def read(run_dir: str | Path, layout: str | None = None) -> dict:
+    """comm_ledger.json of a run directory, refused by name when it is not one that write made (or, given the
+    `layout` the run's config.yaml describes, when a launch of another layout wrote it)."""
     path = Path(run_dir) / "comm_ledger.json"
     try:
         data = json.loads(path.read_text())
@@ -128,7 +129,17 @@ def read(run_dir: str | Path) -> dict:
         raise ValueError(f"{path} is not a ledger sixfold wrote ({e}); train the run again to rewrite it") from None
     if problem := _problem(data):
         raise ValueError(f"{path} is not a ledger sixfold wrote ({problem}); train the run again to rewrite it")
+    check_layout(path, data.get("layout"), layout)
     return data
+
+
+def check_layout(path: Path, written: str | None, layout: str | None) -> None:
+    """Refuse a run's summary file that a launch of another layout than the run's config.yaml wrote: an earlier
+    launch's, beside the config of a later one that ended before writing its own."""
+    if layout and written and written != layout:
+        raise ValueError(f"{path} is an earlier launch's, in {written}; the run's config.yaml is a later launch's, in "
+                         f"{layout}, which ended before writing its own: go on with the run to its end (it rewrites "
+                         f"{path.name}), or remove {path.name}")
 
 
 def step_traffic(part: dict, step: int) -> Traffic:

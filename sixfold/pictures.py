@@ -32,7 +32,7 @@ def draw_pictures(run_dir: str | Path, cfg: Config | None = None) -> list[Path]:
     run_dir = Path(run_dir)
     cfg = cfg or load_saved_config(run_dir / "config.yaml")
     p, written = cfg.parallel, []
-    events = read_chrome_trace(run_dir / "trace.json") if (run_dir / "trace.json").is_file() else []
+    events = read_chrome_trace(run_dir / "trace.json", p.describe()) if (run_dir / "trace.json").is_file() else []
     if events:
         steps = sorted({e["args"]["step"] for e in events})
         written.append(draw_timeline(events, run_dir / PICTURES[0],
@@ -46,7 +46,7 @@ def draw_pictures(run_dir: str | Path, cfg: Config | None = None) -> list[Path]:
                                      f"{plan.bubble:.0%} on average)",
                                      "time (1 = the mean stage's forward; each stage costs its FLOPs)", "pp rank"))
     if (run_dir / "comm_ledger.json").is_file():
-        written.append(draw_mesh(ParallelDims.from_config(p), ledger.read(run_dir), run_dir / PICTURES[2],
+        written.append(draw_mesh(ParallelDims.from_config(p), ledger.read(run_dir, p.describe()), run_dir / PICTURES[2],
                                  f"sixfold {p.describe()}"))
     return written
 

@@ -9,6 +9,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from .files import write_text
+from .ledger import check_layout
 
 ROWS = {"compute": 0, "comm": 1, "optim": 0, "data": 0}
 
@@ -60,8 +61,9 @@ def _comm_lanes(events: list[dict]) -> list[int]:
     return rows
 
 
-def write_chrome_trace(events: list[dict], path: Path) -> None:
-    """One process track per rank, compute and communication on separate rows (opens in Perfetto)."""
+def write_chrome_trace(events: list[dict], path: Path, layout: str) -> None:
+    """One process track per rank, compute and communication on separate rows (opens in Perfetto); `layout`, the
+    run's, kept beside them."""
     t0 = min((e["ts"] for e in events), default=0.0)
     rows = _comm_lanes(events)
     out = []
@@ -72,7 +74,7 @@ def write_chrome_trace(events: list[dict], path: Path) -> None:
             label = "compute" if row == 0 else "communication" + (f" {row}" if row > 1 else "")
             out.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": row, "args": {"name": label}})
     out += [{**e, "ph": "X", "ts": e["ts"] - t0, "tid": row} for e, row in zip(events, rows)]
-    write_text(path, json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}))
+    write_text(path, json.dumps({"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"layout": layout}}))
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -154,10 +156,11 @@ def overlap(events: list[dict]) -> dict[str, dict[int, tuple[float, float, float
     """Per group and rank, over the traced steps, of its asynchronous collectives: ms in flight, counted from when
     every rank taking part had posted it (from issue when the trace does not say) to completion, or to the end of
     the wait when the backend does not report completion earlier (then an upper bound; a pipeline send, waited
-    for later, ends when its receive did); the share of it hidden,
-    not spent blocked in wait(); and the ms blocked in wait() before the last peer posted it, which is waiting for
-    a slower rank, not communication. Ranks on different machines are compared by their clocks. Synchronous
-    collectives are left out: the compute that calls them waits for all of their time."""
+    for later, ends when its receive did); the share of it hidden, not spent blocked in wait() (after completion,
+    wait() may still be summing a CPU reduce-scatter's slices: compute, not in flight); and the ms blocked in wait()
+    before the last peer posted it, which is waiting for a slower rank, not communication. Ranks on different
+    machines are compared by their clocks. Synchronous collectives are left out: the compute that calls them waits
+    for all of their time."""
     asyncs = [e for e in events if e["cat"] == "comm" and e["args"].get("async")]
     ends = _other_ends(asyncs)
     joined, received = _joined(asyncs, ends), _received(asyncs, ends)
@@ -167,12 +170,15 @@ def overlap(events: list[dict]) -> dict[str, dict[int, tuple[float, float, float
     for e in asyncs:
         key, a = (e["args"]["group"], e["pid"]), e["args"]
         start = max(e["ts"], joined[id(e)])
-        spans[key].append((start, max(start, min(e["ts"] + e["dur"], received.get(id(e), float("inf"))))))
+        end = max(start, min(e["ts"] + e["dur"], received.get(id(e), float("inf"))))
+        spans[key].append((start, end))
         waited = a.get("waited_us", 0.0)
-        wait_at = e["ts"] + a.get("wait_after_us", 0.0)
-        blocked = max(0.0, wait_at + waited - max(wait_at, start)) if "wait_after_us" in a else waited
-        exposed[key] += blocked
-        peers[key] += waited - blocked
+        if "wait_after_us" not in a:
+            exposed[key] += min(waited, end - start)
+            continue
+        wait_at = e["ts"] + a["wait_after_us"]
+        exposed[key] += max(0.0, min(wait_at + waited, end) - max(wait_at, start))
+        peers[key] += max(0.0, min(wait_at + waited, start) - wait_at)
     out: dict[str, dict[int, tuple[float, float, float]]] = {}
     for (group, rank), parts in sorted(spans.items()):
         total = sum(b - a for a, b in _union(parts))
@@ -232,13 +238,17 @@ def _span_problem(e: dict) -> str | None:
     return None
 
 
-def read_chrome_trace(path: Path) -> list[dict]:
-    """The spans of a trace.json written above, refused by name when one lacks what the readers need."""
+def read_chrome_trace(path: Path, layout: str | None = None) -> list[dict]:
+    """The spans of a trace.json written above, refused by name when one lacks what the readers need (or, given the
+    `layout` the run's config.yaml describes, when a launch of another layout wrote it)."""
     try:
-        events = json.loads(path.read_text())["traceEvents"]
+        data = json.loads(path.read_text())
+        events = data["traceEvents"]
         spans = [(i, e) for i, e in enumerate(events) if e["ph"] == "X"]
-    except (ValueError, KeyError, TypeError) as e:
+        written = data.get("otherData", {}).get("layout")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a trace sixfold wrote ({e}); train again with log.trace=true") from None
+    check_layout(path, written, layout)
     for i, e in spans:
         if problem := _span_problem(e):
             raise ValueError(f"{path} is not a trace sixfold wrote (traceEvents[{i}] has {problem}); train again "

@@ -563,7 +563,7 @@ class Trainer:
             events = [e for part in parts for e in part] if self.ctx.is_main else []
             if self.ctx.is_main and events:
                 with _writing_outputs(self.run_dir):
-                    write_chrome_trace(events, self.run_dir / "trace.json")
+                    write_chrome_trace(events, self.run_dir / "trace.json", self.cfg.parallel.describe())
                     written = [self.run_dir / "trace.json", *draw_pictures(self.run_dir, self.cfg)]
                 log.print(f"{overlap_table(events)}\ntrace: {written[0]}; pictures: {', '.join(map(str, written[1:]))}")
         if self.ctx.is_main and (stale := [p for n in ("trace.json", *PICTURES)

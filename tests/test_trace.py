@@ -3,6 +3,7 @@ trace.json is Chrome trace format with one track per rank, its pictures are draw
 them, and every rank's ledger gives each training step the bytes of the formulas in docs/guide."""
 import json
 import re
+import shutil
 from pathlib import Path
 from unittest import mock
 
@@ -11,7 +12,7 @@ from PIL import Image
 
 from sixfold import ledger
 from sixfold.cli import main
-from sixfold.config import load_config
+from sixfold.config import RUN_CONFIG_HEAD, load_config
 from sixfold.logs import read_metrics
 from sixfold.pictures import PICTURES
 from sixfold.trace import overlap, overlap_table, read_chrome_trace
@@ -86,6 +87,20 @@ def test_pictures_are_drawn_and_redrawn(run, capsys):
         (run_dir / "ledger.json").rename(ledger)
     assert f"kept {mesh}, not redrawn: the run has no comm_ledger.json" in capsys.readouterr().out
     assert main(["trace", str(run_dir)]) == 0 and mesh.stat().st_size > 10_000
+
+
+def test_an_earlier_launchs_summaries_are_not_drawn_under_a_later_layout(run, tmp_path, capsys):
+    """A later launch in the run's directory rewrites config.yaml as it starts, and its trace.json and ledger as it
+    ends: one that ended before (a signal, a crash) leaves the earlier launch's beside its own layout."""
+    later = tmp_path / "run"
+    shutil.copytree(run[0], later)
+    cfg = load_config(later / "config.yaml", ["parallel.tp=1"])
+    (later / "config.yaml").write_text(RUN_CONFIG_HEAD + cfg.to_yaml())
+    for name in ("trace.json", "comm_ledger.json"):
+        assert main(["trace", str(later)]) == 2
+        assert f"{later / name} is an earlier launch's, in pp2 x tp2, sequence-TP, 1f1b; the run's config.yaml is a " \
+               f"later launch's, in pp2, 1f1b, which ended before writing its own" in capsys.readouterr().err
+        (later / name).unlink()
 
 
 def test_a_summary_cut_short_leaves_the_earlier_one_whole(tmp_path):
@@ -238,6 +253,9 @@ def test_overlap_counts_from_the_last_peer():
     hops = [comm(0, "send_recv cp ring", 0, 5000, 1000, 4000, "send_recv"),
             comm(1, "send_recv cp ring", 4000, 5000, 4500, 500, "send_recv")]
     assert overlap(hops) == {"cp": {0: (1.0, 0.0, 3.0), 1: (1.0, 0.5, 0.0)}}
+    # wait() goes on past the completion (summing a CPU reduce-scatter's slices): compute, not communication
+    summed = [comm(r, "reduce_scatter fsdp unit 0", 0, 1000, 900, 600, "reduce_scatter") for r in (0, 1)]
+    assert overlap(summed) == {"fsdp": {0: (1.0, 0.9, 0.0), 1: (1.0, 0.9, 0.0)}}
 
 
 def test_run_reports_the_pipeline_messages_hidden(run):
