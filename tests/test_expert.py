@@ -19,6 +19,13 @@ def test_dispatch_bytes_equal_the_formula_and_outputs_one_process(ep):
     assert proc.stdout.count("expert bytes OK") == ep
 
 
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_zero3_gathers_each_unit_ahead_of_its_backward(model):
+    proc = torchrun("zero3_prefetch.py", 2, model)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{model} prefetch OK" in proc.stdout
+
+
 def test_experts_function_equals_autograd_and_adds_into_the_gradients():
     """fp64, 3 experts (one with no rows): outputs and gradients as autograd's per-expert products give them.
     Weight gradients are added into .grad (made on the first backward); the weights' post-accumulate hooks run

@@ -180,6 +180,17 @@ class Sharded:
             unit.group = group if unit.zero else "edp" if expert else "loss"
             self.units.append(unit)
         note_laid_out(model)
+        # the order the backward reaches the units: by layer from the last, a block before its experts (the layer's
+        # output comes through the block); each unit's backward prefetches the next one's weights (ZeRO-3)
+        order, i = self.units[::-1], 0
+        while i < len(order) - 1:
+            if order[i].expert:
+                order[i:i + 2] = order[i + 1], order[i]
+                i += 1
+            i += 1
+        self.backward_next = {a.index: b for a, b in zip(order, order[1:])}
+        # the units of the layer whose backward follows the head's at once (the head has no hook to prefetch by)
+        after_head = set() if model.norm is None else {u.index for u in order[1:3] if u is order[1] or u.expert}
         self._due: list[Unit] = []  # reduce_when_done
         self._final = True  # the reductions it starts are the step's last
         self._done: set[int] = set()
@@ -212,10 +223,8 @@ class Sharded:
             if unit.zero in (1, 2):  # the gather after a step, waited for by the unit's next forward
                 unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self._end_gather(u))
             if unit.zero == 3:
-                # the unit before the head's has its backward right after the head's, which has no hook to
-                # prefetch it by: freed after its forward, it would be gathered again at once
-                before_head = model.norm is not None and unit.index == len(self.units) - 2
-                unit.keep_gathered = not reshard_after_forward or last or before_head or tied_embedding
+                # freed after its forward, the last layer would be gathered again at once for its backward
+                unit.keep_gathered = not reshard_after_forward or last or unit.index in after_head or tied_embedding
                 unit.backward_reads_weights = not all(isinstance(m, VocabEmbedding) for m in unit.modules)
                 unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self.before_forward(u))
                 _free(unit.full)
@@ -275,8 +284,8 @@ class Sharded:
         if not unit.gathers_for_backward:
             return
         self._wait_gather(unit)
-        if unit.index > 0 and self.units[unit.index - 1].backward_reads_weights:
-            self._start_gather(self.units[unit.index - 1])
+        if (after := self.backward_next.get(unit.index)) is not None and after.backward_reads_weights:
+            self._start_gather(after)
 
     # gradients ----------------------------------------------------------------------------------
     def _grad_buffer(self, unit: Unit) -> None:

@@ -1,0 +1,37 @@
+"""ZeRO-3: every unit whose backward reads its weights has them gathered, or their gather in flight, as its
+backward begins: started by the unit the backward reached before it, or kept from the forward (the last layer,
+whose backward follows the head's). In an MoE model a block's backward comes before its experts'."""
+import sys
+
+from sixfold.config import load_config
+from sixfold.mesh import ParallelContext
+from sixfold.train import Trainer
+
+moe = sys.argv[1] == "moe"
+cfg = load_config("configs/tiny.yaml", ["parallel.dp_shard=2", "parallel.zero=3", "model.n_layers=3",
+                                        "log.run_dir=/tmp/unused",
+                                        *(["model.moe_experts=4", "model.moe_top_k=2"] if moe else [])])
+ctx = ParallelContext.initialize(cfg.parallel)
+trainer = Trainer(cfg, ctx)
+sharded = trainer.sharded
+reached, before_backward = [], sharded.before_backward
+
+
+def watched(unit):
+    if unit.gathers_for_backward:
+        reached.append((unit.index, unit.gather is not None or unit.full.untyped_storage().size() > 0))
+    before_backward(unit)
+
+
+sharded.before_backward = watched
+for _ in range(2):
+    reached.clear()
+    trainer.train_step()
+    units = sharded.units
+    blocks = [u.index for u in units if u.modules[0] in trainer.model.layers.values()]
+    experts = {u.index - 1: u.index for u in units if u.expert}
+    order = [i for b in reversed(blocks) for i in (b, *([experts[b]] if b in experts else []))]
+    assert reached == [(i, True) for i in order], reached
+if ctx.rank == 0:
+    print(f"{'moe' if moe else 'dense'} prefetch OK: {reached}")
+ctx.close()
