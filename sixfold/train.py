@@ -100,6 +100,8 @@ class Trainer:
         self.carried: dict[str, bytes] = {}  # hf.CARRIED files of the checkpoint it started from, kept in its own
         self.started_from: Path | None = None  # that checkpoint
         resume = resume_path(cfg)
+        if ctx.world_size > 1:
+            _same_resume(resume, cfg, ctx)
         if resume:
             self.load(resume)
         self.started_at = self.step
@@ -268,18 +270,24 @@ class Trainer:
         """Resume from a checkpoint; a rank that cannot read its part, or cannot go on from it, stops every rank with
         its message (a rank reads only the files that hold its slices). The weights go to the compute copies (ZeRO-1/2
         gather them) only once every rank has read its part: a rank that had stopped would not take part."""
-        problem, kind = "", ckpt.CheckpointError
+        problem, kind, found = "", ckpt.CheckpointError, ""
         try:
             self._load(where)
+            found = f"{self.started_from.resolve()} on {socket.gethostname()}"
+            identity = ckpt.file_sha256(self.started_from / ckpt.META)
         except (ckpt.CheckpointError, DataError) as e:
-            problem, kind = str(e), type(e)
-        if self.ctx.world_size > 1:
-            problems = self.ctx.all_gather_objects((problem, kind))  # (a class travels as its name)
-            first = next((r for r, (p, _) in enumerate(problems) if p), None)
+            problem, kind, identity = str(e), type(e), ""
+        if self.ctx.world_size > 1:  # (a class travels as its name)
+            problems = self.ctx.all_gather_objects((problem, kind, identity, found))
+            first = next((r for r, (p, *_) in enumerate(problems) if p), None)
             if first is not None:
-                problem, kind = problems[first]
-                if any(p != problem for p, _ in problems):  # (not the same on every rank: say whose)
+                problem, kind = problems[first][:2]
+                if any(p != problem for p, *_ in problems):  # (not the same on every rank: say whose)
                     problem += f" (rank {first})"
+            elif (other := next((r for r, got in enumerate(problems) if got[2] != problems[0][2]), None)) is not None:
+                problem = (f"rank {other} resumes from {problems[other][3]}, rank 0 from {problems[0][3]}: another "
+                           f"checkpoint (its meta.json differs); every rank resumes from the same one: give "
+                           f"checkpoint.resume a path that all machines share, or the same copy on each")
         if problem:
             raise on_every_rank(kind(problem))
         self.sharded.publish_all()
@@ -767,6 +775,19 @@ def _claim_run_dir(cfg: Config, ctx: ParallelContext, held: contextlib.ExitStack
         raise on_every_rank(ConfigError(problem))
     if ctx.world_size > 1 and (cfg.checkpoint.every or cfg.checkpoint.save_final):
         _check_shared(Path(cfg.log.run_dir), ctx)
+
+
+def _same_resume(resume: str, cfg: Config, ctx: ParallelContext) -> None:
+    """Every rank resumes, or none does: a machine whose own disk holds no checkpoint where another's does (or the
+    other way round) is refused now, naming both."""
+    found = ctx.all_gather_objects((bool(resume), socket.gethostname()))
+    if (other := next((r for r, (has, _) in enumerate(found) if has != found[0][0]), None)) is not None:
+        has, lacks = (0, other) if found[0][0] else (other, 0)
+        raise on_every_rank(ckpt.CheckpointError(
+            f"rank {has} on {found[has][1]} finds a checkpoint to resume from (checkpoint.resume="
+            f"{cfg.checkpoint.resume}, log.run_dir={cfg.log.run_dir}) and rank {lacks} on {found[lacks][1]} none: "
+            f"every rank resumes from the same checkpoint; give checkpoint.resume a path that all machines share, or "
+            f"the same copy on each"))
 
 
 def _check_shared(run_dir: Path, ctx: ParallelContext) -> None:

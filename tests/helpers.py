@@ -50,10 +50,11 @@ def free_port() -> int:
 
 
 def start_machines(count: int, nproc: int, *args: str, restarts: int = 0, rdzv: str = "c10d",
-                   own: dict[int, list[str]] | None = None) -> list[subprocess.Popen]:
+                   own: dict[int, list[str]] | None = None, cwds: list[Path] | None = None) -> list[subprocess.Popen]:
     """`sixfold ARGS` as `count` machines of `nproc` ranks each, as on a cluster: one torchrun agent per machine,
     all meeting at one rendezvous endpoint (on this host, a free port): c10d's, or with `rdzv="static"` the first
-    machine's (torchrun's default, given --node-rank and --master-addr). `own`: more arguments of some machines."""
+    machine's (torchrun's default, given --node-rank and --master-addr). `own`: more arguments of some machines;
+    `cwds`: each machine's working directory (its relative paths: as if on a disk of its own), else the checkout."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     agents = []
@@ -62,15 +63,15 @@ def start_machines(count: int, nproc: int, *args: str, restarts: int = 0, rdzv: 
             ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job-{port}"]
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={count}", f"--nproc-per-node={nproc}", *meet,
                f"--max-restarts={restarts}", "-m", "sixfold.cli", *args, *(own or {}).get(n, [])]
-        agents.append(subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE))
+        agents.append(subprocess.Popen(cmd, cwd=cwds[n] if cwds else ROOT, env=env, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     return agents
 
 
 def machines(count: int, nproc: int, *args: str, timeout: int = 300, rdzv: str = "c10d",
-             own: dict[int, list[str]] | None = None) -> list[subprocess.CompletedProcess]:
+             own: dict[int, list[str]] | None = None, cwds: list[Path] | None = None) -> list[subprocess.CompletedProcess]:
     """start_machines(), waited for: each agent's exit code and output."""
-    agents = start_machines(count, nproc, *args, rdzv=rdzv, own=own)
+    agents = start_machines(count, nproc, *args, rdzv=rdzv, own=own, cwds=cwds)
     try:
         outputs = [a.communicate(timeout=timeout) for a in agents]
     finally:

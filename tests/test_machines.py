@@ -2,7 +2,9 @@
 at the first machine's address (static, torchrun's default); here two agents on this host. The ranks' local ranks,
 each machine's first rank and its marks in the agent's store are what differ from one machine of as many ranks."""
 import os
+import shutil
 import signal
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -11,12 +13,15 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from sixfold.config import load_config
 from sixfold.join import _attempt_store
 from sixfold.logs import read_metrics
+from sixfold.train import train
 
 from helpers import LONG, TINY, children, end_machines, machines, start_machines, torchrun
 from test_train import _weights
 
+HOST = socket.gethostname()
 LAYOUT = ("parallel.pp=2", "parallel.dp_shard=2", "parallel.zero=3", "train.steps=3", "train.micro_batches=2")
 
 
@@ -66,6 +71,30 @@ def test_machines_launched_with_other_settings_are_refused(tmp_path):
             "train.lr=0.001 where rank 0 has 0.003; give every machine's launch the same config file and overrides"], \
             proc.stderr[-3000:]
     assert not (run / "metrics.jsonl").exists()
+
+
+def test_machines_that_see_other_checkpoints_are_refused(tmp_path):
+    """Each machine reads checkpoint.resume on its own disk: one that finds another checkpoint there than the first
+    machine (or none where it finds one) stops every rank before any step, naming both."""
+    homes = [tmp_path / "n0", tmp_path / "n1"]
+    for home, lr in zip(homes, ("0.003", "0.001")):
+        train(load_config(TINY, [f"log.run_dir={home / 'base'}", "train.steps=2", f"train.lr={lr}"]))
+    run = tmp_path / "run"
+    for proc in machines(2, 1, "train", TINY, "parallel.dp_shard=2", "checkpoint.resume=base", f"log.run_dir={run}",
+                         cwds=homes):
+        assert proc.returncode != 0 and _errors(proc) == [
+            f"sixfold error: rank 1 resumes from {homes[1] / 'base/checkpoints/step_0000002'} on {HOST}, rank 0 from "
+            f"{homes[0] / 'base/checkpoints/step_0000002'} on {HOST}: another checkpoint (its meta.json differs); "
+            f"every rank resumes from the same one: give checkpoint.resume a path that all machines share, or the "
+            f"same copy on each"], proc.stderr[-3000:]
+    assert not (run / "metrics.jsonl").exists()
+    shutil.rmtree(homes[1] / "base")
+    for proc in machines(2, 1, "train", TINY, "parallel.dp_shard=2", "checkpoint.resume=auto", "log.run_dir=base",
+                         "checkpoint.every=0", "checkpoint.save_final=false", cwds=homes):
+        assert proc.returncode != 0 and _errors(proc) == [
+            f"sixfold error: rank 0 on {HOST} finds a checkpoint to resume from (checkpoint.resume=auto, "
+            f"log.run_dir=base) and rank 1 on {HOST} none: every rank resumes from the same checkpoint; give "
+            f"checkpoint.resume a path that all machines share, or the same copy on each"], proc.stderr[-3000:]
 
 
 def _pending(pid: int) -> int:
