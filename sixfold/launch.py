@@ -20,12 +20,12 @@ def _env(threads: str | None) -> dict[str, str]:
 
 
 def run_torchrun(nproc: int, argv: list[str], capture: bool = False, module: str = "sixfold.cli",
-                 threads: str | None = None) -> subprocess.CompletedProcess:
+                 threads: str | None = None, stops: bool | None = None) -> subprocess.CompletedProcess:
     """Run `python -m MODULE ARGV` (by default `sixfold ARGV`) as `nproc` ranks on this machine (a standalone
-    rendezvous on a free port)."""
+    rendezvous on a free port). `stops` (by default, when the output is captured): see _run."""
     cmd = [sys.executable, "-m", "sixfold.launch", "--standalone", f"--nproc-per-node={nproc}",
            "-m", module, *argv]
-    return _run(cmd, _env(threads), capture)
+    return _run(cmd, _env(threads), capture, capture if stops is None else stops)
 
 
 def _end_with_parent():
@@ -45,12 +45,12 @@ def _end_with_parent():
     return child
 
 
-def _run(cmd: list[str], env: dict[str, str], capture: bool) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], env: dict[str, str], capture: bool, stops: bool) -> subprocess.CompletedProcess:
     """Run a job in its own session and pass SIGTERM, SIGINT (Ctrl-C) or SIGHUP on to it; torchrun sends the same
     signal to its ranks: training ones finish the step, write a checkpoint and end (stop.py). Without this a scheduler's
     SIGTERM to this launcher alone would leave the job running; if the launcher is killed outright, the job gets
-    SIGTERM all the same (_end_with_parent). A job whose output is captured (a bench or check run) ends this
-    process too once it has stopped: Stopped, its temporary files removed on the way out."""
+    SIGTERM all the same (_end_with_parent). A job run for its results (`stops`: a bench, check or matrix job)
+    ends this process too once it has stopped: Stopped, its temporary files removed on the way out."""
     pipe = subprocess.PIPE if capture else None
     job = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_end_with_parent(), text=True,
                            stdout=pipe, stderr=pipe)
@@ -65,7 +65,7 @@ def _run(cmd: list[str], env: dict[str, str], capture: bool) -> subprocess.Compl
         out, err = job.communicate()
     finally:
         put_back(previous)
-    if heard and capture:
+    if heard and stops:
         raise Stopped(f"stopped by {heard[0]}, and the job it ran with it", heard[0])
     # a job a signal ended (torchrun before it handles them, as it starts) as a shell reports it: 128 + the signal
     code = 128 - job.returncode if job.returncode < 0 else job.returncode
@@ -77,7 +77,7 @@ def run_ranks(nproc: int, module: str, argv: list[str], threads: str | None = No
     wait for), more under torchrun."""
     if nproc > 1:
         return run_torchrun(nproc, argv, capture=True, module=module, threads=threads)
-    return _run([sys.executable, "-m", module, *argv], _env(threads), capture=True)
+    return _run([sys.executable, "-m", module, *argv], _env(threads), capture=True, stops=True)
 
 
 def torchrun(argv: list[str]) -> int:

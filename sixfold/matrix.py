@@ -277,7 +277,7 @@ def _run(config: str | None, overrides: list[str], layouts: list[Layout], root: 
                                 "runs": [{"name": name, "config": cfg.to_dict()} for name, cfg in runs]}))
     (root / "results.jsonl").unlink(missing_ok=True)
     start, load = time.perf_counter(), os.getloadavg()[0]
-    proc = run_torchrun(max(row.ranks for row, _ in rows), [str(plan)], module="sixfold.multirun")
+    proc = run_torchrun(max(row.ranks for row, _ in rows), [str(plan)], module="sixfold.multirun", stops=True)
     seconds = time.perf_counter() - start
     outcomes = {}
     if (root / "results.jsonl").is_file():

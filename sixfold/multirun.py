@@ -5,7 +5,7 @@ the job's ranks. The others follow in the plan's order (so a run may resume from
 a run of N ranks uses the job's first N, its process groups made once per rank set (mesh.Groups), while the
 other ranks wait at the job's barrier. Rank 0 appends each run's outcome (name, ok, error, seconds) to
 results.jsonl beside the plan as soon as it is known. A run that fails does not stop the job: the groups it
-used are dropped (their collectives may be out of step) and the next run goes on.
+used are dropped (their collectives may be out of step) and the next run goes on. A signal stops the job.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from .config import Config, config_from_dict
 from .data import TokenData, load_data
 from .join import join_job, leave_job
 from .mesh import Groups, ParallelContext, ParallelDims
+from .stop import Stopped
 from .train import run
 
 JOB_TIMEOUT = timedelta(hours=2)  # ranks outside a run wait this long for it at the job's barrier
@@ -38,6 +39,8 @@ def _attempt(cfg: Config, ctx: ParallelContext, data: TokenData) -> dict:
     try:
         run(cfg, ctx, data)
         error = ""
+    except Stopped:  # a signal ends the job, not the run alone
+        raise
     except Exception as e:
         where = "".join(traceback.format_tb(e.__traceback__)[-2:])
         error = f"rank {dist.get_rank()}: {type(e).__name__}: {e}\n{where}"
@@ -118,7 +121,11 @@ def run_plan(plan_path: str, rank: int) -> None:
 
 
 def main(plan_path: str) -> None:
-    run_plan(plan_path, join_job(JOB_TIMEOUT)[0])
+    try:
+        run_plan(plan_path, join_job(JOB_TIMEOUT)[0])
+    except Stopped as e:
+        print(f"sixfold multirun: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
     leave_job()  # the plan's groups are no longer referenced
 
 

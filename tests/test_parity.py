@@ -3,6 +3,11 @@ weights in round-off, bf16 learning like fp32. The matrix runs in one torchrun j
 `sixfold matrix --table`, must list its layouts. It covers every pair of dimensions. ZeRO's buffers and bytes
 equal the formulas."""
 import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -42,6 +47,24 @@ def test_a_passing_matrix_removes_its_temporary_runs(tmp_path, monkeypatch):
                                                   "before --only"), (["dp9"], "no layout named dp9 in the matrix")):
         with pytest.raises(ConfigError, match=said):
             matrix.run(TINY, only=only)
+
+
+def test_a_signal_stops_the_whole_matrix(tmp_path):
+    """SIGTERM while a layout trains ends the job: no later layout runs, none is reported failed, no table."""
+    cmd = [sys.executable, "-m", "sixfold.cli", "matrix", TINY, "--only", "dp2", "tp2", "cp2-ring",
+           "--workdir", str(tmp_path / "runs")]
+    job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    seen = [job.stdout.readline()]
+    while not seen[-1].startswith("dp2: ok"):  # dp2's run has ended, tp2's starts
+        assert seen[-1], "".join(seen) + job.stderr.read()[-3000:]
+        seen.append(job.stdout.readline())
+    job.send_signal(signal.SIGTERM)
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in err, (out, err[-3000:])
+    assert "FAILED" not in "".join(seen) + out
+    ran = [json.loads(line)["name"] for line in (tmp_path / "runs" / "results.jsonl").read_text().splitlines()]
+    assert "dp2" in ran and "tp2" not in ran and "cp2-ring" not in ran, ran
 
 
 def test_docs_parity_lists_the_matrix():
