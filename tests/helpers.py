@@ -69,7 +69,8 @@ def start_machines(count: int, nproc: int, *args: str, restarts: int = 0, rdzv: 
 
 
 def machines(count: int, nproc: int, *args: str, timeout: int = 300, rdzv: str = "c10d",
-             own: dict[int, list[str]] | None = None, cwds: list[Path] | None = None) -> list[subprocess.CompletedProcess]:
+             own: dict[int, list[str]] | None = None,
+             cwds: list[Path] | None = None) -> list[subprocess.CompletedProcess]:
     """start_machines(), waited for: each agent's exit code and output."""
     agents = start_machines(count, nproc, *args, rdzv=rdzv, own=own, cwds=cwds)
     try:
