@@ -19,7 +19,7 @@ def test_dispatch_bytes_equal_the_formula_and_outputs_one_process(ep):
     assert proc.stdout.count("expert bytes OK") == ep
 
 
-@pytest.mark.parametrize("model", ["dense", "moe"])
+@pytest.mark.parametrize("model", ["dense", "moe", "mixed"])
 def test_zero3_gathers_each_unit_ahead_of_its_backward(model):
     proc = torchrun("zero3_prefetch.py", 2, model)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -50,7 +50,6 @@ LAYOUTS = {
     "pp2xdp_shard2-zero1": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero=1", "train.micro_batches=2"],
     "pp2xdp_shard2-zero3": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero=3", "train.micro_batches=2"],
     "moe-ep2": ["model.moe_experts=4", "parallel.dp_shard=2", "parallel.ep=2"],
-    "moe-zero3-accum": ["model.moe_experts=4", "parallel.dp_shard=2", "parallel.zero=3", "train.micro_batches=2"],
     "moe-shared-tp2": ["model.moe_experts=4", "model.moe_shared_expert=true", "parallel.tp=2"],
     "moe-tp2": ["model.moe_experts=4", "parallel.tp=2"],  # the experts send nothing over tp
     "moe-tp2-ep2-no-sequence-tp": ["model.moe_experts=4", "parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=2",

@@ -180,17 +180,22 @@ class Sharded:
             unit.group = group if unit.zero else "edp" if expert else "loss"
             self.units.append(unit)
         note_laid_out(model)
-        # the order the backward reaches the units: by layer from the last, a block before its experts (the layer's
-        # output comes through the block); each unit's backward prefetches the next one's weights (ZeRO-3)
-        order, i = self.units[::-1], 0
-        while i < len(order) - 1:
-            if order[i].expert:
-                order[i:i + 2] = order[i + 1], order[i]
-                i += 1
-            i += 1
-        self.backward_next = {a.index: b for a, b in zip(order, order[1:])}
-        # the units of the layer whose backward follows the head's at once (the head has no hook to prefetch by)
-        after_head = set() if model.norm is None else {u.index for u in order[1:3] if u is order[1] or u.expert}
+        # the units by layer, in the order the backward reaches them: from the last, a block before its experts (the
+        # layer's output comes through the block). ZeRO-3 prefetches the next layer's weights as a layer's backward
+        # begins; in an MoE layer its block's once the experts' backward is done (their weights freed): the experts
+        # are the larger, gathered behind the whole layer, the block behind the rest of it
+        self.layers: list[list[Unit]] = []
+        for unit in reversed(self.units):
+            if not unit.expert and self.layers and self.layers[-1][0].expert and len(self.layers[-1]) == 1:
+                self.layers[-1].insert(0, unit)
+            else:
+                self.layers.append([unit])
+        self.prefetch, self.prefetch_after = {}, {}
+        for layer, after in zip(self.layers, self.layers[1:]):
+            self.prefetch[layer[0].index] = after[1:] if len(layer) > 1 else after
+            self.prefetch_after[layer[-1].index] = after[:1] if len(layer) > 1 else []
+        # the layer whose backward follows the head's at once (the head has no hook to prefetch it by)
+        after_head = {u.index for u in self.layers[1]} if model.norm is not None and len(self.layers) > 1 else set()
         self._due: list[Unit] = []  # reduce_when_done
         self._final = True  # the reductions it starts are the step's last
         self._done: set[int] = set()
@@ -284,8 +289,13 @@ class Sharded:
         if not unit.gathers_for_backward:
             return
         self._wait_gather(unit)
-        if (after := self.backward_next.get(unit.index)) is not None and after.backward_reads_weights:
-            self._start_gather(after)
+        self._prefetch(self.prefetch.get(unit.index, []))
+
+    def _prefetch(self, units: list[Unit]) -> None:
+        """ZeRO-3: the gathers started of those of `units` whose backward reads their weights."""
+        for unit in units:
+            if unit.gathers_for_backward:
+                self._start_gather(unit)
 
     # gradients ----------------------------------------------------------------------------------
     def _grad_buffer(self, unit: Unit) -> None:
@@ -307,6 +317,7 @@ class Sharded:
         unit.ready = 0
         if unit.zero == 3 and not unit.keep_gathered:
             _free(unit.full)
+        self._prefetch(self.prefetch_after.get(unit.index, []))
         if unit in self._due:
             self._done.add(unit.index)
             while self._due and self._due[0].index in self._done:

@@ -281,9 +281,10 @@ def _buffers(rank: Rank) -> dict[str, int]:
     """Transient buffers, each alive at the moments step() names: "early", ZeRO-2/3 gradients from forward (with
     pipelining, or several micro-batches not reduced each, every unit's from the step's start); "reducing", those
     and the units' being reduced, with their copies in the reduction's dtype; "held" through the step, ZeRO-3
-    gathered weights (all of the rank's under pipelining; else those kept through the step, and of the rest a unit
-    and the next one, prefetched), less those gathered before the step (in persistent()), and under pipelining the
-    most hidden states the rank's sends keep alive at once (until the data is known received, delivery.py)."""
+    gathered weights (all of the rank's under pipelining; else those kept through the step, and of the rest a
+    layer's units and the next layer's, prefetched: the two largest, at most), less those gathered before the step
+    (in persistent()), and under pipelining the most hidden states the rank's sends keep alive at once (until the
+    data is known received, delivery.py)."""
     b, units = rank.compute_bytes, rank.sharded.units
     t = rank.cfg.train  # every full gradient from the step's start, unless reduced (and freed) each micro-batch:
     whole = rank.schedule is not None or (t.micro_batches > 1 and not t.reduce_each_micro_batch)
@@ -293,7 +294,8 @@ def _buffers(rank: Rank) -> dict[str, int]:
     copies = sorted(copy * u.padded for u in units if (u.zero or b == 4) and rank.ctx.size(u.group) > 1)
     gathered = [b * u.padded for u in units if u.zero == 3 and (u.keep_gathered or rank.schedule is not None)]
     if rank.schedule is None:
-        gathered += sorted(b * u.padded for u in units if u.zero == 3 and not u.keep_gathered)[-2:]
+        gathered += sorted(sum(b * u.padded for u in layer if u.zero == 3 and not u.keep_gathered)
+                           for layer in rank.sharded.layers)[-2:]
     before = sum(b * u.padded for u in rank.sharded.ahead)  # gathered in the step before, in persistent()
     sends = held_sends(rank.schedule, rank.ctx.rank_in("pp")) if rank.schedule else 0
     pipe = sends * b * rank.hidden_tokens * rank.cfg.model.dim

@@ -1,16 +1,16 @@
 """ZeRO-3: every unit whose backward reads its weights has them gathered, or their gather in flight, as its
-backward begins: started by the unit the backward reached before it, or kept from the forward (the last layer,
-whose backward follows the head's). In an MoE model a block's backward comes before its experts'."""
+backward begins: started by a unit the backward reached before it, or kept from the forward (the last layer,
+whose backward follows the head's). In an MoE layer a block's backward comes before its experts'."""
 import sys
 
 from sixfold.config import load_config
 from sixfold.mesh import ParallelContext
 from sixfold.train import Trainer
 
-moe = sys.argv[1] == "moe"
-cfg = load_config("configs/tiny.yaml", ["parallel.dp_shard=2", "parallel.zero=3", "model.n_layers=3",
-                                        "log.run_dir=/tmp/unused",
-                                        *(["model.moe_experts=4", "model.moe_top_k=2"] if moe else [])])
+model = sys.argv[1]  # dense, moe, or mixed (every other layer MoE)
+experts = {"dense": [], "moe": ["model.moe_experts=4"], "mixed": ["model.moe_experts=4", "model.moe_every=2"]}
+cfg = load_config("configs/tiny.yaml", ["parallel.dp_shard=2", "parallel.zero=3", "model.n_layers=4",
+                                        "log.run_dir=/tmp/unused", *experts[model]])
 ctx = ParallelContext.initialize(cfg.parallel)
 trainer = Trainer(cfg, ctx)
 sharded = trainer.sharded
@@ -33,5 +33,5 @@ for _ in range(2):
     order = [i for b in reversed(blocks) for i in (b, *([experts[b]] if b in experts else []))]
     assert reached == [(i, True) for i in order], reached
 if ctx.rank == 0:
-    print(f"{'moe' if moe else 'dense'} prefetch OK: {reached}")
+    print(f"{model} prefetch OK: {reached}")
 ctx.close()
