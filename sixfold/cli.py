@@ -123,8 +123,7 @@ def cmd_check(args, argv) -> int:
     if reference_key(layout_config(cfg, Path("."), args.steps)) == \
             reference_key(reference_config(cfg, Path("."), args.steps)):
         raise ConfigError("the config trains as the single-process reference does: sixfold check would compare the "
-                          "run with itself; give the layout to check (e.g. parallel.dp_shard=2, or "
-                          "train.micro_batches=2)")
+                          "run with itself; give the layout to check (e.g. parallel.dp_shard=2)")
     if args.workdir:
         earlier = [name for name in ("layout", "reference") if (Path(args.workdir) / name).exists()]
         if earlier:

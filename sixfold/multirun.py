@@ -124,7 +124,8 @@ def main(plan_path: str) -> None:
     try:
         run_plan(plan_path, join_job(JOB_TIMEOUT)[0])
     except Stopped as e:
-        print(f"sixfold multirun: {e}", file=sys.stderr)
+        if dist.get_rank() == 0:
+            print(f"sixfold multirun: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     leave_job()  # the plan's groups are no longer referenced
 

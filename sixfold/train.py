@@ -277,6 +277,8 @@ class Trainer:
             identity = ckpt.file_sha256(self.started_from / ckpt.META)
         except (ckpt.CheckpointError, DataError) as e:
             problem, kind, identity = str(e), type(e), ""
+        except OSError as e:  # its meta.json, read again for its identity
+            problem, kind, identity = f"cannot read {e.filename}: {e.strerror or e}", ckpt.CheckpointError, ""
         if self.ctx.world_size > 1:  # (a class travels as its name)
             problems = self.ctx.all_gather_objects((problem, kind, identity, found))
             first = next((r for r, (p, *_) in enumerate(problems) if p), None)

@@ -1,10 +1,15 @@
 """Runs of several layouts in one torchrun job: a run that fails is reported and the job goes on."""
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 from sixfold.config import load_config
 from sixfold.launch import run_torchrun
 from sixfold.logs import read_metrics
-from helpers import TINY, torchrun
+from helpers import ROOT, TINY, torchrun
 
 
 def _plan(tmp_path):
@@ -37,3 +42,24 @@ def test_no_process_group_thread_outlives_the_job(tmp_path):
     worker threads can release a collective's tensors while the interpreter exits."""
     proc = torchrun("leave.py", 2, str(_plan(tmp_path)))
     assert proc.returncode == 0 and proc.stdout.count("threads OK") == 2, proc.stderr[-3000:]
+
+
+def test_a_signal_ends_the_job_not_the_run_alone(tmp_path):
+    """SIGTERM while a run trains stops it and the job: the runs after it do not start, none is reported."""
+    def run(name, steps):
+        cfg = load_config(TINY, [f"train.steps={steps}", "parallel.tp=2", f"log.run_dir={tmp_path / name}"])
+        return {"name": name, "config": cfg.to_dict()}
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"timeout_s": 30, "runs": [run("long", 100000), run("after", 2)]}))
+    cmd = [sys.executable, "-m", "sixfold.launch", "--standalone", "--nproc-per-node=2", "-m", "sixfold.multirun",
+           str(plan)]
+    job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    metrics = tmp_path / "long" / "metrics.jsonl"
+    while job.poll() is None and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.05)  # two steps done: the run is training
+    job.send_signal(signal.SIGTERM)
+    out, err = job.communicate(timeout=120)
+    assert "sixfold multirun: stopped by SIGTERM" in err, err[-3000:]
+    assert (tmp_path / "results.jsonl").read_text() == "" and not (tmp_path / "after").exists(), out + err[-3000:]

@@ -192,8 +192,9 @@ class Sharded:
                 self.layers.append([unit])
         self.prefetch, self.prefetch_after = {}, {}
         for layer, after in zip(self.layers, self.layers[1:]):
-            self.prefetch[layer[0].index] = after[1:] if len(layer) > 1 else after
-            self.prefetch_after[layer[-1].index] = after[:1] if len(layer) > 1 else []
+            staggered = len(layer) > 1 and layer[-1].zero == 3  # (experts not sharded: nothing to free first)
+            self.prefetch[layer[0].index] = after[1:] if staggered else after
+            self.prefetch_after[layer[-1].index] = after[:1] if staggered else []
         # the layer whose backward follows the head's at once (the head has no hook to prefetch it by)
         after_head = {u.index for u in self.layers[1]} if model.norm is not None and len(self.layers) > 1 else set()
         self._due: list[Unit] = []  # reduce_when_done

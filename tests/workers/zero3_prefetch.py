@@ -17,10 +17,16 @@ sharded = trainer.sharded
 reached, before_backward = [], sharded.before_backward
 
 
+loose = lambda layer: [u for u in layer if u.zero == 3 and not u.keep_gathered]  # gathered for use, then freed
+bound = sum(sorted(sum(u.full.numel() * 4 for u in loose(layer)) for layer in sharded.layers)[-2:])
+held = []  # bytes of those gathered (or being gathered) as each backward begins and after it
+
+
 def watched(unit):
     if unit.gathers_for_backward:
         reached.append((unit.index, unit.gather is not None or unit.full.untyped_storage().size() > 0))
     before_backward(unit)
+    held.append(sum(u.full.untyped_storage().size() for u in loose(sharded.units)))
 
 
 sharded.before_backward = watched
@@ -32,6 +38,7 @@ for _ in range(2):
     experts = {u.index - 1: u.index for u in units if u.expert}
     order = [i for b in reversed(blocks) for i in (b, *([experts[b]] if b in experts else []))]
     assert reached == [(i, True) for i in order], reached
+    assert max(held) <= bound, (held, bound)  # at most two layers: the one in use and the next
 if ctx.rank == 0:
     print(f"{model} prefetch OK: {reached}")
 ctx.close()
