@@ -807,7 +807,7 @@ def test_a_job_a_signal_ended_exits_as_a_shell_reports_it():
     """torchrun ended by a signal as it starts (before it handles them): 143, not the -15 that sys.exit made 241."""
     from sixfold.launch import _run
     ended = _run([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"], dict(os.environ),
-                 capture=False)
+                 capture=False, stops=False)
     assert ended.returncode == 128 + signal.SIGTERM
 
 
