@@ -120,8 +120,8 @@ def cmd_check(args, argv) -> int:
     from .data import load_data
     from .parity import check, layout_config, reference_config, reference_key
     from .train import check_inputs
-    if reference_key(layout_config(cfg, Path("."), args.steps)) == \
-            reference_key(reference_config(cfg, Path("."), args.steps)):
+    layout = layout_config(cfg, Path("."), args.steps)
+    if reference_key(layout) == reference_key(reference_config(cfg, Path("."), args.steps)):
         raise ConfigError("the config trains as the single-process reference does: sixfold check would compare the "
                           "run with itself; give the layout to check (e.g. parallel.dp_shard=2)")
     if args.workdir:
@@ -130,7 +130,7 @@ def cmd_check(args, argv) -> int:
             raise ConfigError(f"--workdir {args.workdir} holds an earlier check's runs ({', '.join(earlier)}); remove "
                               f"them or give another --workdir")
         writable_dir(args.workdir, "--workdir")
-    check_inputs(layout_config(cfg, Path("."), args.steps), load_data(cfg.data))  # here, not by each rank
+    check_inputs(layout, load_data(cfg.data))  # here, not by each rank
     result = check(cfg, args.steps, args.workdir)
     print(result.line())
     return 0 if result.ok else 1

@@ -20,12 +20,12 @@ def _env(threads: str | None) -> dict[str, str]:
 
 
 def run_torchrun(nproc: int, argv: list[str], capture: bool = False, module: str = "sixfold.cli",
-                 threads: str | None = None, stops: bool | None = None) -> subprocess.CompletedProcess:
+                 threads: str | None = None, stops: bool = False) -> subprocess.CompletedProcess:
     """Run `python -m MODULE ARGV` (by default `sixfold ARGV`) as `nproc` ranks on this machine (a standalone
-    rendezvous on a free port). `stops` (by default, when the output is captured): see _run."""
+    rendezvous on a free port). `stops`, or a captured output: a signal stops this process too (_run)."""
     cmd = [sys.executable, "-m", "sixfold.launch", "--standalone", f"--nproc-per-node={nproc}",
            "-m", module, *argv]
-    return _run(cmd, _env(threads), capture, capture if stops is None else stops)
+    return _run(cmd, _env(threads), capture, capture or stops)
 
 
 def _end_with_parent():

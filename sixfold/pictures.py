@@ -32,11 +32,12 @@ def draw_pictures(run_dir: str | Path, cfg: Config | None = None) -> list[Path]:
     run_dir = Path(run_dir)
     cfg = cfg or load_saved_config(run_dir / "config.yaml")
     p, written = cfg.parallel, []
-    events = read_chrome_trace(run_dir / "trace.json", p.describe()) if (run_dir / "trace.json").is_file() else []
+    layout = p.describe()  # the files an earlier launch of another layout left are refused
+    events = read_chrome_trace(run_dir / "trace.json", layout) if (run_dir / "trace.json").is_file() else []
     if events:
         steps = sorted({e["args"]["step"] for e in events})
         written.append(draw_timeline(events, run_dir / PICTURES[0],
-                                     f"sixfold {p.describe()}: steps {steps[0]}-{steps[-1]} of {cfg.train.steps}"))
+                                     f"sixfold {layout}: steps {steps[0]}-{steps[-1]} of {cfg.train.steps}"))
     if p.pp > 1:
         s = schedules.build(p.pp_schedule, p.pp, p.pp_virtual_stages, cfg.train.micro_batches)
         stages = split_stages(cfg.model, s.stages, cfg.train.seq_len)
@@ -46,8 +47,8 @@ def draw_pictures(run_dir: str | Path, cfg: Config | None = None) -> list[Path]:
                                      f"{plan.bubble:.0%} on average)",
                                      "time (1 = the mean stage's forward; each stage costs its FLOPs)", "pp rank"))
     if (run_dir / "comm_ledger.json").is_file():
-        written.append(draw_mesh(ParallelDims.from_config(p), ledger.read(run_dir, p.describe()), run_dir / PICTURES[2],
-                                 f"sixfold {p.describe()}"))
+        written.append(draw_mesh(ParallelDims.from_config(p), ledger.read(run_dir, layout), run_dir / PICTURES[2],
+                                 f"sixfold {layout}"))
     return written
 
 

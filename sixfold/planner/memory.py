@@ -256,8 +256,8 @@ def step(rank: Rank) -> dict[str, int]:
                 rebuilt = b * th * dim + 4 * th + mlp_activations(rank, layer) if full else 0
                 deferring = st.index in early | split
                 # a dense w_down's output gradient (a shared expert's too) waits for its weight gradient
-                held = b * rank.micro_tokens * dim if deferring and (moe is None or moe.shared is not None) else 0
-                working = mlp_working(rank, layer, deferring) + held
+                down = b * rank.micro_tokens * dim if deferring and (moe is None or moe.shared is not None) else 0
+                working = mlp_working(rank, layer, deferring) + down
                 block = max(block, rebuilt + working + 2 * b * th * dim)
         before = max(n for _, n in crowds(rank, backward=True)) + shared  # as a B begins
         moments.append({"saved": before - ends(rank), "working": block, "transient": buffers["reducing"]})
