@@ -1,6 +1,4 @@
 """python -m sixfold: the command line, as the installed `sixfold` script."""
-import sys
+from .cli import script
 
-from .cli import main
-
-sys.exit(main())
+script()

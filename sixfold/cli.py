@@ -14,7 +14,7 @@ from pathlib import Path
 from .config import (PICTURES, ConfigError, check_available, check_tensorboard, check_text, check_world_size,
                      load_config, make_run_dir, override, validate, writable_dir)
 from .console import gone, mute
-from .launch import run_torchrun, under_torchrun
+from .launch import end, run_torchrun, under_torchrun
 from .run_lock import check_free
 
 SAID_WITHIN_S = 30  # how long a rank waits for its machine's first to say an error all of them raised
@@ -425,5 +425,10 @@ def _tell(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+def script() -> None:
+    """The `sixfold` command: main() on sys.argv, then the exit."""
+    end(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    script()

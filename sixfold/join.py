@@ -139,7 +139,11 @@ def leave_job() -> None:
     """Destroy every process group, and collect what still refers to one, so that each group's worker threads are
     joined now. A gloo worker that releases a finished collective's tensors after the interpreter has begun to exit
     needs the GIL and aborts the process ("terminate called without an active exception"); call this last, with
-    no process group left referenced."""
+    no process group left referenced. A rank's objects are then frozen: its exit skips collecting them (see
+    launch.end)."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    gc.collect()
+        gc.collect()
+        gc.freeze()
+    else:
+        gc.collect()
