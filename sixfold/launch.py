@@ -1,4 +1,4 @@
-"""Start this machine's ranks with torchrun, or tell that we already run under it."""
+"""Start this machine's ranks with torchrun, or tell that we already run under it; end a process at once."""
 from __future__ import annotations
 
 import gc
