@@ -70,12 +70,13 @@ def _load(runs: list[tuple[str, Config]], rank: int) -> dict[str, TokenData]:
 
 
 def _report(results: Path, outcomes: list[tuple[str, dict]]) -> None:
-    """Rank 0: append outcomes to results.jsonl, and a line each to the output."""
+    """Rank 0: append outcomes to results.jsonl, then a line each to the output: a run said done is on disk (a
+    SIGTERM between runs ends a rank at once, with what it had not yet written)."""
     if dist.get_rank() == 0:
         with results.open("a") as f:
-            for name, outcome in outcomes:
-                f.write(json.dumps({"name": name, **outcome}) + "\n")
-                print(f"{name}: {'ok' if outcome['ok'] else 'FAILED'} in {outcome['seconds']:.1f}s", flush=True)
+            f.writelines(json.dumps({"name": name, **outcome}) + "\n" for name, outcome in outcomes)
+        for name, outcome in outcomes:
+            print(f"{name}: {'ok' if outcome['ok'] else 'FAILED'} in {outcome['seconds']:.1f}s", flush=True)
 
 
 def _singles(runs: list[tuple[str, Config]], data: dict[str, TokenData]) -> list[tuple[str, dict]]:

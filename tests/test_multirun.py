@@ -6,6 +6,9 @@ import subprocess
 import sys
 import time
 
+import torch.distributed as dist
+
+from sixfold import multirun
 from sixfold.config import load_config
 from sixfold.launch import run_torchrun
 from sixfold.logs import read_metrics
@@ -63,3 +66,16 @@ def test_a_signal_ends_the_job_not_the_run_alone(tmp_path):
     out, err = job.communicate(timeout=120)
     assert "sixfold multirun: stopped by SIGTERM" in err, err[-3000:]
     assert (tmp_path / "results.jsonl").read_text() == "" and not (tmp_path / "after").exists(), out + err[-3000:]
+
+
+def test_a_run_said_done_is_on_disk_already(tmp_path, monkeypatch):
+    """Each run's line is printed once its outcome is in results.jsonl: a signal that ends the job right after the
+    line (between runs a rank ends at once) loses no outcome that was said."""
+    results, said = tmp_path / "results.jsonl", []
+    monkeypatch.setattr("builtins.print", lambda *args, **kwargs: said.append(results.read_text().count("\n")))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        multirun._report(results, [(name, {"ok": True, "seconds": 1.0}) for name in ("a", "b")])
+    finally:
+        dist.destroy_process_group()
+    assert said == [2, 2], said
