@@ -10,6 +10,7 @@ import sys
 import warnings
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 from .config import (PICTURES, ConfigError, check_available, check_tensorboard, check_text, check_world_size,
                      load_config, make_run_dir, override, validate, writable_dir)
@@ -425,7 +426,7 @@ def _tell(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-def script() -> None:
+def script() -> NoReturn:
     """The `sixfold` command: main() on sys.argv, then the exit."""
     end(main())
 

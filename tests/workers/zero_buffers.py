@@ -26,7 +26,7 @@ def config(zero: int, precision: str, once: bool):
 
 def check(ctx: ParallelContext, zero: int, precision: str, once: bool) -> dict:
     """One case's checks; the bytes it held."""
-    cfg, micro, shards = config(zero, precision, once), MICRO, SHARDS
+    cfg = config(zero, precision, once)
     trainer = Trainer(cfg, ctx)
     size = lambda t: t.untyped_storage().size()
     units = trainer.sharded.units
@@ -40,11 +40,11 @@ def check(ctx: ParallelContext, zero: int, precision: str, once: bool) -> dict:
     if zero >= 2:  # the first micro-batch allocates as its backward goes; the last one's reductions free
         assert seen == {"forward": [{k - 1}, every], "end": [every, set(range(REDUCING))]}, seen
     else:
-        assert seen == {"forward": [every] * micro, "end": [every] * micro}, seen
+        assert seen == {"forward": [every] * MICRO, "end": [every] * MICRO}, seen
 
     # the formula, from the config alone
     m = cfg.model
-    n = shards if zero else 1
+    n = SHARDS if zero else 1
     pad = lambda x: -(-x // (16 * n)) * 16 * n
     block = m.dim * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.dim * m.ffn_dim + 2 * m.dim
     unit_sizes = [m.vocab_size * m.dim] + [block] * m.n_layers + [m.dim + m.vocab_size * m.dim]
@@ -90,8 +90,8 @@ def check(ctx: ParallelContext, zero: int, precision: str, once: bool) -> dict:
         # each backward gathers the other blocks (the embedding's backward reads no weights); the optimizer the next
         # step's first two units; bf16 moves half the bytes
         embed, blocks = pad(unit_sizes[0]), sum(pad(x) for x in unit_sizes[1:-2])
-        calls_expected = k + micro * (m.n_layers - 1) + (micro - 1) * (k - 2) + 2
-        bytes_expected = b * (padded + micro * blocks + (micro - 1) * (embed + blocks)) + ahead
+        calls_expected = k + MICRO * (m.n_layers - 1) + (MICRO - 1) * (k - 2) + 2
+        bytes_expected = b * (padded + MICRO * blocks + (MICRO - 1) * (embed + blocks)) + ahead
         assert calls["fsdp", "all_gather"] == calls_expected and ledger["fsdp", "all_gather"] == bytes_expected
 
     if zero in (1, 2):  # the weights gathered after a step: each unit's waited for by its next forward, in order
