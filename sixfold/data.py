@@ -48,6 +48,16 @@ STRAY = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, decoded with 
 # BPE training's time grows with the square of a word's length: runs of non-space characters this long are cut
 # into words of at most this many for it (a line of base64 or minified code would otherwise stall it for hours)
 LONG_RUN = re.compile(r"\S{64}")
+# a longer document is tokenized (and BPE trained on it) in pieces of about this many characters, cut where the
+# tokenizer's tokens do not cross (its `cut`): one piece at a time, a 100 MB file no longer takes gigabytes
+PIECE = 1 << 16
+ANYWHERE = re.compile("")  # the byte tokenizer's cut: every character's bytes are its own tokens
+# before a space, or after a newline, between two non-space characters: where the pre-tokenizer of a byte-level
+# BPE (GPT-2's, Llama 3's) ends a word, and what follows does not depend on what came before
+WORD_CUT = re.compile(r"(?<=\S)(?= \S)|(?<=\S\n)(?=\S)")
+# text that a tokenizer must encode as its pieces at WORD_CUT do for its documents to be cut there
+CUT_PROBE = ("def f(x):\n    return x  \nif a:\nb\n)\n(\n1\n2\n'\n's\n\u00c4\n\u00df\n<|endoftext|>\nz.\n.z\n"
+             "a b 1 2 a1 2b ( ) don 't I 'll x.y z \u00e9t\u00e9 \U0001f642 \u4e2d\u6587 <|endoftext|> end")
 # the names of the files this module writes in data.cache_dir
 CACHE_FILE = re.compile(r"(bpe|tokenizer|tokens|index)-[0-9a-f]+(\.train|\.val)?\.(bin|json|sha256)(\.lock)?")
 
@@ -91,11 +101,13 @@ class ByteTokenizer:
     vocab_size = 257
     eot = 256
     start, start_token = (), None  # no token before a text
+    cut = ANYWHERE
 
     def encode(self, text: str, specials: bool = False) -> list[int]:
         return list(text.encode("utf-8"))  # (no special token is spelt by text)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Each text's tokens, without the start tokens (see BPETokenizer)."""
         return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
 
     def encode_prompted(self, docs: list[tuple[str, int]]) -> list[tuple[np.ndarray, int]]:
@@ -139,6 +151,10 @@ class BPETokenizer:
         lead = next((i for i, special in enumerate(probe.special_tokens_mask) if not special), 0)
         self.start = tuple(probe.ids[:lead])
         self.start_token = probe.tokens[0] if lead == 1 else None  # a single start token is a model's bos
+        whole = tok.encode(CUT_PROBE, add_special_tokens=False).ids
+        pieces = [tok.encode(t, add_special_tokens=False).ids for t in cut_text(CUT_PROBE, WORD_CUT, 1)]
+        # (one that prepends to each text, as Llama 2's does a space, sees its documents whole)
+        self.cut = WORD_CUT if whole == [i for ids in pieces for i in ids] else None
 
     @classmethod
     def from_file(cls, path) -> BPETokenizer:
@@ -164,7 +180,8 @@ class BPETokenizer:
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        tok.train_from_iterator((LONG_RUN.sub("\\g<0>\\n", doc) for doc in docs), trainer)
+        tok.train_from_iterator((LONG_RUN.sub("\\g<0>\\n", piece) for doc in docs for piece in cut_text(doc, WORD_CUT)),
+                                trainer)
         return cls(tok)
 
     def save(self, path) -> None:
@@ -198,8 +215,8 @@ class BPETokenizer:
             return [*self.start, *tok.encode(text, add_special_tokens=False).ids]
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray([*self.start, *e.ids], np.int64)
-                for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        """Each text's tokens, without the start tokens: a document's first piece takes those."""
+        return [np.asarray(e.ids, np.int64) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def encode_prompted(self, docs: list[tuple[str, int]]) -> list[tuple[np.ndarray, int]]:
         """Each (text, prompt_chars)'s tokens, the text encoded whole with its special tokens' text as those tokens
@@ -585,12 +602,32 @@ def _open(path, dtype) -> np.ndarray:
     return np.memmap(path, dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
 
 
-def _chunks(docs, size: int = 1 << 23):
-    """Documents in groups of about `size` characters: encoded in parallel, with bounded memory."""
+def cut_text(text: str, cut: re.Pattern | None, size: int | None = None) -> list[str]:
+    """text in pieces of at least `size` characters (default PIECE; the last may be shorter), each ending at the
+    first match of `cut` from there: where the tokenizer's tokens do not cross, so that the pieces' tokens are the
+    text's. Whole without `cut`, or beyond its last match."""
+    size = size or PIECE
+    ends = [0]
+    while cut is not None and len(text) - ends[-1] > size and (m := cut.search(text, ends[-1] + size)):
+        ends.append(m.start())
+    return [text[a:b] for a, b in zip(ends, ends[1:] + [len(text)])]
+
+
+def _pieces(docs, cut: re.Pattern | None):
+    """(text, whether it begins its document, whether it ends it, *prompt characters) of each piece of each
+    document (cut_text; a document with a prompt stays whole)."""
+    for _, text, *prompt in docs:
+        pieces = cut_text(text, None if prompt else cut)
+        for i, piece in enumerate(pieces):
+            yield piece, i == 0, i == len(pieces) - 1, *prompt
+
+
+def _chunks(pieces, size: int = 1 << 23):
+    """Pieces in groups of about `size` characters: encoded in parallel, with bounded memory."""
     chunk, n = [], 0
-    for doc in docs:
-        chunk.append(doc)
-        n += len(doc[1])
+    for piece in pieces:
+        chunk.append(piece)
+        n += len(piece[0])
         if n >= size:
             yield chunk
             chunk, n = [], 0
@@ -600,14 +637,15 @@ def _chunks(docs, size: int = 1 << 23):
 
 def _write_stream(tmp: Path, tok, docs, dtype, shift: int) -> None:
     """Each document's tokens and an end of text; with `shift`, its prompt's tokens as id + shift."""
-    eot = np.array([tok.eot], dtype)
+    start, eot, none = np.array(tok.start, dtype), np.array([tok.eot], dtype), np.zeros(0, dtype)
     with open(tmp, "wb") as f:
-        for chunk in _chunks(docs):
+        for chunk in _chunks(_pieces(docs, tok.cut)):
             if shift:
-                found = tok.encode_prompted([(text, k) for _, text, k in chunk])
+                found = tok.encode_prompted([(text, k) for text, _, _, k in chunk])
                 parts = [(ids[:n].astype(dtype) + shift, ids[n:].astype(dtype, copy=False), eot) for ids, n in found]
             else:
-                parts = [(ids.astype(dtype, copy=False), eot) for ids in tok.encode_batch([d[1] for d in chunk])]
+                parts = [(start if first else none, ids.astype(dtype, copy=False), eot if last else none)
+                         for ids, (_, first, last) in zip(tok.encode_batch([p[0] for p in chunk]), chunk)]
             f.write(np.concatenate([a for part in parts for a in part]).tobytes())
 
 

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 import warnings
 from pathlib import Path
 
@@ -292,6 +293,68 @@ def test_bpe_trains_on_a_long_run_of_non_space_in_words_of_at_most_64_characters
     tok = BPETokenizer.train([text, TEXT], 400)
     assert max(map(len, tok._tok.get_vocab())) == 64
     assert tok.decode(tok.encode(text)) == text
+
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def long_text() -> str:
+    """About 240,000 characters of real text: three standard library modules and TEXT (accents, an emoji)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return "".join((stdlib / name).read_text() for name in ("argparse.py", "typing.py", "textwrap.py")) + TEXT
+
+
+def trained_tokenizer(kind: str, text: str) -> str:
+    """A tokenizer.json trained on text, made as Llama 3's is (its split, byte-level BPE, <|begin_of_text|> before
+    a text) or as Llama 2's (sentencepiece-style: "▁" before each word and before a text, <s> before it)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    if kind == "llama3":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        start, end, alphabet = "<|begin_of_text|>", "<|end_of_text|>", pre_tokenizers.ByteLevel.alphabet()
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        start, end, alphabet = "<s>", "</s>", []
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=400, special_tokens=[start, end],
+                                                        show_progress=False, initial_alphabet=alphabet))
+    tok.post_processor = processors.TemplateProcessing(single=f"{start} $A",
+                                                       special_tokens=[(start, tok.token_to_id(start))])
+    return tok.to_str()
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe", "llama3", "llama2"])
+def test_a_long_document_is_tokenized_in_pieces_into_its_tokens_whole(tmp_path, monkeypatch, kind):
+    """A document of more than data.PIECE characters is tokenized a piece at a time (a 100 MB file took 20 GB
+    whole with BPE), cut where the tokenizer's words end (before a space or after a newline, between non-space
+    characters): the stream holds the whole document's tokens. A tokenizer that puts a space before each text
+    (Llama 2's) would tokenize the pieces otherwise: its documents are tokenized whole."""
+    text = long_text()
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "long.txt").write_text(text)
+    tokenizer = kind
+    if kind.startswith("llama"):
+        tokenizer = str(tmp_path / "tok.json")
+        Path(tokenizer).write_text(trained_tokenizer(kind, text[:100_000]))
+    cls, lengths = ByteTokenizer if kind == "byte" else BPETokenizer, []
+    real = cls.encode_batch
+    monkeypatch.setattr(cls, "encode_batch", lambda self, texts: lengths.extend(map(len, texts)) or real(self, texts))
+    d = load_data(cfg(tmp_path, source=str(tmp_path / "c"), tokenizer=tokenizer, bpe_vocab_size=400))
+    assert np.array_equal(np.concatenate([d.train, d.val]), [*d.tokenizer.encode(text), d.tokenizer.eot])
+    assert sum(lengths) == len(text)
+    if kind == "llama2":
+        assert d.tokenizer.cut is None and lengths == [len(text)]
+    else:
+        assert len(lengths) >= 3 and max(lengths) <= data_module.PIECE + 100
+
+
+def test_bpe_trained_on_a_long_document_in_pieces_is_the_one_trained_on_it_whole(monkeypatch):
+    text = long_text()
+    assert len(data_module.cut_text(text, data_module.WORD_CUT)) >= 3
+    pieces = BPETokenizer.train([text], 400).to_json()
+    monkeypatch.setattr(data_module, "PIECE", len(text))
+    assert BPETokenizer.train([text], 400).to_json() == pieces
 
 
 def test_load_data_bpe_and_cache_reuse(tmp_path, monkeypatch):
