@@ -397,40 +397,58 @@ def _utf8(value: str) -> str:
     return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
-def _jsonl(doc_id: str, text: str, fields: list[str]) -> tuple[list[tuple], list[int]]:
-    """A JSONL text's documents: (id, the text field), or with a prompt field before it (id, prompt + text,
-    characters of prompt); and the numbers of the lines that hold none."""
-    docs, bad = [], []
-    for n, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-            values = [obj[f] for f in fields]
-        except (ValueError, KeyError, TypeError):
-            values = [None]
-        if all(isinstance(v, str) for v in values):
-            values = [_utf8(v) for v in values]
-            doc = (f"{doc_id}:{n}", "".join(values))
-            docs.append(doc + (len(values[0]),) if len(fields) == 2 else doc)
-        else:
-            bad.append(n)
-    return docs, bad
+def _jsonl_doc(doc_id: str, n: int, line: str, fields: list[str]) -> tuple | None:
+    """Line n's document: (id, the text field), or with a prompt field before it (id, prompt + text, characters
+    of prompt); None if it holds none."""
+    try:
+        obj = json.loads(line)
+        values = [obj[f] for f in fields]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not all(isinstance(v, str) for v in values):
+        return None
+    values = [_utf8(v) for v in values]
+    doc = (f"{doc_id}:{n}", "".join(values))
+    return doc + (len(values[0]),) if len(fields) == 2 else doc
+
+
+def _decoded(raw: bytes, codec: str = "utf-8", final: bool = True) -> tuple[str, int]:
+    """raw's text and how many stray bytes it held, each read as U+FFFD (codec utf-8-sig drops a byte-order mark;
+    not `final`, a character cut at the end is left out)."""
+    try:
+        return codecs.getincrementaldecoder(codec)().decode(raw, final=final), 0
+    except UnicodeDecodeError:  # each stray byte decodes to a lone surrogate of its own, then U+FFFD
+        return STRAY.subn("\ufffd", codecs.getincrementaldecoder(codec)("surrogateescape").decode(raw, final=final))
+
+
+def _check_stray(stray: int, read: int) -> None:
+    """Up to one byte in STRAY_BYTES of those read may be stray (a text with a stray byte); more: not UTF-8."""
+    if stray * STRAY_BYTES > read:
+        raise UnicodeDecodeError("utf-8", b"", 0, 0, f"{stray} of {read} bytes are not UTF-8")
 
 
 def _jsonl_file(cfg: DataConfig, path: Path, doc_id: str, left: int) -> tuple[list[tuple], int]:
-    """A JSONL file's documents (_jsonl) and its stray bytes (_text). With `left` (bytes of text data.max_bytes
-    still takes), only a prefix of whole lines is read, doubled until its documents hold that much."""
+    """A JSONL file's documents (_jsonl_doc) and its stray bytes, read a line at a time (a leading byte-order
+    mark dropped); with `left` (bytes of text data.max_bytes still takes), only until its documents hold that
+    much. Raises UnicodeDecodeError for more stray bytes than _text reads (a NUL is refused with its line)."""
     fields = [cfg.jsonl_prompt_field, cfg.jsonl_field] if cfg.jsonl_prompt_field else [cfg.jsonl_field]
-    size = max(left, 1 << 20) if left else 0
-    while True:
-        text, cut, stray = _text(path, size, binary_if_nul=False)  # a NUL is refused with its line
-        if cut:
-            text = text[:text.rfind("\n") + 1]  # the last line read may go on
-        docs, bad = _jsonl(doc_id, text, fields)
-        if not cut or sum(len(d[1].encode()) for d in docs) >= left:
-            break
-        size *= 2
+    docs, bad, stray, read, held = [], [], 0, 0, 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            read += len(raw)
+            line, found = _decoded(raw, "utf-8-sig" if n == 1 else "utf-8")
+            stray += found
+            if not line.strip():
+                continue
+            doc = _jsonl_doc(doc_id, n, line, fields)
+            if doc is None:
+                bad.append(n)
+                continue
+            docs.append(doc)
+            held += len(doc[1].encode()) if left else 0
+            if left and held >= left:
+                break
+    _check_stray(stray, read)
     if bad:
         named = " and ".join(f"{f!r}" for f in fields)
         keys = "data.jsonl_prompt_field and data.jsonl_field" if cfg.jsonl_prompt_field else "data.jsonl_field"
@@ -439,27 +457,20 @@ def _jsonl_file(cfg: DataConfig, path: Path, doc_id: str, left: int) -> tuple[li
     return docs, stray
 
 
-def _text(path: Path, limit: int, binary_if_nul: bool) -> tuple[str, bool, int]:
+def _text(path: Path, limit: int) -> tuple[str, bool, int]:
     """A UTF-8 file's text (a leading byte-order mark dropped), whether the limit cut it, and how many stray bytes
-    it held: with a limit, at most that many bytes, a character it cuts left out. Up to one byte in STRAY_BYTES of
-    those read that is not UTF-8 reads as U+FFFD, each (a text with a stray byte); raises UnicodeDecodeError for
-    more, and with `binary_if_nul` for a NUL byte, which text files do not hold and binary ones do (all-zero bytes
-    are UTF-8)."""
+    it held (_decoded, _check_stray): with a limit, at most that many bytes, a character it cuts left out. Raises
+    UnicodeDecodeError for a NUL byte, which text files do not hold and binary ones do (all-zero bytes are UTF-8)."""
     with open(path, "rb") as f:
         raw = f.read(limit + 1) if limit else f.read()
     cut = bool(limit) and len(raw) > limit
     raw = raw[:limit] if cut else raw
-    if binary_if_nul and b"\0" in raw:
+    if b"\0" in raw:
         at = raw.index(b"\0")
         raise UnicodeDecodeError("utf-8", raw, at, at + 1, "a NUL byte: binary data")
-    try:
-        return codecs.getincrementaldecoder("utf-8-sig")().decode(raw, final=not cut), cut, 0
-    except UnicodeDecodeError:  # each stray byte decodes to a lone surrogate of its own, then U+FFFD
-        text, stray = STRAY.subn("\ufffd", codecs.getincrementaldecoder("utf-8-sig")("surrogateescape").decode(
-            raw, final=not cut))
-        if stray * STRAY_BYTES > len(raw):
-            raise
-        return text, cut, stray
+    text, stray = _decoded(raw, "utf-8-sig", final=not cut)
+    _check_stray(stray, len(raw))
+    return text, cut, stray
 
 
 def _unreadable(path: Path, e: OSError) -> DataError:
@@ -482,7 +493,7 @@ def _documents(cfg: DataConfig, root: Path, files) -> tuple[list[tuple], str]:
             if jsonl:
                 (found, stray), cut = _jsonl_file(cfg, path, doc_id, left), False
             else:
-                text, cut, stray = _text(path, left, binary_if_nul=True)
+                text, cut, stray = _text(path, left)
                 found = [(doc_id, text)]
             if stray:
                 mended.append(f"{path} ({stray})")

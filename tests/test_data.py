@@ -140,7 +140,7 @@ def test_jsonl_field_and_bad_lines(tmp_path):
     path = tmp_path / "data.jsonl"
     lines = [json.dumps({"body": "first\u2028line"}), "{not json", json.dumps({"other": 1}),
              "", json.dumps({"body": "second"}), json.dumps(["body"])]
-    path.write_text("\n".join(lines) + "\n")
+    path.write_bytes(b"\xef\xbb\xbf" + ("\n".join(lines) + "\n").encode())  # a byte-order mark, dropped
     with pytest.warns(UserWarning, match=r"data\.jsonl:2: skipped 3 line"):
         docs = iter_documents(cfg(tmp_path, source=str(path), jsonl_field="body"))
     assert docs == [("data.jsonl:1", "first\u2028line"), ("data.jsonl:5", "second")]
@@ -408,8 +408,8 @@ def test_a_val_fraction_of_0_trains_on_every_token(tmp_path):
 
 
 def test_max_bytes_reads_a_jsonl_file_only_as_far_as_it_needs(tmp_path):
-    """A JSONL file is read in a prefix of whole lines, doubled until its documents hold data.max_bytes of text:
-    here the bytes after 3 MB are not UTF-8."""
+    """A JSONL file is read a line at a time until its documents hold data.max_bytes of text: here the bytes after
+    3 MB are not UTF-8."""
     path = tmp_path / "big.jsonl"
     lines = [json.dumps({"meta": "m" * 3000, "text": f"{i:03d}" + "x" * 97}) + "\n" for i in range(1000)]
     path.write_bytes("".join(lines).encode() + b"\xff" * 1_000_000)
