@@ -48,9 +48,12 @@ STRAY = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, decoded with 
 # BPE training's time grows with the square of a word's length: runs of non-space characters this long are cut
 # into words of at most this many for it (a line of base64 or minified code would otherwise stall it for hours)
 LONG_RUN = re.compile(r"\S{64}")
-# a longer document is tokenized (and BPE trained on it) in pieces of about this many characters, cut where the
+# a longer document is tokenized (and BPE trained on it) in pieces of at least this many characters, cut where the
 # tokenizer's tokens do not cross (its `cut`): one piece at a time, a 100 MB file no longer takes gigabytes
 PIECE = 1 << 16
+# a cut is taken where the text around it, this many characters each side, encodes as its two sides do; of the
+# places `cut` finds after a piece's PIECE characters, the first TRIES are tried, and failing those it goes on whole
+AROUND, TRIES = 256, 16
 ANYWHERE = re.compile("")  # the byte tokenizer's cut: every character's bytes are its own tokens
 # before a space, or after a newline, between two non-space characters: where the pre-tokenizer of a byte-level
 # BPE (GPT-2's, Llama 3's) ends a word, and what follows does not depend on what came before
@@ -103,6 +106,10 @@ class ByteTokenizer:
     start, start_token = (), None  # no token before a text
     cut = ANYWHERE
 
+    def pieces(self, text: str) -> list[str]:
+        """text in pieces to tokenize one at a time (cut_text): their tokens are the text's."""
+        return cut_text(text, self.cut)
+
     def encode(self, text: str, specials: bool = False) -> list[int]:
         return list(text.encode("utf-8"))  # (no special token is spelt by text)
 
@@ -151,10 +158,11 @@ class BPETokenizer:
         lead = next((i for i, special in enumerate(probe.special_tokens_mask) if not special), 0)
         self.start = tuple(probe.ids[:lead])
         self.start_token = probe.tokens[0] if lead == 1 else None  # a single start token is a model's bos
-        whole = tok.encode(CUT_PROBE, add_special_tokens=False).ids
-        pieces = [tok.encode(t, add_special_tokens=False).ids for t in cut_text(CUT_PROBE, WORD_CUT, 1)]
-        # (one that prepends to each text, as Llama 2's does a space, sees its documents whole)
-        self.cut = WORD_CUT if whole == [i for ids in pieces for i in ids] else None
+        # one that prepends to each text, as Llama 2's does a space, or cannot encode the probe, sees them whole
+        try:
+            self.cut = WORD_CUT if self._same(*cut_text(CUT_PROBE, WORD_CUT, 1)) else None
+        except Exception:  # tokenizers raises its own exception types
+            self.cut = None
 
     @classmethod
     def from_file(cls, path) -> BPETokenizer:
@@ -213,6 +221,16 @@ class BPETokenizer:
         """With `specials`, a special token's text in `text` is that token; else it stays text."""
         with self._specials(specials) as tok:
             return [*self.start, *tok.encode(text, add_special_tokens=False).ids]
+
+    def pieces(self, text: str) -> list[str]:
+        """text in pieces to tokenize one at a time (cut_text), each cut checked where it is made: their tokens are
+        the text's."""
+        return cut_text(text, self.cut, checked=self._same)
+
+    def _same(self, *texts: str) -> bool:
+        """Whether the texts together encode as each does on its own."""
+        ids = [self._tok.encode(t, add_special_tokens=False).ids for t in texts]
+        return self._tok.encode("".join(texts), add_special_tokens=False).ids == [i for part in ids for i in part]
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Each text's tokens, without the start tokens: a document's first piece takes those."""
@@ -613,22 +631,29 @@ def _open(path, dtype) -> np.ndarray:
     return np.memmap(path, dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
 
 
-def cut_text(text: str, cut: re.Pattern | None, size: int | None = None) -> list[str]:
+def cut_text(text: str, cut: re.Pattern | None, size: int | None = None, checked=None) -> list[str]:
     """text in pieces of at least `size` characters (default PIECE; the last may be shorter), each ending at the
-    first match of `cut` from there: where the tokenizer's tokens do not cross, so that the pieces' tokens are the
-    text's. Whole without `cut`, or beyond its last match."""
+    first match of `cut` from there (where the tokenizer's tokens do not cross, so that the pieces' tokens are the
+    text's) at which `checked(before, after)` holds of the AROUND characters each side, if given, of the first
+    TRIES. Whole without `cut`, or beyond where none is found."""
     size = size or PIECE
     ends = [0]
-    while cut is not None and len(text) - ends[-1] > size and (m := cut.search(text, ends[-1] + size)):
-        ends.append(m.start())
+    while cut is not None and len(text) - ends[-1] > size:
+        found = (m.start() for m in itertools.islice(cut.finditer(text, ends[-1] + size), TRIES)
+                 if checked is None or checked(text[max(m.start() - AROUND, 0):m.start()],
+                                               text[m.start():m.start() + AROUND]))
+        at = next(found, None)
+        if at is None:
+            break
+        ends.append(at)
     return [text[a:b] for a, b in zip(ends, ends[1:] + [len(text)])]
 
 
-def _pieces(docs, cut: re.Pattern | None):
+def _pieces(docs, tok):
     """(text, whether it begins its document, whether it ends it, *prompt characters) of each piece of each
-    document (cut_text; a document with a prompt stays whole)."""
+    document (tok.pieces; a document with a prompt stays whole)."""
     for _, text, *prompt in docs:
-        pieces = cut_text(text, None if prompt else cut)
+        pieces = [text] if prompt else tok.pieces(text)
         for i, piece in enumerate(pieces):
             yield piece, i == 0, i == len(pieces) - 1, *prompt
 
@@ -650,7 +675,7 @@ def _write_stream(tmp: Path, tok, docs, dtype, shift: int) -> None:
     """Each document's tokens and an end of text; with `shift`, its prompt's tokens as id + shift."""
     start, eot, none = np.array(tok.start, dtype), np.array([tok.eot], dtype), np.zeros(0, dtype)
     with open(tmp, "wb") as f:
-        for chunk in _chunks(_pieces(docs, tok.cut)):
+        for chunk in _chunks(_pieces(docs, tok)):
             if shift:
                 found = tok.encode_prompted([(text, k) for text, _, _, k in chunk])
                 parts = [(ids[:n].astype(dtype) + shift, ids[n:].astype(dtype, copy=False), eot) for ids, n in found]

@@ -349,6 +349,36 @@ def test_a_long_document_is_tokenized_in_pieces_into_its_tokens_whole(tmp_path, 
         assert len(lengths) >= 3 and max(lengths) <= data_module.PIECE + 100
 
 
+@pytest.mark.parametrize("added, text", [
+    (dict(content="<tool>", rstrip=True), "x" * 65530 + "<tool> y z"),  # it takes the space after it
+    (dict(content="hello world"), "x" * 65531 + " hello world end")])  # one token across a place to cut
+def test_a_cut_is_made_only_where_the_tokens_around_it_are_the_same_as_whole(tmp_path, added, text):
+    """A tokenizer's added tokens (not special) are matched before its words are split, which its probe does not
+    see: each cut is checked in the text around it, and one that would change the tokens is not taken."""
+    from tokenizers import AddedToken, Tokenizer
+    tok = Tokenizer.from_str(trained_tokenizer("llama3", long_text()[:50_000]))
+    tok.add_tokens([AddedToken(**added, special=False)])
+    (tmp_path / "tok.json").write_text(tok.to_str())
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "long.txt").write_text(text)
+    d = load_data(cfg(tmp_path, source=str(tmp_path / "c"), tokenizer=str(tmp_path / "tok.json"), val_fraction=0))
+    assert d.tokenizer.cut is not None and len(d.tokenizer.pieces(text)) == 2
+    assert np.array_equal(d.train, [*d.tokenizer.encode(text), d.tokenizer.eot])
+
+
+def test_a_tokenizer_that_cannot_encode_the_probe_tokenizes_documents_whole(tmp_path):
+    """A word-level tokenizer without an unknown token encodes only its words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<|endoftext|>": 2}))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|endoftext|>"])
+    (tmp_path / "tok.json").write_text(tok.to_str())
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "ab.txt").write_text("a b a b a\n" * 10)
+    d = load_data(cfg(tmp_path, source=str(tmp_path / "c"), tokenizer=str(tmp_path / "tok.json"), val_fraction=0))
+    assert d.tokenizer.cut is None and list(d.train) == [0, 1, 0, 1, 0] * 10 + [2]
+
+
 def test_bpe_trained_on_a_long_document_in_pieces_is_the_one_trained_on_it_whole(monkeypatch):
     text = long_text()
     assert len(data_module.cut_text(text, data_module.WORD_CUT)) >= 3
