@@ -1,4 +1,5 @@
 """python -m sixfold: the command line, as the installed `sixfold` script."""
 from .cli import script
 
-script()
+if __name__ == "__main__":  # (not as a spawned process imports it)
+    script()

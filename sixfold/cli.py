@@ -177,8 +177,8 @@ def cmd_plan(args, argv) -> int:
     if args.search:
         refused: dict[str, str] = {}
         try:
-            plans = search(cfg, args.gpus, device, per_node, refused, lambda layouts: tqdm(
-                layouts, desc="plan", unit="layout", leave=False, disable=None))  # on a terminal only
+            plans = search(cfg, args.gpus, device, per_node, refused, lambda plans, total: tqdm(
+                plans, total=total, desc="plan", unit="layout", leave=False, disable=None))  # on a terminal only
         except ConfigError as e:  # with what the trainer refused, which may be why
             raise ConfigError("\n".join([str(e), *refusals(refused)])) from None
         print(ranking(plans, cfg, (args.gpu, args.gpus, args.nodes), refused,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import math
 import os
@@ -286,13 +287,19 @@ def _coerce(value, typ, name: str):
     return os.path.expanduser(text) if name in PATHS else text
 
 
+@functools.cache
+def _hints(cls) -> dict[str, type]:
+    """A config section's field types, evaluated once (a layout search validates thousands of configs)."""
+    return typing.get_type_hints(cls)
+
+
 def _text_field(obj, path: list[str]) -> bool:
     """Whether the dotted path names a string setting (its override is then taken as written, not as YAML)."""
     for key in path[:-1]:
         obj = getattr(obj, key, None)
         if not dataclasses.is_dataclass(obj):
             return False
-    return path[-1] in _fields(obj) and typing.get_type_hints(type(obj))[path[-1]] is str
+    return path[-1] in _fields(obj) and _hints(type(obj))[path[-1]] is str
 
 
 def _set(obj, path: list[str], value, where: str = "", root=None) -> None:
@@ -311,7 +318,7 @@ def _set(obj, path: list[str], value, where: str = "", root=None) -> None:
         return
     if len(path) > 1:
         raise ConfigError(f"'{where}{key}' is a value, not a section")
-    typ = typing.get_type_hints(type(obj))[key]
+    typ = _hints(type(obj))[key]
     setattr(obj, key, _coerce(value, typ, where + key))
 
 
@@ -608,7 +615,7 @@ def _check_sizes(cfg: Config) -> None:
     is used), but data.max_bytes (below 2**63) and the seed (checked on its own)."""
     for section in dataclasses.fields(cfg):
         obj = getattr(cfg, section.name)
-        for key, typ in typing.get_type_hints(type(obj)).items():
+        for key, typ in _hints(type(obj)).items():
             value, limit = getattr(obj, key), 63 if key == "max_bytes" else 31
             if typ is int and key != "seed" and abs(value) >= 2**limit:
                 raise ConfigError(f"{section.name}.{key}={value} must be {'below ' if value > 0 else 'above -'}"

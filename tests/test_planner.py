@@ -13,6 +13,7 @@ import pytest
 
 from sixfold import cli
 from sixfold.config import load_config
+from sixfold.planner import plan as plan_module
 from sixfold.planner.devices import DEVICES
 from sixfold.planner.memory import activations, persistent, step
 from sixfold.planner.plan import PP_SCHEDULES, Plan, _fewest_micro_batches, layouts, plan, search
@@ -165,6 +166,18 @@ def test_recomputing_an_moe_pipeline_makes_its_step_longer(schedule):
                                  f"model.recompute={recompute}"])
         plans[recompute] = plan(cfg, DEVICES["h100"], 8)
     assert plans["full"].step_s > plans["none"].step_s and plans["full"].mfu <= plans["none"].mfu
+
+
+def test_a_search_over_processes_plans_as_one_process_does(monkeypatch):
+    """From PARALLEL_FROM layouts on, the search plans them in a process per CPU (spawned): the same plans, in the
+    same order, as one process makes."""
+    cfg = load_config(TINY, ["train.global_batch=16"], check=False)
+    order = []
+    many = search(cfg, 8, DEVICES["h100"], 8, progress=lambda plans, total: (order.append(p) or p for p in plans))
+    assert len(order) >= plan_module.PARALLEL_FROM > 2 * plan_module.CHUNK
+    monkeypatch.setattr(plan_module, "PARALLEL_FROM", 10**9)
+    one = search(cfg, 8, DEVICES["h100"], 8)
+    assert [(p.cfg, p.stages, p.step_s) for p in many] == [(p.cfg, p.stages, p.step_s) for p in one]
 
 
 def test_the_search_keeps_what_the_config_sets_beside_its_layout(capsys):

@@ -6,6 +6,10 @@ import copy
 import dataclasses
 import functools
 import itertools
+import multiprocessing
+import os
+import signal
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from ..config import Config, ConfigError, ParallelConfig, divisors, validate
@@ -17,6 +21,9 @@ from .rank import build_rank
 from .timing import Estimate, estimate, model_flops_per_token
 
 RESERVE = 0.9  # of device memory usable by the model (the rest: allocator, kernels' workspace, NCCL)
+# a search of this many layouts or more plans them in a process per CPU (each takes seconds to start, importing torch)
+PARALLEL_FROM = 200
+CHUNK = 12  # layouts a worker plans at a time: layouts that differ only in recomputation (3 modes) share a build
 
 
 @dataclass
@@ -157,17 +164,36 @@ def _fewest(with_micro, counts: list[int]) -> Plan:
     return next((p for p in map(with_micro, fewer) if p.fits), last) if last.fits else last
 
 
+def _plan_all(todo: list[Config], device: Device, per_node: int):
+    """_fewest_micro_batches of each layout, in order: from PARALLEL_FROM layouts on, in a process per CPU this
+    one may use."""
+    one = functools.partial(_fewest_micro_batches, device=device, per_node=per_node)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = min(cpus, -(-len(todo) // CHUNK))
+    if len(todo) < PARALLEL_FROM or workers < 2:
+        yield from map(one, todo)
+        return
+    # spawned: this process may hold threads; Ctrl-C is this process's to handle
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=signal.signal,
+                               initargs=(signal.SIGINT, signal.SIG_IGN))
+    try:
+        yield from pool.map(one, todo, chunksize=CHUNK)
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
 def search(cfg: Config, world: int, device: Device, per_node: int, refused: dict[str, str] | None = None,
-           progress=lambda layouts: layouts) -> list[Plan]:
+           progress=lambda plans, total: plans) -> list[Plan]:
     """Plans of every layout that fits, fastest first; without pipelining, each with the fewest micro-batches
     that fits. Layouts that validation refuses go into `refused` (description: reason). `progress` wraps the
-    list of layouts to plan (a progress bar). cfg's own layout plays no part: what it sets beside it is checked
-    as one process would run it, at once."""
+    plans as they come, `total` of them (a progress bar). cfg's own layout plays no part: what it sets beside it
+    is checked as one process would run it, at once."""
     alone = copy.deepcopy(cfg)  # the settings the search keeps as they are (cp_mode, timeout_s, ...) stay
     alone.parallel = dataclasses.replace(cfg.parallel, **{k: getattr(ParallelConfig, k) for k in SEARCHED})
     alone.train.reduce_each_micro_batch = False
     validate(alone)
-    plans = [_fewest_micro_batches(c, device, per_node) for c in progress(list(layouts(cfg, world, per_node, refused)))]
+    todo = list(layouts(cfg, world, per_node, refused))
+    plans = list(progress(_plan_all(todo, device, per_node), len(todo)))
     if not plans:
         raise ConfigError(f"no layout of {world} GPUs divides this model and batch (tp must divide model.n_heads="
                           f"{cfg.model.n_heads}, pp be at most model.n_layers+2={cfg.model.n_layers + 2}, the "

@@ -60,8 +60,11 @@ class Rank:
 
     def moe(self, layer: int) -> MoE | None:
         """Block `layer`'s MLP if it is an MoE layer, else None."""
-        mlp = self.model.layers[str(layer)].mlp
-        return mlp if isinstance(mlp, MoE) else None
+        return self._moes[layer]
+
+    @functools.cached_property
+    def _moes(self) -> dict[int, MoE | None]:
+        return {int(k): b.mlp if isinstance(b.mlp, MoE) else None for k, b in self.model.layers.items()}
 
     @property
     def pipeline(self) -> RankStats | None:
