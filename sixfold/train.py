@@ -714,8 +714,10 @@ def _prepare_run_dir(cfg: Config, step: int) -> None:
         aside, metrics = ckpt.set_aside(run_dir), run_dir / "metrics.jsonl"
         summaries = [run_dir / name for name in SUMMARIES if (run_dir / name).exists()]
         had_metrics = metrics.is_file() and metrics.stat().st_size > 0
-        checkpoints = aside is not None
-        if not checkpoints and (summaries or had_metrics):  # an earlier run with none: its file as it is
+        checkpoints, config = aside is not None, run_dir / "config.yaml"
+        # a config.yaml that no run wrote, beside metrics.jsonl or checkpoints/: someone's own file, kept too
+        theirs = config.is_file() and config.read_bytes()[:len(RUN_CONFIG_HEAD)] != RUN_CONFIG_HEAD.encode()
+        if not checkpoints and (summaries or had_metrics or theirs):  # an earlier run with none: its files as they are
             aside = ckpt.unused_path(run_dir, "run-before")
             aside.mkdir()
             if had_metrics:
@@ -725,17 +727,17 @@ def _prepare_run_dir(cfg: Config, step: int) -> None:
             how = "starts over" if resume in ("", "auto") else f"goes on from {resume}"
             for path in summaries:
                 path.rename(aside / path.name)
-            if summaries and (run_dir / "config.yaml").is_file():  # for `sixfold trace ASIDE`
-                shutil.copy(run_dir / "config.yaml", aside / "config.yaml")
+            if config.is_file():  # the settings of what is set aside (and for `sixfold trace ASIDE`)
+                shutil.copy(config, aside / config.name)
             moved = [*(["checkpoints"] if checkpoints else []), *(["metrics.jsonl"] if had_metrics else []),
-                     *(p.name for p in summaries)]
+                     *(p.name for p in summaries), *(["config.yaml"] if config.is_file() else [])]
             newest = ckpt.complete_in(aside)
             kept = ("" if checkpoints else "it has no checkpoints; ") + \
                 f"its {', '.join(moved)} {'are' if len(moved) > 1 else 'is'} moved to {aside}" + (
                     f"; to go on with it instead, stop this run and set checkpoint.resume={newest[-1]}"
                     if newest else "")
-            warnings.warn(f"{run_dir} holds an earlier run: this one {how}, replacing its config.yaml ({kept}); "
-                          f"to keep both runs apart, set another log.run_dir")
+            warnings.warn(f"{run_dir} holds an earlier run: this one {how} ({kept}); to keep both runs apart, set "
+                          f"another log.run_dir")
         start_metrics(run_dir, 0, aside)
     elif step < cfg.train.steps:
         if aside := ckpt.set_aside(run_dir, after=step, first=lambda aside: start_metrics(run_dir, step, aside)):

@@ -271,7 +271,8 @@ def test_a_run_that_starts_over_moves_the_earlier_runs_checkpoints_aside(tmp_pat
     earlier = {p.name: (p / "model-00000.safetensors").read_bytes() for p in (run / "checkpoints").glob("step_*")}
     ledger = (run / "comm_ledger.json").read_text()
     with pytest.warns(UserWarning, match="holds an earlier run: this one starts over.*its checkpoints, metrics.jsonl, "
-                                         "comm_ledger.json are moved to .*; to go on with it instead, stop this run "
+                                         "comm_ledger.json, config.yaml are moved to .*; to go on with it instead, "
+                                         "stop this run "
                                          "and set checkpoint.resume=.*checkpoints-before-.*/step_0000003"):
         train(load_config(TINY, [*common, "train.steps=2", "train.seed=7"]))
     (aside,) = run.glob("checkpoints-before-*")
@@ -381,7 +382,8 @@ def test_a_run_directory_is_one_runs_at_a_time_and_keeps_what_it_did_not_write(t
     assert (run / "config.yaml").read_text().startswith(RUN_CONFIG_HEAD)
     before, trace = (run / "metrics.jsonl").read_text(), (run / "trace.json").read_text()
     with pytest.warns(UserWarning, match="it has no checkpoints; its metrics.jsonl, comm_ledger.json, trace.json, "
-                                         "timeline.png, mesh.png, tensorboard are moved to .*run-before-"):
+                                         "timeline.png, mesh.png, tensorboard, config.yaml are moved to "
+                                         ".*run-before-"):
         train(load_config(TINY, common))
     (moved,) = run.glob("run-before-*")  # all in one folder, where `sixfold trace` draws them again
     assert (moved / "metrics.jsonl").read_text() == before and len(read_metrics(run)) == 2
@@ -390,6 +392,26 @@ def test_a_run_directory_is_one_runs_at_a_time_and_keeps_what_it_did_not_write(t
     assert (moved / "timeline.png").is_file() and (run / "comm_ledger.json").is_file()
     assert len(list(moved.glob("tensorboard/events.*"))) == 1 and not (run / "tensorboard").exists()
     assert cli.main(["trace", str(moved)]) == 0
+
+
+def test_a_run_that_starts_over_keeps_the_config_yaml_of_what_it_moves_aside(tmp_path):
+    """An earlier run's metrics.jsonl goes aside with the config.yaml it was trained with (a run stopped by a NaN
+    loss leaves nothing else); so does a config.yaml no run wrote beside an empty checkpoints/ (someone's own)."""
+    run, mine = tmp_path / "run", tmp_path / "mine"
+    common = ["train.steps=1", "checkpoint.save_final=false", "log.tensorboard=false"]
+    train(load_config(TINY, [*common, f"log.run_dir={run}", "train.lr=0.5"]))
+    with pytest.warns(UserWarning, match="it has no checkpoints; its metrics.jsonl, comm_ledger.json, config.yaml are "
+                                         "moved to .*run-before-"):
+        train(load_config(TINY, [*common, f"log.run_dir={run}"]))
+    (moved,) = run.glob("run-before-*")
+    assert "lr: 0.5\n" in (moved / "config.yaml").read_text() and "lr: 0.5\n" not in (run / "config.yaml").read_text()
+    (mine / "checkpoints").mkdir(parents=True)
+    (mine / "config.yaml").write_text("# my notes\n")
+    with pytest.warns(UserWarning, match="it has no checkpoints; its config.yaml is moved to .*run-before-"):
+        train(load_config(TINY, [*common, f"log.run_dir={mine}"]))
+    (kept,) = mine.glob("run-before-*")
+    assert (kept / "config.yaml").read_text() == "# my notes\n"
+    assert (mine / "config.yaml").read_text().startswith(RUN_CONFIG_HEAD)
 
 
 def test_the_last_periodic_checkpoint_is_written_without_a_final_one(tmp_path):
