@@ -54,7 +54,12 @@ SCHEDULE = ("steps", "lr", "min_lr", "warmup_steps", "schedule", "decay_steps", 
 
 
 class TrainingError(RuntimeError):
-    """Training cannot go on (non-finite losses); the message says what to change."""
+    """Training cannot go on (non-finite losses, memory); the message says what to change."""
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is an allocation that failed (torch.OutOfMemoryError on CUDA; a RuntimeError on CPU)."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
 
 
 class Trainer:
@@ -420,7 +425,7 @@ class Trainer:
                     self.tracer.enabled = cfg.log.trace and self.step >= t.steps - TRACE_STEPS
                     self.tracer.step = self.step + 1
                     self.comm.ledger.close("other")  # since the last step: checkpoints, the stop check, loading
-                    m = self.train_step()
+                    m = self._step_in_memory()
                     m["elapsed_s"] = time.perf_counter() - began
                     if self._eval_due(self.step):
                         val = self.evaluate(stop)
@@ -514,13 +519,30 @@ class Trainer:
         try:
             return make()
         except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "can't allocate memory" not in str(e):
+            if not _out_of_memory(e):
                 raise
             n = self.cfg.model.num_params()
             raise ConfigError(f"rank {self.ctx.rank} ran out of memory building the model ({n:,} parameters, "
                               f"{4 * n / 1e9:,.1f} GB in fp32 before any sharding): choose smaller model.* settings "
                               f"or split it over more ranks (parallel.zero=3, tp, pp); `sixfold plan` estimates a "
                               f"layout's memory") from None
+
+    def _step_in_memory(self) -> dict:
+        """train_step(), its running out of memory a TrainingError naming what holds less and what was saved."""
+        try:
+            return self.train_step()
+        except (MemoryError, RuntimeError) as e:
+            if not _out_of_memory(e):
+                raise
+            t = self.cfg.train
+            done = ckpt.complete_steps(self.run_dir)
+            kept = f"the newest checkpoint, {done[-1]}, stays (checkpoint.resume=auto goes on from it)" if done else \
+                "no checkpoint of this run was written"
+            raise TrainingError(
+                f"rank {self.ctx.rank} ran out of memory in step {self.step + 1} ({t.global_batch} sequences of "
+                f"{t.seq_len} tokens a step in {t.micro_batches} micro-batch(es)); hold less at once: raise "
+                f"train.micro_batches, set model.recompute=full (or selective), shard more (parallel.zero=3, tp, pp, "
+                f"cp) or lower train.seq_len; `sixfold plan` estimates a layout's memory. {kept}") from None
 
     def _not_finite(self) -> str:
         """Why no checkpoint is written at the end of non-finite steps, and what to do."""

@@ -906,3 +906,21 @@ def test_settings_of_a_dimension_of_size_one_are_named_as_doing_nothing(tmp_path
                     "effect with parallel.tp=1 and parallel.cp=1 and parallel.pp=1")
     with pytest.warns(UserWarning, match=r"parallel.cp_mode='ulysses': no effect with parallel.cp=1"):
         train(load_config(TINY, [f"log.run_dir={tmp_path / 'run'}", "train.steps=1", "parallel.cp_mode=ulysses"]))
+
+
+def test_running_out_of_memory_in_a_step_says_what_holds_less(tmp_path):
+    """A real allocation that fails (the process's address space capped at 3.5 GB; a step of 4,096 sequences asks
+    for 1.5 GB of logits at once): the run stops with what to change and what was saved, not a traceback."""
+    import resource
+    run = tmp_path / "run"
+
+    def capped():
+        resource.setrlimit(resource.RLIMIT_AS, (3_500_000_000, 3_500_000_000))
+    proc = subprocess.run([sys.executable, "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}", "train.steps=2",
+                           "train.global_batch=4096", "train.seq_len=256"], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True, capture_output=True, timeout=300,
+                          preexec_fn=capped)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "rank 0 ran out of memory in step 1 (4096 sequences of 256 tokens a step in 1 micro-batch(es)); hold " \
+           "less at once: raise train.micro_batches" in proc.stderr
+    assert "no checkpoint of this run was written" in proc.stderr
