@@ -165,12 +165,17 @@ def cmd_trace(args, argv) -> int:
 
 
 def cmd_plan(args, argv) -> int:
-    from .planner.devices import DEVICES
+    from .planner.devices import DEVICES, NODE_GPUS
     from .planner.plan import plan, search
     from .planner.report import describe, ranking, refusals
     from tqdm import tqdm
     path, overrides = _split(args.config)
     cfg = load_config(path, overrides, check=not args.search)  # the search validates each layout it plans
+    if args.nodes is None:  # machines of NODE_GPUS, as these GPUs come
+        if args.gpus > NODE_GPUS and args.gpus % NODE_GPUS:
+            raise ConfigError(f"--gpus {args.gpus} do not fill machines of {NODE_GPUS}: give --nodes, the machines "
+                              f"they are spread over")
+        args.nodes = -(-args.gpus // NODE_GPUS)
     if args.gpus % args.nodes:
         raise ConfigError(f"--gpus {args.gpus} must be divisible by --nodes {args.nodes}")
     device, per_node = DEVICES[args.gpu], args.gpus // args.nodes
@@ -285,8 +290,8 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("config", nargs="*", help="a YAML file, then section.key=value overrides")
     pl.add_argument("--gpus", type=_at_least(1), required=True, help="GPUs in all (the layout's world size)")
     pl.add_argument("--gpu", choices=["h100", "h200", "a100"], default="h100", help="their kind (default h100)")
-    pl.add_argument("--nodes", type=_at_least(1), default=1, help="machines the GPUs are spread over, in equal "
-                                                                  "numbers (default 1)")
+    pl.add_argument("--nodes", type=_at_least(1), default=None, help="machines the GPUs are spread over, in equal "
+                    "numbers (default: machines of 8)")
     pl.add_argument("--search", action="store_true", help="rank every layout of --gpus GPUs that fits")
     pl.add_argument("--top", type=_at_least(0), default=None, help="with --search: the fastest N shown (default "
                     "10; 0: all that fit)")

@@ -130,6 +130,12 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     capsys.readouterr()
     assert cli.main(["plan", TINY, "parallel.tp=2", "--gpus", "4"]) == 2
     assert "--gpus 4 does not equal" in capsys.readouterr().err
+    # without --nodes, machines of 8 (as these GPUs come), not one machine of any size
+    assert cli.main(["plan", TINY, "train.global_batch=16", "parallel.dp_shard=16", "parallel.zero=3",
+                     "--gpus", "16"]) == 0
+    assert "on 16 x h100 (2 node(s))" in capsys.readouterr().out
+    assert cli.main(["plan", TINY, "train.global_batch=12", "parallel.dp_shard=12", "--gpus", "12"]) == 2
+    assert "--gpus 12 do not fill machines of 8: give --nodes" in capsys.readouterr().err
     # long sequences: without pipelining, the fewest micro-batches that fit (one would not)
     assert cli.main(["plan", "configs/llama3-1b.yaml", "train.precision=bf16", "train.global_batch=128",
                      "train.seq_len=8192", "--gpus", "8", "--search"]) == 0

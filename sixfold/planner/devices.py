@@ -15,6 +15,7 @@ class Device:
     inter_bw: float  # bytes/s to a GPU of another node (one InfiniBand NIC per GPU)
 
 
+NODE_GPUS = 8  # GPUs of one machine of these kinds (HGX, DGX): the default spread over nodes
 MIB = 2**20  # memory as nvidia-smi shows it (its "80GB" is 80 GiB less what the driver keeps)
 DEVICES = {
     "h100": Device("h100", 989e12, 67e12, 81559 * MIB, 450e9, 50e9),  # SXM, NVLink 4, 400 Gb/s NDR
