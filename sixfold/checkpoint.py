@@ -88,7 +88,9 @@ def find_checkpoint(path: str | Path) -> Path:
         warnings.warn(f"{latest} is missing: reading the newest complete checkpoint, {done[-1]}")
         return done[-1]
     if not path.exists():
-        raise CheckpointError(f"checkpoint path {path} does not exist")
+        keyword = " (checkpoint.resume=auto, in lower case, goes on from this run directory's newest)" if \
+            str(path).lower() in ("auto", "latest") else ""
+        raise CheckpointError(f"checkpoint path {path} does not exist{keyword}")
     weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]
     if (path / "config.json").is_file() and weights:
         raise CheckpointError(f"{path} is a Hugging Face model directory, not a checkpoint: turn it into one with "

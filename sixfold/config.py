@@ -376,7 +376,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
         given |= _model_keys(["model"], data.get("model"))
     for item in overrides:
         if "=" not in item or not item.split("=", 1)[0].strip():
-            raise ConfigError(f"override '{item}' must look like section.key=value")
+            first = " (the config file comes first, and only one)" if item.endswith((".yaml", ".yml")) else ""
+            raise ConfigError(f"override '{item}' must look like section.key=value{first}")
         key, raw = item.split("=", 1)
         path = key.strip().split(".")
         try:
@@ -811,9 +812,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"log.sample_tokens={cfg.log.sample_tokens} must be 0 (no sample) or more, with a "
                           f"non-empty log.sample_prompt to start from")
     check_text(cfg.log.sample_prompt, "log.sample_prompt")
-    if not cfg.data.source.strip() or cfg.data.max_bytes < 0:
-        raise ConfigError("data.source must name a file, a directory or a pattern (or stdlib), and data.max_bytes be 0 "
-                          "(all) or more")
+    if not cfg.data.source.strip():
+        raise ConfigError("data.source is empty: name a file, a directory or a pattern (or stdlib)")
+    if cfg.data.max_bytes < 0:
+        raise ConfigError(f"data.max_bytes={cfg.data.max_bytes} must be 0 (all of the corpus) or more")
     if not cfg.data.cache_dir.strip():
         raise ConfigError("data.cache_dir is empty: set it to the directory that keeps the tokenized corpus "
                           "(by default ~/.cache/sixfold)")

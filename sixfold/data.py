@@ -902,7 +902,7 @@ class BatchLoader:
         self.samples = (len(tokens) - 1) // seq_len if seq_len > 0 else 0
         if self.samples <= 0:
             raise DataError(f"the train split has fewer than seq_len+1 = {seq_len + 1} tokens ({len(tokens)}); "
-                            "lower train.seq_len or add data")
+                            "lower train.seq_len or add data (or raise data.max_bytes, if set)")
         self.rows = _rank_rows(global_batch, batch_index, batch_count)
         self.batch_index, self.batch_count = batch_index, batch_count
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed

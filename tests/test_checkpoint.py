@@ -497,6 +497,9 @@ def test_a_checkpoint_to_start_from_that_is_not_there_is_named_before_the_corpus
     cfg = load_config(None, [f"checkpoint.resume={tmp_path / 'nope'}", "data.tokenizer=bpe", "model.vocab_size=300"])
     with pytest.raises(CheckpointError, match=r"checkpoint path .*nope does not exist"):
         data_settings(cfg)
+    with pytest.raises(CheckpointError, match=r"checkpoint path AUTO does not exist \(checkpoint.resume=auto, in "
+                                              r"lower case, goes on from this run directory's newest\)"):
+        data_settings(load_config(None, ["checkpoint.resume=AUTO"]))
 
 
 def test_a_warmup_stable_decay_run_extended_before_its_decay_ends_as_the_longer_run(tmp_path):

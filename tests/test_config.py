@@ -159,6 +159,10 @@ def test_bad_values(tmp_path):
     (["model.vocab_size=99999999999999999999"], "model.vocab_size=99999999999999999999 must be below 2\\*\\*31"),
     (["train.global_batch=99999999999999999999"], "train.global_batch=99999999999999999999 must be below 2\\*\\*31"),
     (["data.cache_dir="], "data.cache_dir is empty: set it to the directory that keeps the tokenized corpus"),
+    (["data.max_bytes=-1"], "data.max_bytes=-1 must be 0 \\(all of the corpus\\) or more"),
+    (["data.source= "], "data.source is empty: name a file, a directory or a pattern"),
+    (["train.steps=2", "configs/tiny.yaml"], "override 'configs/tiny.yaml' must look like section.key=value \\(the "
+     "config file comes first, and only one\\)"),
     (["data.tokenizer=bpe", "data.bpe_vocab_size=4096"], "data.bpe_vocab_size=4096 is more than "
      "model.vocab_size=320, which must hold every token"),
 ])

@@ -833,6 +833,8 @@ def test_what_the_data_refuses_is_refused_before_the_ranks_start(tmp_path):
     cases = [(["model.vocab_size=200"], "model.vocab_size=200 is smaller than the tokenizer's 257 tokens"),
              ([*small, "train.eval_every=5"], "the val split has fewer than seq_len+1"),
              ([*small, "model.max_seq_len=4096", "train.seq_len=4000"], "the train split has fewer than"),
+             ([*small, "data.max_bytes=10"], "the train split has fewer than seq_len+1 = 33 tokens (10); lower "
+              "train.seq_len or add data (or raise data.max_bytes, if set)"),
              ([f"checkpoint.resume={tmp_path / 'nowhere'}"], f"checkpoint path {tmp_path / 'nowhere'} does not exist"),
              (["log.sample_tokens=5", "log.sample_prompt=" + "x" * 300], "log.sample_prompt is 300 tokens, more than "
               "model.max_seq_len=256")]
