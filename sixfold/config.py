@@ -227,15 +227,15 @@ ALIASES = {"batch_size": "global_batch", "learning_rate": "lr", "gradient_accumu
 def _unknown(key: str, obj, where: str, root) -> ConfigError:
     """Names the keys it may stand for: our name for another framework's (ALIASES), the same key in another section
     of `root` (train.tp: parallel.tp), those it begins (dp: dp_replicate, dp_shard), else the closest, else (a key
-    given without its section: steps, dp) the sections' keys it begins."""
+    given without its section: steps, dp) the sections' keys it begins; a one-letter key begins none."""
     choices, ours = _fields(obj), ALIASES.get(key, key)
     others = [s for s in _fields(root) if dataclasses.is_dataclass(section := getattr(root, s)) and section is not obj]
     near = [where + ALIASES[key]] if ALIASES.get(key) in choices else \
         [f"{s}.{ours}" for s in others if where and ours in _fields(getattr(root, s))] or \
-        sorted(where + c for c in choices if c.startswith(key)) or \
+        sorted(where + c for c in choices if len(key) > 1 and c.startswith(key)) or \
         [where + c for c in difflib.get_close_matches(key, list(choices), n=1, cutoff=0.5)] or \
         sorted(f"{c}.{k}" for c in choices if dataclasses.is_dataclass(getattr(obj, c))
-               for k in _fields(getattr(obj, c)) if k.startswith(key))
+               for k in _fields(getattr(obj, c)) if len(key) > 1 and k.startswith(key))
     named = " or ".join(f"'{c}'" for c in near)
     hint = f"; did you mean {named}?" if near else f"; valid keys: {', '.join(sorted(choices))}"
     return ConfigError(f"unknown config key '{where}{key}'{hint}")
@@ -284,7 +284,8 @@ def _coerce(value, typ, name: str):
     if value is not None and not isinstance(value, str):
         raise ConfigError(f"{name} must be text, got {value!r}")
     text = value or ""
-    return os.path.expanduser(text) if name in PATHS else text
+    # a path's spaces around it are a slip of the command line ("log.run_dir= runs/a" made a directory " ")
+    return os.path.expanduser(text.strip()) if name in PATHS else text
 
 
 @functools.cache

@@ -173,7 +173,12 @@ class BPETokenizer:
         try:
             tok = Tokenizer.from_file(str(path))
         except Exception as e:
-            raise DataError(f"data.tokenizer={str(path)!r} is not a tokenizers JSON file: {e}") from None
+            try:  # JSON, but not a tokenizer's: tokenizers names a place in it that may be right
+                json.loads(path.read_bytes())
+                what = "is JSON but not a tokenizer (a model's tokenizer.json, saved by HF tokenizers)"
+            except ValueError:
+                what = "is not a tokenizers JSON file"
+            raise DataError(f"data.tokenizer={str(path)!r} {what}: {e}") from None
         out = cls(tok, str(path))
         out.path = path
         return out
@@ -714,7 +719,8 @@ def _check_bin(cfg: DataConfig, p: Path, dtype: np.dtype, vocab_size: int) -> No
     top = int(tokens.max())
     if top >= vocab_size:
         raise DataError(f"{p} holds token {top}, outside the vocabulary of {vocab_size} of "
-                        f"data.tokenizer={cfg.tokenizer!r}; set data.tokenizer (or data.bin_dtype) to match")
+                        f"data.tokenizer={cfg.tokenizer!r}; set data.tokenizer (or data.bin_dtype) to match, or, if "
+                        f"it is not token ids, data.format to read it as text")
 
 
 def _load_bin(cfg: DataConfig, root: Path, files) -> TokenData:

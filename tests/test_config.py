@@ -16,12 +16,15 @@ def test_yaml_and_overrides(tmp_path):
 
 
 def test_text_overrides_are_taken_as_written_and_home_is_expanded_in_paths():
-    """YAML would read 0100 as the integer 64 and 12:30 as 750; a path's ~ is the home directory."""
+    """YAML would read 0100 as the integer 64 and 12:30 as 750; a path's ~ is the home directory, and spaces
+    around a path are dropped (other text keeps them: a prompt's trailing space is part of it)."""
     cfg = load_config(None, ["log.run_dir=runs/0100", "log.sample_prompt=12:30", "checkpoint.resume=~/run",
                              "data.source=~/corpus"])
     assert (cfg.log.run_dir, cfg.log.sample_prompt) == ("runs/0100", "12:30")
     assert cfg.checkpoint.resume == os.path.expanduser("~/run") and not cfg.data.source.startswith("~")
     assert load_config(None, ["log.run_dir=0100"]).log.run_dir == "0100"
+    spaced = load_config(None, ["log.run_dir= runs/a ", "log.sample_prompt=def "])
+    assert (spaced.log.run_dir, spaced.log.sample_prompt) == ("runs/a", "def ")
 
 
 def test_unknown_key_names_nearest():
@@ -159,6 +162,7 @@ def test_bad_values(tmp_path):
     (["model.vocab_size=99999999999999999999"], "model.vocab_size=99999999999999999999 must be below 2\\*\\*31"),
     (["train.global_batch=99999999999999999999"], "train.global_batch=99999999999999999999 must be below 2\\*\\*31"),
     (["data.cache_dir="], "data.cache_dir is empty: set it to the directory that keeps the tokenized corpus"),
+    (["a=1"], "unknown config key 'a'; valid keys: checkpoint, data, log, model, parallel, train"),
     (["data.max_bytes=-1"], "data.max_bytes=-1 must be 0 \\(all of the corpus\\) or more"),
     (["data.source= "], "data.source is empty: name a file, a directory or a pattern"),
     (["train.steps=2", "configs/tiny.yaml"], "override 'configs/tiny.yaml' must look like section.key=value \\(the "

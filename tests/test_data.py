@@ -245,7 +245,8 @@ def test_bin_round_trip(tmp_path, dtype):
 def test_bin_errors(tmp_path):
     path = tmp_path / "t.bin"
     np.array([1, 2, 300], dtype=np.uint16).tofile(path)
-    with pytest.raises(DataError, match="token 300"):
+    with pytest.raises(DataError, match="token 300, .*; set data.tokenizer \\(or data.bin_dtype\\) to match, or, if it "
+                                        "is not token ids, data.format to read it as text"):
         load_data(cfg(tmp_path, source=str(path)))
     path.write_bytes(b"")
     with pytest.raises(DataError, match="empty"):
@@ -284,6 +285,13 @@ def test_bpe_train_save_load(tmp_path):
     assert len(ids) < len(text.encode())
     with pytest.raises(DataError, match="missing.json"):
         build_tokenizer(cfg(tmp_path, tokenizer=str(tmp_path / "missing.json")), [])
+    (tmp_path / "other.json").write_text('{"hello": 1}')
+    with pytest.raises(DataError, match="other.json' is JSON but not a tokenizer \\(a model's tokenizer.json, saved by "
+                                        "HF tokenizers\\): "):
+        build_tokenizer(cfg(tmp_path, tokenizer=str(tmp_path / "other.json")), [])
+    (tmp_path / "cut.json").write_text('{"model": ')
+    with pytest.raises(DataError, match="cut.json' is not a tokenizers JSON file: "):
+        build_tokenizer(cfg(tmp_path, tokenizer=str(tmp_path / "cut.json")), [])
 
 
 def test_bpe_trains_on_a_long_run_of_non_space_in_words_of_at_most_64_characters():

@@ -136,6 +136,9 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     assert "on 16 x h100 (2 node(s))" in capsys.readouterr().out
     assert cli.main(["plan", TINY, "train.global_batch=12", "parallel.dp_shard=12", "--gpus", "12"]) == 2
     assert "--gpus 12 do not fill machines of 8: give --nodes" in capsys.readouterr().err
+    assert cli.main(["plan", "configs/llama3-8b.yaml", "--gpus", "1"]) == 0
+    assert "does NOT fit in memory: shard more (parallel.zero=3, tp, pp, cp), recompute (model.recompute), or add " \
+           "GPUs; --search ranks the layouts that fit" in capsys.readouterr().out
     # long sequences: without pipelining, the fewest micro-batches that fit (one would not)
     assert cli.main(["plan", "configs/llama3-1b.yaml", "train.precision=bf16", "train.global_batch=128",
                      "train.seq_len=8192", "--gpus", "8", "--search"]) == 0

@@ -43,7 +43,8 @@ def describe(p: Plan, device: str, gpus: int, nodes: int) -> str:
     lines += ["", f"step (slowest stage): compute {num(worst.compute_s * 1e3)} ms, pipeline bubble "
                   f"{worst.bubble:.1%}, traffic ms on the wire: {comm or 'none'}",
               f"estimated step {num(p.step_s * 1e3)} ms, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}; "
-              f"{'fits' if p.fits else 'does NOT fit'} in memory"]
+              f"{'fits' if p.fits else 'does NOT fit'} in memory" + ("" if p.fits else ": shard more (parallel.zero=3, "
+              "tp, pp, cp), recompute (model.recompute), or add GPUs; --search ranks the layouts that fit")]
     dims = ParallelDims.from_config(cfg.parallel)
     crossing = [g for g in ("tp", "cp", "ep") if getattr(cfg.parallel, g) > 1 and dims.crosses_nodes(g, gpus // nodes)]
     if crossing:
