@@ -26,7 +26,7 @@ from .console import console
 from .files import write_text
 from .data import BatchLoader, BPETokenizer, DataError, TokenData, eval_batches, load_data, with_tokenizer
 from .logs import RunLog, start_metrics
-from .errors import on_every_rank
+from .errors import CommError, PeerStopped, on_every_rank
 from .generate import prompt_ids, sample_text
 from .mesh import ParallelContext
 from .model.hf import carried_files, end_ids, imported
@@ -473,6 +473,9 @@ class Trainer:
                     stopped = Stopped(f"stopped by {heard} at the run's end{cut}"
                                       f"{', ' + ' and '.join(done) + ' written' if done else ''}", heard)
                     raise on_every_rank(stopped) if stop.heard else stopped
+            except (CommError, PeerStopped) as e:  # a rank died or hangs: what there is to go on from
+                e.args = (f"{e} {self._kept()}",)
+                raise
             finally:
                 log.close()
         return history
@@ -535,14 +538,17 @@ class Trainer:
             if not _out_of_memory(e):
                 raise
             t = self.cfg.train
-            done = ckpt.complete_steps(self.run_dir)
-            kept = f"the newest checkpoint, {done[-1]}, stays (checkpoint.resume=auto goes on from it)" if done else \
-                "no checkpoint of this run was written"
             raise TrainingError(
                 f"rank {self.ctx.rank} ran out of memory in step {self.step + 1} ({t.global_batch} sequences of "
                 f"{t.seq_len} tokens a step in {t.micro_batches} micro-batch(es)); hold less at once: raise "
                 f"train.micro_batches, set model.recompute=full (or selective), shard more (parallel.zero=3, tp, pp, "
-                f"cp) or lower train.seq_len; `sixfold plan` estimates a layout's memory. {kept}") from None
+                f"cp) or lower train.seq_len; `sixfold plan` estimates a layout's memory. {self._kept()}") from None
+
+    def _kept(self) -> str:
+        """What a run that fails here has to go on from."""
+        done = ckpt.complete_steps(self.run_dir)
+        return f"The newest checkpoint, {done[-1]}, stays (checkpoint.resume=auto goes on from it)." if done else \
+            "No checkpoint of this run was written."
 
     def _not_finite(self) -> str:
         """Why no checkpoint is written at the end of non-finite steps, and what to do."""

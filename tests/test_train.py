@@ -925,4 +925,28 @@ def test_running_out_of_memory_in_a_step_says_what_holds_less(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "rank 0 ran out of memory in step 1 (4096 sequences of 256 tokens a step in 1 micro-batch(es)); hold " \
            "less at once: raise train.micro_batches" in proc.stderr
-    assert "no checkpoint of this run was written" in proc.stderr
+    assert "No checkpoint of this run was written." in proc.stderr
+
+
+def test_a_hung_rank_ends_the_run_with_the_checkpoint_to_go_on_from(tmp_path):
+    """A rank frozen mid-run (SIGSTOP): the other's collective times out, and its error says what there is to go on
+    from, as for a rank that died."""
+    run = tmp_path / "run"
+    job = _launch(run, "parallel.timeout_s=5", "checkpoint.every=2")
+    (torchrun_pid,) = children(job.pid)
+    frozen = max(children(torchrun_pid))
+    os.kill(frozen, signal.SIGSTOP)
+    said = []
+    try:
+        for line in job.stderr:  # until the other rank's error (torchrun would wait on the frozen one before killing it)
+            said.append(line)
+            if "sixfold error" in line:
+                break
+    finally:
+        os.kill(frozen, signal.SIGKILL)
+    err = "".join(said) + job.communicate(timeout=300)[1]
+    # (the launcher reports the rank's error, or the frozen one killed here, whichever it heard of first)
+    assert job.returncode in (2, 128 + signal.SIGKILL), err[-3000:]
+    assert "did not reach the same collective within parallel.timeout_s" in err, err[-3000:]
+    newest = max((run / "checkpoints").glob("step_*"))
+    assert f"The newest checkpoint, {newest}, stays (checkpoint.resume=auto goes on from it)." in err, err[-3000:]
