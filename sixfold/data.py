@@ -438,10 +438,13 @@ def _jsonl_doc(doc_id: str, n: int, line: str, fields: list[str]) -> tuple | Non
 def _decoded(raw: bytes, codec: str = "utf-8", final: bool = True) -> tuple[str, int]:
     """raw's text and how many stray bytes it held, each read as U+FFFD (codec utf-8-sig drops a byte-order mark;
     not `final`, a character cut at the end is left out)."""
+    def decode(errors: str) -> str:  # (a decoder object only to leave a cut character out: a tenth of the speed)
+        return raw.decode(codec, errors) if final else codecs.getincrementaldecoder(codec)(errors).decode(raw)
+
     try:
-        return codecs.getincrementaldecoder(codec)().decode(raw, final=final), 0
+        return decode("strict"), 0
     except UnicodeDecodeError:  # each stray byte decodes to a lone surrogate of its own, then U+FFFD
-        return STRAY.subn("\ufffd", codecs.getincrementaldecoder(codec)("surrogateescape").decode(raw, final=final))
+        return STRAY.subn("\ufffd", decode("surrogateescape"))
 
 
 def _check_stray(stray: int, read: int) -> None:
@@ -453,7 +456,7 @@ def _check_stray(stray: int, read: int) -> None:
 def _jsonl_file(cfg: DataConfig, path: Path, doc_id: str, left: int) -> tuple[list[tuple], int]:
     """A JSONL file's documents (_jsonl_doc) and its stray bytes, read a line at a time (a leading byte-order
     mark dropped); with `left` (bytes of text data.max_bytes still takes), only until its documents hold that
-    much. Raises UnicodeDecodeError for more stray bytes than _text reads (a NUL is refused with its line)."""
+    much. Raises UnicodeDecodeError for more stray bytes than _check_stray allows (a NUL is refused with its line)."""
     fields = [cfg.jsonl_prompt_field, cfg.jsonl_field] if cfg.jsonl_prompt_field else [cfg.jsonl_field]
     docs, bad, stray, read, held = [], [], 0, 0, 0
     with open(path, "rb") as f:
