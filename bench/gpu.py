@@ -77,7 +77,7 @@ def sixfold_side(args) -> dict:
         "train.precision=bf16", f"train.compile={args.compile}",
         f"model.loss_chunk={args.chunk}", f"model.recompute={args.recompute}", "data.tokenizer=byte",
         "data.max_bytes=50000000", f"train.steps={args.warmup + args.steps}", "log.progress=false",
-        "log.tensorboard=false", "checkpoint.save_final=false", f"log.run_dir={tempfile.mkdtemp()}"])
+        "log.tensorboard=false", "checkpoint.save_final=false", f"log.run_dir={tempfile.mkdtemp()}", *args.set])
     trainer = Trainer(cfg, ParallelContext.single())
     return lambda: trainer.train_step()["loss"]
 
@@ -120,12 +120,14 @@ def worker(args) -> None:
     import torch
     torch.backends.cuda.matmul.allow_tf32 = True
     result = {"side": args.worker, "seq": args.seq, "tokens": args.micro * args.tokens, "micro": args.micro,
-              "compile": args.compile, "config": args.config}
+              "compile": args.compile, "config": args.config, "set": args.set}
     try:
         step = sixfold_side(args) if args.worker == "sixfold" else hf_side(args)
+        result["tree"] = str(Path(sys.modules["sixfold"].__file__).resolve().parent.parent)
         losses = []
         result["times"], result["back_to_back"] = timed(lambda: losses.append(step()), args.steps, args.warmup)
         result["loss_first"], result["loss_last"] = losses[0], losses[args.warmup + args.steps - 1]
+        result["losses"] = losses
         if args.profile:
             profile(step, args.trace)
         result["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30 if device() == "cuda" else 0.0
@@ -199,7 +201,7 @@ def drive(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     table = out / "gpu.json"
     kept = json.loads(table.read_text()) if table.exists() else {"command": "", "results": []}
-    command = "python bench/gpu.py " + " ".join(sys.argv[1:])
+    command = "python bench/gpu.py " + " ".join("DIR" if a == args.out else a for a in sys.argv[1:])
     commands = [c for c in kept["command"].split("; ") if c and c != command] + [command]
     results = kept["results"]
     for seq, micro, side in ((seq, micro, side) for seq in args.seq for micro in args.micro for side in args.sides):
@@ -287,7 +289,13 @@ def main() -> None:
     p.add_argument("--worker", choices=("sixfold", "hf"), help="(internal)")
     p.add_argument("--compile", default="true", help="(internal)")
     p.add_argument("--result", help="(internal)")
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="with --worker sixfold: more config overrides (data.source=DIR, ...)")
+    p.add_argument("--tree", help="with --worker: the sixfold of this checkout instead (another commit's, for an A/B "
+                                  "with one harness)")
     args = p.parse_args()
+    if args.tree:
+        sys.path.insert(0, str(Path(args.tree).resolve()))
     if args.report:
         report(args.report, args.write)
     elif args.worker:

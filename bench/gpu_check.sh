@@ -9,12 +9,20 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_fused.py tests/test_fast_paths.py \
+timeout 50 python3 -m pytest -q -p no:cacheprovider tests/test_fused.py tests/test_fast_paths.py \
     tests/test_context.py tests/test_optim.py -k "cuda or gpu" 2>&1 | tail -3
-timeout 400 python3 bench/gpu.py --seq 2048 8192 --micro 1 4 --out "$out/table"
+timeout 450 python3 bench/gpu.py --seq 2048 8192 --micro 1 4 --out "$out/table"
 [ -f "$out/table/gpu.json" ] && rm -f "$out"/table/*-*.json  # each run's file, in gpu.json (at most 8 files come back)
-timeout 80 python3 bench/gpu.py --worker sixfold --seq 2048 --steps 3 --profile --result "$out/profile.json" \
+timeout 70 python3 bench/gpu.py --worker sixfold --seq 2048 --steps 3 --profile --result "$out/profile.json" \
     --trace "$out/trace.json" > "$out/profile.log" 2>&1
 gzip -f "$out/trace.json"
 grep -v "^-" "$out/profile.log" | cut -c1-160 | head -45
 grep -A16 "^idle gaps" "$out/profile.log"
+python3 - "$out/table/gpu.json" "$out/profile.json" <<'PY'
+import json, sys
+table, profiled = (json.load(open(p)) for p in sys.argv[1:])
+same = next(r for r in table["results"] if (r["side"], r["seq"], r["micro"]) == ("sixfold", 2048, 1))
+n = 6  # its warmup and timed steps (train.steps): the same learning rates
+print(f"first {n} losses, table's run:", " ".join(f"{x:.6f}" for x in same["losses"][:n]))
+print(f"first {n} losses, profiled run:", " ".join(f"{x:.6f}" for x in profiled["losses"][:n]))
+PY
