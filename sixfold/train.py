@@ -42,6 +42,7 @@ from .parallel.sharding import Sharded
 from .parallel.tensor import IGNORE_INDEX, TensorParallel
 from .pictures import draw_pictures
 from .run_lock import RunLock
+from .staging import to_device
 from .stop import SIGNAL_NAMES, StopSignal, Stopped
 from .trace import Tracer, overlap_table, write_chrome_trace
 
@@ -124,14 +125,7 @@ class Trainer:
     def _local(self, x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None) -> tuple:
         """A batch's tokens and labels cut to this rank's part of each sequence under cp, then on its device, and its
         document ids (data.document_mask) of the whole sequences, left on the CPU (ContextParallel.document_mask)."""
-        return self._to_device(self.cp.shard(x)), self._to_device(self.cp.shard(y)), ids
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """On a GPU through pinned memory, queued behind the device's work: the host goes on (a copy from pageable
-        memory would wait for the last step's optimizer to finish)."""
-        if self.ctx.device.type == "cuda":
-            return t.pin_memory().to(self.ctx.device, non_blocking=True)
-        return t.to(self.ctx.device)
+        return to_device(self.cp.shard(x), self.ctx.device), to_device(self.cp.shard(y), self.ctx.device), ids
 
     @property
     def _eot(self) -> int | None:
@@ -147,7 +141,7 @@ class Trainer:
                    for x, y, ids in self.loader.micro_batches(self.step, t.micro_batches)]
             # counted before the labels go to the device: reading a count back from it would wait for the last step
             local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y, _ in cut)
-            micro = [(self._to_device(x), self._to_device(y), ids) for x, y, ids in cut]
+            micro = [(to_device(x, self.ctx.device), to_device(y, self.ctx.device), ids) for x, y, ids in cut]
         (global_tokens,) = self.comm.sum_scalars([local_tokens], "loss")
         empty = global_tokens == 0  # a batch of prompts only (data.jsonl_prompt_field): skipped, not 0 / 0
         global_tokens = max(global_tokens, 1)

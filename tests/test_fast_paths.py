@@ -92,3 +92,17 @@ def test_compiled_blocks_still_defer_weight_gradients():
 def test_loss_chunk_under_tp_is_refused():
     with pytest.raises(ConfigError, match="model.loss_chunk=0"):
         load_config(TINY, ["parallel.tp=2", "model.loss_chunk=64"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="copies to a GPU behind queued work")
+def test_batches_staged_behind_queued_cuda_work_arrive_whole():
+    """Each host tensor sent while the device is still busy arrives as it was sent, though the host pins the next
+    ones (of the same size) before any copy has run."""
+    from sixfold.staging import to_device
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(30):  # tens of milliseconds of queued work
+        a = torch.nn.functional.normalize(a @ a, dim=1)
+    sent = [torch.full((1 << 14,), i, dtype=torch.long) for i in range(8)]
+    got = [to_device(t, "cuda") for t in sent]
+    assert all(torch.equal(g.cpu(), t) for g, t in zip(got, sent))
+    assert to_device(sent[0], "cpu") is sent[0]

@@ -19,17 +19,6 @@ def document_ids(tokens: torch.Tensor, eot: int) -> torch.Tensor:
     return ends.cumsum(1) - ends
 
 
-def on_device(ids: torch.Tensor, device) -> torch.Tensor:
-    """`ids` on `device` (None: where they are); from the CPU to a GPU through pinned memory, not waiting for the
-    device (a plain copy would wait for the work queued before it)."""
-    device = ids.device if device is None else torch.device(device)
-    if ids.device == device:
-        return ids
-    if device.type == "cuda" and ids.device.type == "cpu":
-        return ids.pin_memory().to(device, non_blocking=True)
-    return ids.to(device)
-
-
 def visible(ids: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """bool [b, 1, len(q_pos), len(k_pos)]: the query at position q_pos[i] sees the key at k_pos[j] (same document,
     not later); `ids` [b, S] of the whole sequences, positions into them."""

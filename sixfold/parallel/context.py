@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import Comm
-from ..model.documents import additive, on_device, visible, within_documents
+from ..model.documents import additive, visible, within_documents
+from ..staging import to_device
 
 MODES = ("ring", "allgather", "ulysses")
 
@@ -76,7 +77,7 @@ class ContextParallel:
         ring, per chunk pair (mine, theirs) in which a query sees a key, what ring_masks says."""
         if self.size > 1 and self.mode == "ring":
             return ring_masks(self, ids, dtype, device)
-        ids = on_device(ids, device)
+        ids = to_device(ids, device)
         if self.size == 1 or self.mode == "ulysses":
             whole = torch.arange(ids.shape[1], device=ids.device)
             return additive(visible(ids, whole, whole), dtype)
@@ -285,7 +286,7 @@ def ring_masks(cp: ContextParallel, ids: torch.Tensor, dtype: torch.dtype, devic
     fall): given `ids` on the CPU, deciding it does not wait for the device."""
     n = ids.shape[1] // cp.n_chunks
     first, last = ids[:, ::n].cpu(), ids[:, n - 1::n].cpu()  # [b, chunks]
-    ids = on_device(ids, device)
+    ids = to_device(ids, device)
     span = torch.arange(n, device=ids.device)
     masks = {}
     for a in cp.chunks:
