@@ -1,10 +1,9 @@
-"""Corpora, tokenizers, cached token streams and deterministic batches.
+"""Tokenizers, cached token streams and deterministic batches.
 
-A corpus is a list of (id, text) documents: the Python standard library, a text file or directory,
-JSON lines, or pre-tokenized .bin files. Documents go to train or val by a hash of their id, are
-tokenized once and cached in data.cache_dir as flat token streams with an end-of-text token after
-each document. BatchLoader draws windows from a stream in an order set by (seed, step) alone, so
-every data-parallel layout sees the same global batches.
+A corpus (sixfold.corpus: the Python standard library, a text file or directory, JSON lines) is tokenized once,
+its documents streamed from the files, and cached in data.cache_dir as flat train and val token streams with an
+end-of-text token after each document; pre-tokenized .bin files are read as they are. BatchLoader draws windows
+from a stream in an order set by (seed, step) alone, so every data-parallel layout sees the same global batches.
 
 JSON lines with a prompt (data.jsonl_prompt_field) are (id, text, prompt_chars) documents whose first
 prompt_chars characters are the prompt: the loss does not count its tokens, which the stream holds as
@@ -12,16 +11,13 @@ id + vocabulary size (TokenData.shift).
 """
 from __future__ import annotations
 
-import codecs
 import fcntl
-import fnmatch
 import hashlib
 import itertools
 import json
 import os
 import re
 import shutil
-import sysconfig
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -30,8 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sixfold.checkpoint import META, META_SHA256, file_sha256
-from sixfold.config import RUN_CONFIG_HEAD, DataConfig, checkpoint_over
+from sixfold.checkpoint import file_sha256
+from sixfold.config import DataConfig
+from sixfold import corpus
+from sixfold.corpus import Corpus, DataError, _corpus, _docs_hash, _unreadable
 from sixfold.files import written
 from sixfold.model.documents import document_ids
 from sixfold.parallel.tensor import IGNORE_INDEX
@@ -39,18 +37,15 @@ from sixfold.parallel.tensor import IGNORE_INDEX
 EOT = "<|endoftext|>"  # sixfold's BPE's end of text, and GPT-2's
 OTHER_ENDS = ("<|end_of_text|>", "</s>")  # as special tokens, the end of text of Llama 3's, and Llama 2's and Mistral's
 CACHE_FORMAT = "sixfold-tokens-2"  # 2: few documents split by tokens (split_documents)
-SPLIT_SLACK = 4  # the held-out documents hold at most this many times data.val_fraction of the text
-_READER = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # a changed reader makes new cache indexes
-STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__"}
-WILDCARD = re.compile(r"[*?[]")  # data.source as a pattern (_glob)
-STRAY_BYTES = 1000  # a text with up to one byte in this many (of those read) not UTF-8 is read, each as U+FFFD
-STRAY = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, decoded with surrogateescape
+# a changed reader makes new cache indexes
+_READER = hashlib.sha256(b"".join(Path(m).read_bytes() for m in (__file__, corpus.__file__))).hexdigest()
 # BPE training's time grows with the square of a word's length: runs of non-space characters this long are cut
 # into words of at most this many for it (a line of base64 or minified code would otherwise stall it for hours)
 LONG_RUN = re.compile(r"\S{64}")
 # a longer document is tokenized (and BPE trained on it) in pieces of at least this many characters, cut where the
 # tokenizer's tokens do not cross (its `cut`): one piece at a time, a 100 MB file no longer takes gigabytes
 PIECE = 1 << 16
+CHUNK = 1 << 23  # characters of pieces encoded at once (in parallel by a tokenizers' tokenizer)
 # a cut is taken where the text around it, this many characters each side, encodes as its two sides do; of the
 # places `cut` finds after a piece's PIECE characters, the first TRIES are tried, and failing those it goes on whole
 AROUND, TRIES = 256, 16
@@ -61,26 +56,10 @@ WORD_CUT = re.compile(r"(?<=\S)(?= \S)|(?<=\S\n)(?=\S)")
 # text that a tokenizer must encode as its pieces at WORD_CUT do for its documents to be cut there
 CUT_PROBE = ("def f(x):\n    return x  \nif a:\nb\n)\n(\n1\n2\n'\n's\n\u00c4\n\u00df\n<|endoftext|>\nz.\n.z\n"
              "a b 1 2 a1 2b ( ) don 't I 'll x.y z \u00e9t\u00e9 \U0001f642 \u4e2d\u6587 <|endoftext|> end")
-# the names of the files this module writes in data.cache_dir
-CACHE_FILE = re.compile(r"(bpe|tokenizer|tokens|index)-[0-9a-f]+(\.train|\.val)?\.(bin|json|sha256)(\.lock)?")
-
-
-class DataError(ValueError):
-    """A corpus, tokenizer or batch setting that cannot work; the message names what to change."""
 
 
 def _sha(*parts) -> str:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
-
-
-def _docs_hash(docs) -> str:
-    h = hashlib.sha256()
-    for doc in docs:
-        for s in (doc[0], doc[1], *map(str, doc[2:])):
-            b = s.encode()
-            h.update(len(b).to_bytes(8, "little"))
-            h.update(b)
-    return h.hexdigest()
 
 
 @contextmanager
@@ -257,334 +236,6 @@ class BPETokenizer:
 
 # ---- documents ----
 
-def _sixfold_output(d: Path) -> bool:
-    """Whether directory d is one sixfold writes: a run directory (its config.yaml opens with RUN_CONFIG_HEAD, or,
-    from before that line, metrics.jsonl lies beside it; or it holds checkpoints/latest) or a checkpoint (meta.json
-    with meta.sha256)."""
-    config = d / "config.yaml"
-    if config.is_file():
-        if (d / "metrics.jsonl").is_file():
-            return True
-        try:
-            with open(config, "rb") as f:
-                if f.read(len(RUN_CONFIG_HEAD)) == RUN_CONFIG_HEAD.encode():
-                    return True
-        except OSError:  # then corpus, and refused as unreadable when it is read
-            pass
-    return (d / "checkpoints" / "latest").is_file() or ((d / META).is_file() and (d / META_SHA256).is_file())
-
-
-def _walk(root: Path, skip=(), cache: Path | None = None) -> tuple[list[tuple[str, Path]], list[str]]:
-    """(relative path, file) for every regular, non-hidden file under root, sorted, and what was left out as
-    sixfold's own: directories below root that sixfold writes (_sixfold_output), and the token cache's files
-    (CACHE_FILE) in `cache`, not the whole directory, which may be root. Linked directories are followed, each
-    real directory once; each real file is listed once, by its first name."""
-    out, own, seen = [], [], {os.path.realpath(root)}
-    cache = os.path.realpath(cache) if cache else None
-    for d, dirs, names in os.walk(root, followlinks=True):
-        dirs[:] = [x for x in sorted(dirs) if not x.startswith(".") and x not in skip]
-        kept = []
-        for x in dirs:  # each real directory once, also where two links lead to one
-            real = os.path.realpath(os.path.join(d, x))
-            if real not in seen:
-                seen.add(real)
-                kept.append(x)
-        dirs[:] = kept
-        mine = [x for x in dirs if _sixfold_output(Path(d, x))]
-        own += [Path(d, x) for x in mine]
-        dirs[:] = [x for x in dirs if x not in mine]
-        in_cache = os.path.realpath(d) == cache
-        for n in names:
-            p = Path(d, n)
-            if in_cache and CACHE_FILE.fullmatch(n):
-                own.append(p)
-            elif not n.startswith(".") and p.is_file():
-                out.append((p.relative_to(root).as_posix(), p))
-    once = {}  # a file that links lead to by several names, read once (else it could be in both splits)
-    for name, p in sorted(out):
-        once.setdefault(os.path.realpath(p), (name, p))
-    return sorted(once.values()), sorted(p.relative_to(root).as_posix() for p in own)
-
-
-def _glob(pattern: Path, cache: Path) -> tuple[Path, list[tuple[str, Path]], list[str]]:
-    """data.source as a pattern (`*`, `?` and `[...]` within a name, `**` any depth of directories): the directory
-    before its first wildcard, the files under it that the rest matches (sorted, as _walk gives them), and sixfold's
-    own that it skipped there. Only directories the pattern can reach are read; a hidden name matches only a part
-    that starts with '.'; linked directories are followed, each real one once a part of the pattern."""
-    parts = pattern.parts
-    first = next(i for i, part in enumerate(parts) if WILDCARD.search(part))
-    root = Path(*parts[:first]).resolve() if first else Path.cwd()
-    rest = parts[first:] + (("*",) if parts[-1] == "**" else ())
-    found, own, seen, cache = {}, [], set(), os.path.realpath(cache)
-
-    def descend(d: Path, rest: tuple[str, ...]) -> None:
-        real = os.path.realpath(d)
-        if (real, rest) in seen:
-            return
-        seen.add((real, rest))
-        head, tail = rest[0], rest[1:]
-        if head == "**":
-            descend(d, tail)  # no directory
-        try:
-            entries = sorted(e.name for e in os.scandir(d))
-        except OSError:  # unreadable: skipped, as os.walk does
-            return
-        for name in entries:
-            p = Path(d, name)
-            hidden = name.startswith(".") and not head.startswith(".")
-            try:
-                if hidden or not (head == "**" or fnmatch.fnmatchcase(name, head)):
-                    continue
-                if tail and p.is_dir():
-                    if _sixfold_output(p):
-                        own.append(p)
-                    else:
-                        descend(p, rest if head == "**" else tail)
-                elif not tail and p.is_file():
-                    if real == cache and CACHE_FILE.fullmatch(name):
-                        own.append(p)
-                    else:
-                        found.setdefault(os.path.realpath(p), p)  # a file reached twice (links) read once
-            except OSError:  # a name that cannot be looked at (/proc's): not corpus
-                continue
-
-    if root.is_dir():
-        descend(root, rest)
-    files = sorted((p.relative_to(root).as_posix(), p) for p in found.values())
-    return root, files, sorted({o.relative_to(root).as_posix() for o in own})
-
-
-SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".bin": "bin"}  # data.format=auto by the name (any case)
-
-
-def _format(cfg: DataConfig, path: Path) -> str:
-    if cfg.format != "auto":
-        return cfg.format
-    if path.suffix.lower() == ".json":  # JSON lines by another name (as some exporters write them), or a document
-        return "jsonl" if _json_lines(path) else "text"
-    return SUFFIXES.get(path.suffix.lower(), "text")
-
-
-def _json_lines(path: Path) -> bool:
-    """Whether the file's first two lines that are not blank are each a JSON object."""
-    try:
-        with open(path, "rb") as f:
-            lines = [line for line in itertools.islice(f, 1000) if line.strip()][:2]
-        return len(lines) == 2 and all(isinstance(json.loads(line), dict) for line in lines)
-    except (OSError, ValueError):  # unreadable: refused as text when read; not JSON lines
-        return False
-
-
-def _corpus(cfg: DataConfig) -> tuple[str, Path, list[tuple[str, Path]]]:
-    """(kind, root, [(id, file)]) for data.source; kind is "bin" for pre-tokenized files, else "text". Sixfold's own
-    directories and files in a directory (_walk) are left out, with a warning."""
-    if cfg.source == "stdlib":
-        if cfg.format not in ("auto", "text"):
-            raise DataError(f"data.source=stdlib is Python source text; set data.format=auto, not {cfg.format}")
-        root = Path(sysconfig.get_paths()["stdlib"])
-        return "text", root, [(i, p) for i, p in _walk(root, STDLIB_SKIP)[0] if i.endswith(".py")]
-    root, cache = Path(cfg.source).expanduser(), Path(cfg.cache_dir).expanduser()
-    if not root.exists() and WILDCARD.search(cfg.source):
-        root, files, own = _glob(root, cache)
-        if not files:
-            raise DataError(f"data.source={cfg.source!r} matches no files under {root}")
-    else:
-        root = root.resolve()
-        if not root.exists():
-            raise DataError(f"data.source={cfg.source!r}: {root} does not exist; give a file, a directory, a pattern "
-                            "or 'stdlib'")
-        holder = (root if _sixfold_output(root) else checkpoint_over(root, itself=True)) if root.is_dir() else None
-        if holder:
-            where = "" if holder == root else f" (inside {holder})"
-            raise DataError(f"data.source={cfg.source!r}: {root} is a sixfold run directory or checkpoint{where}, "
-                            f"whose files are no corpus; point data.source at the directory of the text files")
-        files, own = ([(root.name, root)], []) if root.is_file() else _walk(root, cache=cache)
-    if own:  # said on every load: the corpus is listed before the cache is looked in
-        warnings.warn(f"skipped {len(own)} of sixfold's own directories and files in {root} (run directories, "
-                      f"checkpoints, the token cache of data.cache_dir): {', '.join(own[:5])}"
-                      f"{' ...' if len(own) > 5 else ''}", stacklevel=3)
-    if cfg.format == "bin" and root.is_dir():
-        files = [f for f in files if f[1].suffix.lower() == ".bin"]
-    if not files:
-        raise DataError(f"data.source={cfg.source!r}: {root} holds no {'.bin ' if cfg.format == 'bin' else ''}files")
-    kinds = {_format(cfg, p) == "bin": p for _, p in files}
-    if len(kinds) > 1:
-        raise DataError(f"data.source={cfg.source!r}: {root} mixes .bin token files ({kinds[True]}, ...) with text "
-                        f"files ({kinds[False]}, ...); point data.source at a directory or pattern of one kind "
-                        f"(data/*.txt), or set data.format=bin to read only the .bin files")
-    return ("bin" if True in kinds else "text"), root, files
-
-
-def _utf8(value: str) -> str:
-    """JSON may escape a lone surrogate, which UTF-8 cannot hold: U+FFFD in its place (the length kept)."""
-    return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-
-
-def _jsonl_doc(doc_id: str, n: int, line: str, fields: list[str]) -> tuple | None:
-    """Line n's document: (id, the text field), or with a prompt field before it (id, prompt + text, characters
-    of prompt); None if it holds none."""
-    try:
-        obj = json.loads(line)
-        values = [obj[f] for f in fields]
-    except (ValueError, KeyError, TypeError):
-        return None
-    if not all(isinstance(v, str) for v in values):
-        return None
-    values = [_utf8(v) for v in values]
-    doc = (f"{doc_id}:{n}", "".join(values))
-    return doc + (len(values[0]),) if len(fields) == 2 else doc
-
-
-def _decoded(raw: bytes, codec: str = "utf-8", final: bool = True) -> tuple[str, int]:
-    """raw's text and how many stray bytes it held, each read as U+FFFD (codec utf-8-sig drops a byte-order mark;
-    not `final`, a character cut at the end is left out)."""
-    def decode(errors: str) -> str:  # (a decoder object only to leave a cut character out: a tenth of the speed)
-        return raw.decode(codec, errors) if final else codecs.getincrementaldecoder(codec)(errors).decode(raw)
-
-    try:
-        return decode("strict"), 0
-    except UnicodeDecodeError:  # each stray byte decodes to a lone surrogate of its own, then U+FFFD
-        return STRAY.subn("\ufffd", decode("surrogateescape"))
-
-
-def _check_stray(stray: int, read: int) -> None:
-    """Up to one byte in STRAY_BYTES of those read may be stray (a text with a stray byte); more: not UTF-8."""
-    if stray * STRAY_BYTES > read:
-        raise UnicodeDecodeError("utf-8", b"", 0, 0, f"{stray} of {read} bytes are not UTF-8")
-
-
-def _jsonl_file(cfg: DataConfig, path: Path, doc_id: str, left: int) -> tuple[list[tuple], int]:
-    """A JSONL file's documents (_jsonl_doc) and its stray bytes, read a line at a time (a leading byte-order
-    mark dropped); with `left` (bytes of text data.max_bytes still takes), only until its documents hold that
-    much. Raises UnicodeDecodeError for more stray bytes than _check_stray allows (a NUL is refused with its line)."""
-    fields = [cfg.jsonl_prompt_field, cfg.jsonl_field] if cfg.jsonl_prompt_field else [cfg.jsonl_field]
-    docs, bad, stray, read, held = [], [], 0, 0, 0
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            read += len(raw)
-            line, found = _decoded(raw, "utf-8-sig" if n == 1 else "utf-8")
-            stray += found
-            if not line.strip():
-                continue
-            doc = _jsonl_doc(doc_id, n, line, fields)
-            if doc is None:
-                bad.append(n)
-                continue
-            docs.append(doc)
-            held += len(doc[1].encode()) if left else 0
-            if left and held >= left:
-                break
-    _check_stray(stray, read)
-    if bad:
-        named = " and ".join(f"{f!r}" for f in fields)
-        keys = "data.jsonl_prompt_field and data.jsonl_field" if cfg.jsonl_prompt_field else "data.jsonl_field"
-        warnings.warn(f"{path}:{bad[0]}: skipped {len(bad)} line(s) that are not JSON objects with string "
-                      f"field(s) {named} ({keys}); lines {bad[:10]}", stacklevel=4)
-    return docs, stray
-
-
-def _text(path: Path, limit: int) -> tuple[str, bool, int]:
-    """A UTF-8 file's text (a leading byte-order mark dropped), whether the limit cut it, and how many stray bytes
-    it held (_decoded, _check_stray): with a limit, at most that many bytes, a character it cuts left out. Raises
-    UnicodeDecodeError for a NUL byte, which text files do not hold and binary ones do (all-zero bytes are UTF-8)."""
-    with open(path, "rb") as f:
-        raw = f.read(limit + 1) if limit else f.read()
-    cut = bool(limit) and len(raw) > limit
-    raw = raw[:limit] if cut else raw
-    if b"\0" in raw:
-        at = raw.index(b"\0")
-        raise UnicodeDecodeError("utf-8", raw, at, at + 1, "a NUL byte: binary data")
-    text, stray = _decoded(raw, "utf-8-sig", final=not cut)
-    _check_stray(stray, len(raw))
-    return text, cut, stray
-
-
-def _unreadable(path: Path, e: OSError) -> DataError:
-    return DataError(f"{path} cannot be read ({e.strerror or e}); fix its permissions or remove it from data.source")
-
-
-def _documents(cfg: DataConfig, root: Path, files) -> tuple[list[tuple], str]:
-    """(id, text) of each document of the files in order (with data.jsonl_prompt_field, (id, text, prompt_chars)),
-    up to data.max_bytes of text (a text file read only as far as that); non-UTF-8 files skipped with one warning,
-    an unreadable file refused. And what was read, in words."""
-    docs, taken, skipped, mended, read = [], 0, [], [], 0
-    for read, (doc_id, path) in enumerate(files, 1):
-        jsonl = _format(cfg, path) == "jsonl"
-        if cfg.jsonl_prompt_field and not jsonl:
-            raise DataError(f"{path} is not JSON lines, and data.jsonl_prompt_field={cfg.jsonl_prompt_field!r} reads "
-                            f"prompts from JSON lines; point data.source at .jsonl files, or leave "
-                            f"data.jsonl_prompt_field unset")
-        left = cfg.max_bytes - taken if cfg.max_bytes else 0
-        try:
-            if jsonl:
-                (found, stray), cut = _jsonl_file(cfg, path, doc_id, left), False
-            else:
-                text, cut, stray = _text(path, left)
-                found = [(doc_id, text)]
-            if stray:
-                mended.append(f"{path} ({stray})")
-        except UnicodeDecodeError:
-            skipped.append(str(path))
-            continue
-        except OSError as e:
-            raise _unreadable(path, e) from None
-        for doc_id, text, *prompt in found:
-            if cfg.max_bytes:
-                raw = text.encode()
-                text = raw[:cfg.max_bytes - taken].decode("utf-8", errors="ignore")
-                taken += len(raw)
-            if text:
-                docs.append((doc_id, text, *[min(k, len(text)) for k in prompt]))
-            if cfg.max_bytes and taken >= cfg.max_bytes:
-                break
-        if cut or (cfg.max_bytes and taken >= cfg.max_bytes):
-            break
-    if skipped:
-        warnings.warn(f"skipped {len(skipped)} file(s) that are not UTF-8 text (or hold NUL bytes, as binary files "
-                      f"do): {', '.join(skipped[:5])}"
-                      f"{' ...' if len(skipped) > 5 else ''}", stacklevel=2)
-    if mended:
-        warnings.warn(f"read {len(mended)} file(s) with a few bytes that are not UTF-8 (at most 1 in {STRAY_BYTES:,}) "
-                      f"as U+FFFD: {', '.join(mended[:5])}{' ...' if len(mended) > 5 else ''}", stacklevel=2)
-    if not docs:
-        jsonl = any(_format(cfg, path) == "jsonl" for _, path in files)
-        fields = f"data.jsonl_field (now {cfg.jsonl_field!r}) to the field that holds the text" + (
-            f" and data.jsonl_prompt_field (now {cfg.jsonl_prompt_field!r}) to the prompt's"
-            if cfg.jsonl_prompt_field else "")
-        raise DataError(f"data.source={cfg.source!r}: no non-empty UTF-8 documents in {root} "
-                        f"({len(files)} file(s) looked at); point data.source at text data"
-                        + (f", or set {fields}" if jsonl else ""))
-    stopped = f", data.max_bytes={cfg.max_bytes:,} reached" if cfg.max_bytes and taken >= cfg.max_bytes else ""
-    found = f"{len(docs):,} document{'s' * (len(docs) != 1)}"
-    return docs, f"{found} from {read:,} of {len(files):,} files in {root}{stopped}"
-
-
-def iter_documents(cfg: DataConfig) -> list[tuple]:
-    """(document id, text) of the corpus in a deterministic order, at most data.max_bytes of text if set (with
-    data.jsonl_prompt_field, (id, text, prompt_chars))."""
-    kind, root, files = _corpus(cfg)
-    if kind == "bin":
-        raise DataError(f"data.source={cfg.source!r} holds pre-tokenized .bin files, not documents")
-    return _documents(cfg, root, files)[0]
-
-
-def split_documents(docs, val_fraction: float):
-    """(train, val) by a stable hash of each id, val taking about val_fraction of the documents (not all of them:
-    one stays train). Where none falls to val, or those that do hold more than SPLIT_SLACK times val_fraction of
-    the text (a corpus of few documents), every document is train and its stream's last val_fraction of tokens is
-    the val split, as for a single document. At val_fraction 0, every document is train and val is empty."""
-    if len(docs) == 1 or not val_fraction:
-        return list(docs), []
-    keys = [int.from_bytes(hashlib.sha256(d.encode()).digest()[:8], "big") / 2 ** 64 for d, *_ in docs]
-    is_val = [k < val_fraction for k in keys]
-    if all(is_val):
-        is_val[max(range(len(keys)), key=keys.__getitem__)] = False
-    held = sum(len(d[1]) for d, v in zip(docs, is_val) if v)
-    if not held or held > SPLIT_SLACK * val_fraction * sum(len(d[1]) for d in docs):
-        return list(docs), []
-    return [d for d, v in zip(docs, is_val) if not v], [d for d, v in zip(docs, is_val) if v]
-
-
 def build_tokenizer(cfg: DataConfig, train_docs):
     """The tokenizer data.tokenizer names; "bpe" is trained on train_docs once and cached."""
     if cfg.tokenizer == "byte":
@@ -657,50 +308,53 @@ def cut_text(text: str, cut: re.Pattern | None, size: int | None = None, checked
     return [text[a:b] for a, b in zip(ends, ends[1:] + [len(text)])]
 
 
-def _pieces(docs, tok):
-    """(text, whether it begins its document, whether it ends it, *prompt characters) of each piece of each
-    document (tok.pieces; a document with a prompt stays whole)."""
-    for _, text, *prompt in docs:
-        pieces = [text] if prompt else tok.pieces(text)
+class _Stream:
+    """A token stream written as its documents come: their pieces (tok.pieces; a document with a prompt whole)
+    gathered into chunks of about CHUNK characters, each encoded in parallel; each document's tokens and an end of
+    text, with `shift` its prompt's tokens as id + shift."""
+
+    def __init__(self, f, tok, dtype, shift: int):
+        self.f, self.tok, self.dtype, self.shift = f, tok, dtype, shift
+        self.start, self.eot, self.none = np.array(tok.start, dtype), np.array([tok.eot], dtype), np.zeros(0, dtype)
+        self.chunk, self.size = [], 0  # (text, whether it begins its document, whether it ends it, *prompt)
+
+    def add(self, doc) -> None:
+        _, text, *prompt = doc
+        pieces = [text] if prompt else self.tok.pieces(text)
         for i, piece in enumerate(pieces):
-            yield piece, i == 0, i == len(pieces) - 1, *prompt
+            self.chunk.append((piece, i == 0, i == len(pieces) - 1, *prompt))
+            self.size += len(piece)
+            if self.size >= CHUNK:
+                self.flush()
+
+    def flush(self) -> None:
+        chunk, dtype = self.chunk, self.dtype
+        if not chunk:
+            return
+        if self.shift:
+            found = self.tok.encode_prompted([(text, k) for text, _, _, k in chunk])
+            parts = [(ids[:n].astype(dtype) + self.shift, ids[n:].astype(dtype, copy=False), self.eot)
+                     for ids, n in found]
+        else:
+            start, eot, none = self.start, self.eot, self.none
+            parts = [(start if first else none, ids.astype(dtype, copy=False), eot if last else none)
+                     for ids, (_, first, last) in zip(self.tok.encode_batch([p[0] for p in chunk]), chunk)]
+        self.f.write(np.concatenate([a for part in parts for a in part]).tobytes())
+        self.chunk, self.size = [], 0
 
 
-def _chunks(pieces, size: int = 1 << 23):
-    """Pieces in groups of about `size` characters: encoded in parallel, with bounded memory."""
-    chunk, n = [], 0
-    for piece in pieces:
-        chunk.append(piece)
-        n += len(piece[0])
-        if n >= size:
-            yield chunk
-            chunk, n = [], 0
-    if chunk:
-        yield chunk
-
-
-def _write_stream(tmp: Path, tok, docs, dtype, shift: int) -> None:
-    """Each document's tokens and an end of text; with `shift`, its prompt's tokens as id + shift."""
-    start, eot, none = np.array(tok.start, dtype), np.array([tok.eot], dtype), np.zeros(0, dtype)
-    with open(tmp, "wb") as f:
-        for chunk in _chunks(_pieces(docs, tok)):
-            if shift:
-                found = tok.encode_prompted([(text, k) for text, _, _, k in chunk])
-                parts = [(ids[:n].astype(dtype) + shift, ids[n:].astype(dtype, copy=False), eot) for ids, n in found]
-            else:
-                parts = [(start if first else none, ids.astype(dtype, copy=False), eot if last else none)
-                         for ids, (_, first, last) in zip(tok.encode_batch([p[0] for p in chunk]), chunk)]
-            f.write(np.concatenate([a for part in parts for a in part]).tobytes())
-
-
-def _write_cache(tok, train_docs, val_docs, train_path: Path, val_path: Path, val_fraction, dtype, shift) -> None:
+def _write_cache(tok, docs: Corpus, train_path: Path, val_path: Path, val_fraction, dtype, shift) -> None:
+    """Both streams in one pass over the documents."""
     with written(train_path) as train_tmp:  # moved in last: its presence means both are complete
         with written(val_path) as val_tmp:
-            _write_stream(train_tmp, tok, train_docs, dtype, shift)
-            if val_docs:
-                _write_stream(val_tmp, tok, val_docs, dtype, shift)
-            else:  # a single document, or too few to hold out whole: the last val_fraction of tokens is val
-                tokens = np.memmap(train_tmp, dtype, mode="r")
+            with open(train_tmp, "wb") as train_f, open(val_tmp, "wb") as val_f:
+                streams = (_Stream(train_f, tok, dtype, shift), _Stream(val_f, tok, dtype, shift))
+                for doc, val in docs.labelled():
+                    streams[val].add(doc)
+                for stream in streams:
+                    stream.flush()
+            if not docs.val_count:  # a single document, or too few to hold out whole: the last val_fraction of
+                tokens = np.memmap(train_tmp, dtype, mode="r")  # tokens is val
                 cut = len(tokens) - _val_count(len(tokens), val_fraction)
                 tokens[cut:].tofile(val_tmp)
                 del tokens
@@ -852,8 +506,8 @@ def load_data(cfg: DataConfig) -> TokenData:
         return found
     said: list = []  # what reading the corpus warned of, given again when the cache is read
     with _recorded(said):  # also when no document was found: the lines or files skipped say why
-        docs, read = _documents(cfg, root, files)
-    train_docs, val_docs = split_documents(docs, cfg.val_fraction)
+        docs = Corpus(cfg, root, files)
+    train_docs, val_docs, read = docs.part(False), docs.part(True), docs.read
     read += f", {len(val_docs):,} of them held out" if val_docs else \
         ", their last tokens held out" if cfg.val_fraction else ""
     tok = build_tokenizer(cfg, train_docs)
@@ -863,12 +517,12 @@ def load_data(cfg: DataConfig) -> TokenData:
     shift = tok.vocab_size if cfg.jsonl_prompt_field else 0
     dtype = np.uint16 if tok.vocab_size + shift < 65536 else np.uint32
     key = _sha(CACHE_FORMAT, cfg.source == "stdlib", str(root), cfg.format, cfg.jsonl_field, cfg.jsonl_prompt_field,
-               _docs_hash(docs), tok.name, tok.start, cfg.max_bytes, cfg.val_fraction)[:32]
+               docs.digest, tok.name, tok.start, cfg.max_bytes, cfg.val_fraction)[:32]
     cache = Path(cfg.cache_dir).expanduser()
     train_path, val_path = cache / f"tokens-{key}.train.bin", cache / f"tokens-{key}.val.bin"
     with _lock(train_path):
         if not (train_path.exists() and val_path.exists() and _intact(train_path, val_path)):
-            _write_cache(tok, train_docs, val_docs, train_path, val_path, cfg.val_fraction, dtype, shift)
+            _write_cache(tok, docs, train_path, val_path, cfg.val_fraction, dtype, shift)
             with written(_sums_path(train_path)) as tmp:
                 tmp.write_text(json.dumps(_sums(train_path, val_path)))
         tok_file = "byte" if isinstance(tok, ByteTokenizer) else str(tok.path)

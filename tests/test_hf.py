@@ -11,7 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from sixfold.checkpoint import Checkpoint, CheckpointError, write_checkpoint
 from sixfold.config import Config, ConfigError, DataConfig, ModelConfig, load_config
-from sixfold.data import BPETokenizer, DataError, iter_documents, load_data, split_documents
+from sixfold.corpus import iter_documents, split_documents
+from sixfold.data import BPETokenizer, DataError, load_data
 from sixfold.generate import checkpoint_tokenizer, continued, prompt_ids
 from sixfold.model.hf import (carried_files, end_ids, export_hf, hf_config_from_model, import_hf, load_model,
                               model_config_from_hf)
