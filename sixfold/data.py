@@ -604,12 +604,12 @@ class BatchLoader:
         return {"seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch,
                 "next_step": self.next_step}
 
-    def load_state_dict(self, state: dict) -> None:
-        for k in ("seed", "seq_len", "global_batch"):
-            if state.get(k) != getattr(self, k):
-                raise DataError(f"the saved data order has {k}={state.get(k)} but this run has {getattr(self, k)}; "
-                                f"set train.{k}={state.get(k)} to resume it")
+    def load_state_dict(self, state: dict) -> dict:
+        """Go on from the saved step; returns the settings of the saved order that this loader's differ in
+        ({key: (saved, this)}), whose batches from that step on are then this loader's own."""
         self.next_step = int(state["next_step"])
+        return {k: (state.get(k), getattr(self, k)) for k in ("seed", "seq_len", "global_batch")
+                if state.get(k) != getattr(self, k)}
 
 
 def eval_batches(tokens: np.ndarray, seq_len: int, batch: int, count: int, batch_index: int = 0,

@@ -316,8 +316,13 @@ class Trainer:
                 self._check_same_data(meta["data"])
         if train_state.load(checkpoint, self.sharded, self.optim, self.cfg):
             self.optim.set_step_count(meta["optimizer_steps"])
-            self.loader.load_state_dict(meta["loader"])
+            order = self.loader.load_state_dict(meta["loader"])
             self.step = meta["step"]
+            if order and self.ctx.is_main:  # a longer context or a larger batch: allowed, but said
+                named = ", ".join(f"train.{k}={b} (the checkpoint's run: {a})" for k, (a, b) in order.items())
+                warnings.warn(f"resuming {checkpoint.path} with {named}: from step {self.step + 1} the batches follow "
+                              f"the order of these settings, in which windows trained on before may come again; set "
+                              f"them as the checkpoint's run had them to resume it exactly")
             diffs = train_state.differences(meta, self.cfg, "train")
             changed = {k: v for k, v in diffs.items() if k in SCHEDULE}
             if changed and self.ctx.is_main:  # allowed (a lower lr after a divergence, more steps), but said

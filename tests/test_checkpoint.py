@@ -465,13 +465,17 @@ def test_a_file_that_cannot_be_read_is_refused_naming_it(saved, monkeypatch):
         Checkpoint(saved).file("model-00000.safetensors")
 
 
-def test_a_data_order_every_rank_refuses_is_said_once(saved, tmp_path):
+def test_a_resume_with_another_batch_and_context_goes_on_in_their_order_and_says_so_once(saved, tmp_path):
+    """A larger batch or a longer context from a checkpoint (batch ramp-up, context extension): the run goes on from
+    its step with the batches of the new settings, warned of once."""
     proc = sixfold("train", TINY, f"log.run_dir={tmp_path / 'run'}", "train.steps=3", "parallel.tp=2",
-                   "train.global_batch=4", f"checkpoint.resume={saved}")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert proc.stderr.count("sixfold error") == 1, proc.stderr[-3000:]
-    assert "sixfold error: the saved data order has global_batch=8 but this run has 4; set train.global_batch=8 " \
-        "to resume it" in proc.stderr, proc.stderr[-3000:]
+                   "train.global_batch=4", "train.seq_len=64", f"checkpoint.resume={saved}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = "with train.seq_len=64 (the checkpoint's run: 32), train.global_batch=4 (the checkpoint's run: 8): " \
+        "from step 3 the batches follow the order of these settings"
+    assert proc.stderr.count(said) == 1, proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == [3]
 
 
 def test_resuming_on_other_text_of_the_same_length_or_with_other_settings_warns(tmp_path):
