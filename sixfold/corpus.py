@@ -13,6 +13,7 @@ import os
 import re
 import sysconfig
 import warnings
+from array import array
 from pathlib import Path
 
 from sixfold.checkpoint import META, META_SHA256
@@ -261,7 +262,7 @@ def _jsonl_docs(cfg: DataConfig, path: Path, doc_id: str, left: int, warn: bool)
         named = " and ".join(f"{f!r}" for f in fields)
         keys = "data.jsonl_prompt_field and data.jsonl_field" if cfg.jsonl_prompt_field else "data.jsonl_field"
         warnings.warn(f"{path}:{bad[0]}: skipped {len(bad)} line(s) that are not JSON objects with string "
-                      f"field(s) {named} ({keys}); lines {bad[:10]}", stacklevel=2)
+                      f"field(s) {named} ({keys}); lines {bad[:10]}", stacklevel=6)  # (load_data's caller)
     return stray
 
 
@@ -350,19 +351,21 @@ class _DocsHash:
 
 class Corpus:
     """The documents of data.source's files in order, read from the files at each pass rather than held: a corpus
-    is tokenized in about the memory of its largest file. The first pass counts them, draws the val split
-    (_val_flags), hashes them and says what it skipped; each later pass reads the files it kept and checks that
-    it read the same documents."""
+    is tokenized in about the memory of its largest file (and 17 bytes a document). The first pass counts them,
+    draws the val split (_val_flags), hashes them (all, and the train split's) and says what it skipped; each
+    later pass reads the files it kept and checks that it read the same documents."""
 
     def __init__(self, cfg: DataConfig, root: Path, files):
-        self.cfg, self.kept, keys, sizes = cfg, [], [], []
-        skipped, mended, hashed, read, taken = [], [], _DocsHash(), 0, 0
-        mark = (0, hashed.h.copy())  # at the start of the file being read: documents, hash
+        self.cfg, self.kept, keys, sizes = cfg, [], array("d"), array("q")
+        skipped, mended, hashed, train, read, taken = [], [], _DocsHash(), _DocsHash(), 0, 0
+        mark = (0, hashed.h.copy(), train.h.copy())  # at the start of the file being read: documents, hashes
         for kind, i, value in _read(cfg, files):
             if kind == "doc":
                 keys.append(_val_key(value[0]))
                 sizes.append(len(value[1]))
                 hashed.add(value)
+                if keys[-1] >= cfg.val_fraction:  # train, unless the split is dropped (_val_flags)
+                    train.add(value)
                 continue
             if kind == "done":
                 taken = value
@@ -372,9 +375,9 @@ class Corpus:
                 mended += [f"{files[i][1]} ({value})"] if value else []
             else:  # not UTF-8: what it gave is dropped
                 del keys[mark[0]:], sizes[mark[0]:]
-                hashed.h = mark[1]
+                hashed.h, train.h = mark[1:]
                 skipped.append(str(files[i][1]))
-            read, mark = i + 1, (len(keys), hashed.h.copy())
+            read, mark = i + 1, (len(keys), hashed.h.copy(), train.h.copy())
         if skipped:
             warnings.warn(f"skipped {len(skipped)} file(s) that are not UTF-8 text (or hold NUL bytes, as binary "
                           f"files do): {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}", stacklevel=2)
@@ -393,6 +396,9 @@ class Corpus:
         self.count, self.digest = len(keys), hashed.h.hexdigest()
         self.val = _val_flags(keys, sizes, cfg.val_fraction)
         self.val_count = sum(self.val)
+        # the train split's hash: all documents' where none is val; the first pass's where the split is as drawn
+        drawn = sum(k >= cfg.val_fraction for k in keys) == self.count - self.val_count
+        self.train_digest = self.digest if not self.val_count else train.h.hexdigest() if drawn else None
         stopped = f", data.max_bytes={cfg.max_bytes:,} reached" if cfg.max_bytes and taken >= cfg.max_bytes else ""
         self.read = f"{self.count:,} document{'s' * (self.count != 1)} from {read:,} of {len(files):,} files in " \
                     f"{root}{stopped}"
@@ -427,6 +433,8 @@ class Corpus:
     def _changed(self, what: str) -> DataError:
         return DataError(f"data.source={self.cfg.source!r} changed while it was read ({what}); leave its files as "
                          f"they are while sixfold reads them, then run again")
+
+
 class _Part:
     """The train (val False) or val documents of a Corpus: its count, and a pass over them."""
 

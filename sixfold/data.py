@@ -236,15 +236,16 @@ class BPETokenizer:
 
 # ---- documents ----
 
-def build_tokenizer(cfg: DataConfig, train_docs):
-    """The tokenizer data.tokenizer names; "bpe" is trained on train_docs once and cached."""
+def build_tokenizer(cfg: DataConfig, train_docs, digest: str | None = None):
+    """The tokenizer data.tokenizer names; "bpe" is trained on train_docs once and cached (by their _docs_hash,
+    `digest` if known)."""
     if cfg.tokenizer == "byte":
         return ByteTokenizer()
     if cfg.tokenizer.endswith(".json"):
         return BPETokenizer.from_file(cfg.tokenizer)
     if cfg.tokenizer != "bpe":
         raise DataError(f"data.tokenizer={cfg.tokenizer!r}: choose byte, bpe or a path to a tokenizer.json")
-    key = _sha("bpe", cfg.bpe_vocab_size, _docs_hash(train_docs))[:16]
+    key = _sha("bpe", cfg.bpe_vocab_size, digest or _docs_hash(train_docs))[:16]
     path = Path(cfg.cache_dir).expanduser() / f"bpe-{key}.json"
     with _lock(path):
         try:
@@ -510,7 +511,7 @@ def load_data(cfg: DataConfig) -> TokenData:
     train_docs, val_docs, read = docs.part(False), docs.part(True), docs.read
     read += f", {len(val_docs):,} of them held out" if val_docs else \
         ", their last tokens held out" if cfg.val_fraction else ""
-    tok = build_tokenizer(cfg, train_docs)
+    tok = build_tokenizer(cfg, train_docs, docs.train_digest)
     if cfg.jsonl_prompt_field:
         with _recorded(said):
             _doubled_start(tok, docs)

@@ -814,3 +814,15 @@ def test_a_corpus_changed_while_it_is_read_is_refused_and_leaves_no_tokens(tmp_p
     assert not list((tmp_path / "cache").glob("tokens-*.bin"))
     monkeypatch.setattr(data_module, "build_tokenizer", real)
     assert len(load_data(cfg(tmp_path, source=str(root))).train)
+
+
+@pytest.mark.parametrize("val_fraction", [0.0, 0.2, 0.6, 0.999])
+def test_the_first_pass_hashes_the_train_split_as_it_is_drawn(tmp_path, val_fraction):
+    """The bpe tokenizer's cache key, the train documents' hash, comes from the first pass (no pass of its own)
+    where the split is as drawn; where one draw is given back to train (all fell to val), it is read again."""
+    from sixfold.corpus import Corpus, _corpus, _docs_hash
+    c = cfg(tmp_path, source=str(write_corpus(tmp_path / "c", 30)), val_fraction=val_fraction)
+    corpus = Corpus(c, *_corpus(c)[1:])
+    train = list(corpus.part(False))
+    assert len(train) == len(corpus.part(False)) and len(train) + len(corpus.part(True)) == 30
+    assert corpus.train_digest == (_docs_hash(train) if val_fraction < 0.99 else None)
