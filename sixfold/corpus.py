@@ -24,7 +24,7 @@ STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__"}
 WILDCARD = re.compile(r"[*?[]")  # data.source as a pattern (_glob)
 STRAY_BYTES = 1000  # a text with up to one byte in this many (of those read) not UTF-8 is read, each as U+FFFD
 STRAY = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, decoded with surrogateescape
-# the names of the files this module writes in data.cache_dir
+# the names of the files sixfold.data writes in data.cache_dir (left out of a corpus listed there)
 CACHE_FILE = re.compile(r"(bpe|tokenizer|tokens|index)-[0-9a-f]+(\.train|\.val)?\.(bin|json|sha256)(\.lock)?")
 
 

@@ -234,7 +234,7 @@ class BPETokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-# ---- documents ----
+# ---- the run's tokenizer ----
 
 def build_tokenizer(cfg: DataConfig, train_docs, digest: str | None = None):
     """The tokenizer data.tokenizer names; "bpe" is trained on train_docs once and cached (by their _docs_hash,
