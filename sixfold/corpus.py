@@ -266,9 +266,9 @@ def _jsonl_docs(cfg: DataConfig, path: Path, doc_id: str, left: int, warn: bool)
     return stray
 
 
-def _file_docs(cfg: DataConfig, path: Path, doc_id: str, left: int, warn: bool):
+def _file_docs(cfg: DataConfig, path: Path, jsonl: bool, doc_id: str, left: int, warn: bool):
     """A file's documents (JSON lines, or its text as one); returns (whether the limit cut it, its stray bytes)."""
-    if _format(cfg, path) == "jsonl":
+    if jsonl:
         return False, (yield from _jsonl_docs(cfg, path, doc_id, left, warn))
     text, cut, stray = _text(path, left)
     yield doc_id, text
@@ -302,12 +302,13 @@ def _read(cfg: DataConfig, files, warn: bool = True):
     (the documents it gave before then are not to be kept). An unreadable file is refused."""
     taken = 0
     for i, (doc_id, path) in enumerate(files):
-        if cfg.jsonl_prompt_field and _format(cfg, path) != "jsonl":
+        jsonl = _format(cfg, path) == "jsonl"
+        if cfg.jsonl_prompt_field and not jsonl:
             raise DataError(f"{path} is not JSON lines, and data.jsonl_prompt_field={cfg.jsonl_prompt_field!r} reads "
                             f"prompts from JSON lines; point data.source at .jsonl files, or leave "
                             f"data.jsonl_prompt_field unset")
         before, full = taken, False
-        reader = _file_docs(cfg, path, doc_id, cfg.max_bytes - taken if cfg.max_bytes else 0, warn)
+        reader = _file_docs(cfg, path, jsonl, doc_id, cfg.max_bytes - taken if cfg.max_bytes else 0, warn)
         try:
             while True:
                 try:
