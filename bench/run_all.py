@@ -9,9 +9,10 @@ docs/benchmarks.md; then a summary of their ratios at the top of docs/benchmarks
 
 Each benchmark is its own process (python bench/NAME.py ..., or sixfold bench --table --write), which waits for a
 quiet machine and writes its own section, as when run by hand. A benchmark that fails is reported and the others
-still run. The summary reads the ratios back from the sections (their markdown tables), so it also covers the
-sections this invocation did not rewrite, and says when each was measured. Nothing here needs a GPU
-(bench/gpu.py, which does, is not run).
+still run; one comparing against a framework that is not installed (bench/vs_torchtitan.py without
+TORCHTITAN_PYTHON) is reported as skipped. The summary reads the ratios back from the sections (their markdown
+tables), so it also covers the sections this invocation did not rewrite, and says when each was measured.
+Nothing here needs a GPU (bench/gpu.py, which does, is not run).
 """
 from __future__ import annotations
 
@@ -71,7 +72,10 @@ JOBS = (
         ("bench/overlap.py", "--runs", "1", "--steps", "4", "--demo-steps", "4", "--write"), ("overlap",)),
     Job("workload", ("-m", "sixfold.cli", "bench", "--table", "--write", "--runs", "3"),
         ("-m", "sixfold.cli", "bench", "--table", "--write", "--steps", "3"), ("workload",)),
+    Job("torchtitan", ("bench/vs_torchtitan.py", "--runs", "3", "--write"),
+        ("bench/vs_torchtitan.py", "--runs", "1", "--steps", "3", "--only", "1 process", "--write"), ("torchtitan",)),
 )
+SKIPPED = 3  # a job's exit status when what it compares against is not installed (vs_torchtitan.py's)
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,8 @@ COMPARISONS = {  # sixfold against another implementation
     "e2e": Ratios("End to end", "torch's parts composed as in torchtitan", ("time ratio", 0), ("memory ratio", 0)),
     "collectives": Ratios("Reduce-scatter on gloo", "torch.distributed.reduce_scatter_tensor", ("time ratio", 0),
                           None),
+    "torchtitan": Ratios("Common workload, torchtitan run here", "torchtitan 0.3.0 in the same session (its faster "
+                         "way where it has two)", ("sixfold / torchtitan", 0), None),
     "workload": Ratios("Common workload, 8 layouts", "fastest of picotron, torchtitan, DeepSpeed (their fixed times "
                        "from issue #11, on a CPU it does not name: not yet evidence, see the section)",
                        ("sixfold / fastest peer", 0), None),
@@ -213,16 +219,18 @@ def write_summary(body: str, doc: Path = DOC) -> None:
 
 # ---- running ----
 
-def run(job: Job, quick: bool) -> bool:
+def run(job: Job, quick: bool) -> str:
+    """The job's status in the summary."""
     argv = [sys.executable, *(job.quick if quick else job.argv)]
     print(f"\n=== {job.name}: {' '.join(argv[1:])}", flush=True)
     began = time.perf_counter()
     # this checkout's sixfold, also for `sixfold bench`, which writes into the docs beside the package it runs
     path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)
-    ok = subprocess.run(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": path}).returncode == 0
-    print(f"=== {job.name}: {'done' if ok else 'FAILED'} after {(time.perf_counter() - began) / 60:.1f} min",
-          flush=True)
-    return ok
+    code = subprocess.run(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": path}).returncode
+    status = "written now" + (" with --quick" if quick else "") if code == 0 else \
+        "skipped now: not installed; figures from before" if code == SKIPPED else "FAILED now; figures from before"
+    print(f"=== {job.name}: {status.split(';')[0]} after {(time.perf_counter() - began) / 60:.1f} min", flush=True)
+    return status
 
 
 def main() -> None:
@@ -239,10 +247,9 @@ def main() -> None:
     status, began = {}, time.perf_counter()
     try:
         for job in jobs:
-            ok = run(job, args.quick)
+            done = run(job, args.quick)
             for name in job.sections:
-                status[name] = ("written now" if ok else "FAILED now; figures from before") + \
-                    (" with --quick" if args.quick and ok else "")
+                status[name] = done
         body = summary(DOC.read_text(), status, "python bench/run_all.py " + " ".join(sys.argv[1:]))
         write_summary(body)
         print(f"\n{body}\n\n{len(jobs)} benchmark(s) in {(time.perf_counter() - began) / 60:.0f} min; failed: "

@@ -1,5 +1,7 @@
 """bench/: the end-to-end comparison's two sides compute the same steps; bench/run_all.py's summary reads the
 ratios back from docs/benchmarks.md."""
+import os
+import subprocess
 import sys
 
 import pytest
@@ -79,3 +81,20 @@ def test_every_section_in_the_docs_gives_numbers():
     pp = run_all.ratios(run_all.section(text, "pp"), run_all.COMPARISONS["pp"])
     schedules = ["gpipe", "1f1b", "interleaved", "breadth-first", "zb-v"]
     assert [label for label, *_ in pp] == [f"pp={n}, {s}" for n in (2, 4) for s in schedules]
+
+
+
+def test_torchtitan_comparison_reads_step_times_and_is_skipped_without_torchtitan():
+    """bench/vs_torchtitan.py: a run's time from the stamps of torchtitan's step lines (colour codes and all);
+    without a Python that has torchtitan it says what to give and exits with run_all's SKIPPED."""
+    import vs_torchtitan
+
+    log = "".join(f"[titan] 2026-11-30 04:49:{40 + i // 4:02d},{250 * (i % 4):03d} - root - INFO - \x1b[31mstep: "
+                  f"{i:2}  \x1b[32mloss:  7.9\n" for i in range(1, 11))
+    assert vs_torchtitan.step_time(log, 10) == pytest.approx(0.25)
+    assert vs_torchtitan.step_time(log, 12) is None
+    env = {k: v for k, v in os.environ.items() if k != "TORCHTITAN_PYTHON"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "vs_torchtitan.py")], env=env, text=True,
+                          capture_output=True)
+    assert proc.returncode == run_all.SKIPPED == vs_torchtitan.SKIPPED, proc.stderr
+    assert proc.stdout.startswith("skipped") and "--python" in proc.stdout
