@@ -1,12 +1,16 @@
 """torchtitan 0.3.0's trainer on a CPU with gloo, for bench/vs_torchtitan.py: run by torchrun in the Python that has
 torchtitan (not sixfold's), with torchtitan's own arguments. It adds the config `llama3_bench` (torchtitan's
-debugmodel, which is issue #11's workload model: 6,163,712 parameters) and bends torchtitan where it assumes CUDA
-or a newer torch, changing none of the work a step does:
+debugmodel, which is issue #11's workload model: 6,163,712 parameters), whose step it makes the workload's
+where torchtitan's defaults differ:
+
+- causal attention over the whole sequence by SDPA (the CPU's flash kernel), not flex attention within documents
+  (which has no CPU backward either); no activation checkpointing (the workload recomputes nothing); fp32 compute
+  (the mixed precision of fully_shard, which torchtitan applies in every layout, one process included, computes in
+  bf16 by default);
+
+and bends it where it assumes CUDA or a newer torch, changing no work of a step:
 
 - the device module is torch.cpu, with the few calls it lacks (device name, memory statistics) answered;
-- the inner attention is causal SDPA (the CPU's flash kernel), not flex attention, which has no CPU backward;
-  activation checkpointing off (sixfold's workload recomputes nothing); fp32 compute, as the workload's (its default
-  mixed precision computes in bf16 under DDP, FSDP and on one device);
 - the process-group timeouts are left as set (torchtitan sets them after a barrier given device ids, which gloo
   takes as integers);
 - FSDP reduces with a plain sum where torchtitan asks for a divide factor of 1 (gloo has no PREMUL_SUM);
@@ -44,7 +48,7 @@ def llama3_bench():
     config = registry.llama3_debugmodel()
     config.model_spec = llama3.model_registry("debugmodel")  # built again: with the attention above
     config.activation_checkpoint = None
-    config.training.mixed_precision_param = "float32"  # its default computes in bf16 (autocast, or FSDP's casts)
+    config.training.mixed_precision_param = "float32"  # (bf16 by default)
     return config
 
 

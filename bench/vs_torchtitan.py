@@ -7,9 +7,11 @@
 torchtitan trains its debugmodel (the workload's model: dim 256, 6 layers, 16 heads, vocab 2048) on sixfold's
 corpus of configs/bench.yaml (as JSON lines its Hugging Face loader reads), tokenized by a BPE of 2,048 tokens
 trained here on the same text, 4 sequences of 256 tokens per data-parallel rank, fp32, through
-bench/torchtitan_cpu.py (what it bends to run on a CPU is listed there). A torchtitan run's time is rank 0's
-mean wall time per step over steps 3-10, from the times its log stamps on each step's line; sixfold's is
-`sixfold bench`'s. Without --python (or TORCHTITAN_PYTHON) it says so and exits with SKIPPED.
+bench/torchtitan_cpu.py (what it sets and bends to run on a CPU is listed there). A run's time is rank 0's mean
+wall time per step over steps 3-10, the loop's own work between steps (logging, sixfold's stop check) in: for
+torchtitan from the times its log stamps on each step's line, for sixfold from the elapsed time its trainer
+records at each step's end (`sixfold bench`'s jobs; its own table times the steps alone). Without --python (or
+TORCHTITAN_PYTHON) it says so and exits with SKIPPED.
 """
 from __future__ import annotations
 
@@ -35,13 +37,14 @@ SKIPPED = 3  # the exit status without a torchtitan Python (bench/run_all.py rep
 SHIM = Path(__file__).resolve().parent / "torchtitan_cpu.py"
 BASE = ("--module", "llama3", "--config", "llama3_bench", "--training.seq_len", "256", "--training.local_batch_size",
         "4", "--parallelism.spmd_backend", "partial_dtensor", "--training.disable_cuda_graphs")
-DDP, FSDP = "--parallelism.data_parallel_replicate_degree", "--parallelism.data_parallel_shard_degree"
+REPLICATE, FSDP = "--parallelism.data_parallel_replicate_degree", "--parallelism.data_parallel_shard_degree"
 PP = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1")
-# torchtitan's ways of running each row of sixfold's TABLE (as issue #11 measured it): (name, ranks, arguments)
+# torchtitan's ways of running each row of sixfold's TABLE (as issue #11 measured it): (name, ranks, arguments).
+# Its replication is fully_shard over a replicate x 1 mesh (HSDP, shards of 1), which issue #11 calls DDP
 TITAN = {
     "1 process": [("", 1, ())],
-    "dp 2": [("DDP", 2, (DDP, "2", FSDP, "1")), ("FSDP", 2, (FSDP, "2"))],
-    "dp 4": [("DDP", 4, (DDP, "4", FSDP, "1")), ("FSDP", 4, (FSDP, "4"))],
+    "dp 2": [("replicated", 2, (REPLICATE, "2", FSDP, "1")), ("FSDP", 2, (FSDP, "2"))],
+    "dp 4": [("replicated", 4, (REPLICATE, "4", FSDP, "1")), ("FSDP", 4, (FSDP, "4"))],
     "tp 2": [("", 2, ("--parallelism.tensor_parallel_degree", "2"))],
     "pp 2 (4 micro-batches)": [("interleaved", 2, PP)],
     "dp2 x tp2": [("FSDP", 4, (FSDP, "2", "--parallelism.tensor_parallel_degree", "2"))],
@@ -156,7 +159,7 @@ def main() -> None:
                    help="a Python with torchtitan 0.3.0, torch 2.13 and triton (default: $TORCHTITAN_PYTHON)")
     p.add_argument("--runs", type=int, default=3, help="rounds over the layouts")
     p.add_argument("--steps", type=int, default=10, help=f"steps per run; the first {WARMUP} are not timed")
-    p.add_argument("--only", nargs="+", choices=[layout.name for layout in TABLE], metavar="LAYOUT",
+    p.add_argument("--only", nargs="+", choices=[x.name for x in TABLE if x.name not in NOT_RUN], metavar="LAYOUT",
                    help="these rows only (the table's names: '1 process', 'dp 2', ...)")
     p.add_argument("--write", action="store_true", help="put the table into docs/benchmarks.md")
     args = p.parse_args()
@@ -182,8 +185,9 @@ def main() -> None:
         for i in range(args.runs):
             for x in layouts:
                 for side, way, how in ways[x.name][::1 if i % 2 == 0 else -1]:
-                    if side == "sixfold":
+                    if side == "sixfold":  # timed as torchtitan is: step to step
                         r = undisturbed_run(how, str(threads_per_rank(how)))
+                        r = {**r, "step_s": r["wall_s"]}
                     else:
                         r = quiet_titan_run(args.python, work, *how, args.steps)
                     rows[x.name][side, way].append(r)

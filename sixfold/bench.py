@@ -63,14 +63,16 @@ def workload_config(path: str | None, overrides: list[str], steps: int) -> Confi
 
 
 def time_run(cfg: Config, threads: str | None = None) -> dict:
-    """One job of cfg: rank 0's mean step time after warm-up, each rank's peak MB (2**20 bytes), the cores
-    other processes kept busy meanwhile, and the accelerator."""
+    """One job of cfg: rank 0's mean step time after warm-up (its steps alone; wall_s: the whole loop from step to
+    step, logging and the stop check between steps in), each rank's peak MB (2**20 bytes), the cores other processes
+    kept busy meanwhile, and the accelerator."""
     job = launch(cfg, threads)
     if job.oom:
         raise BenchError(f"{cfg.parallel.describe()} ran out of CUDA memory; lower train.seq_len or "
                          f"train.global_batch (sixfold bench --max-seq finds the longest sequence that fits)")
-    first = job.ranks[0]
-    return {"step_s": statistics.mean(first["step_s"][WARMUP:]), "others": job.others,
+    first, ends = job.ranks[0], job.ranks[0]["elapsed_s"]
+    return {"step_s": statistics.mean(first["step_s"][WARMUP:]),
+            "wall_s": (ends[-1] - ends[WARMUP - 1]) / (len(ends) - WARMUP), "others": job.others,
             "peak_mb": [r["peak_bytes"] / 2**20 for r in job.ranks], "accelerator": first["accelerator"]}
 
 

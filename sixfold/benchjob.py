@@ -34,7 +34,7 @@ class BenchError(RuntimeError):
 
 @dataclass
 class Job:
-    ranks: list[dict]  # each rank's result: oom, accelerator, device_bytes; unless oom, step_s and peak_bytes
+    ranks: list[dict]  # each rank's result: oom, accelerator, device_bytes; unless oom, step_s, elapsed_s, peak_bytes
     others: float  # cores other processes kept busy while the job ran
 
     @property
@@ -89,7 +89,7 @@ def main(job: str) -> None:
         os._exit(OOM_EXIT)
     peak = torch.cuda.max_memory_allocated(ctx.device) if cuda else peak_mb(base) * 2**20
     save.write_text(json.dumps({**out, "oom": False, "step_s": [m["step_s"] for m in history],
-                                "peak_bytes": int(peak)}))
+                                "elapsed_s": [m["elapsed_s"] for m in history], "peak_bytes": int(peak)}))
     ctx.close()
 
 

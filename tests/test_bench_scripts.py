@@ -83,7 +83,6 @@ def test_every_section_in_the_docs_gives_numbers():
     assert [label for label, *_ in pp] == [f"pp={n}, {s}" for n in (2, 4) for s in schedules]
 
 
-
 def test_torchtitan_comparison_reads_step_times_and_is_skipped_without_torchtitan():
     """bench/vs_torchtitan.py: a run's time from the stamps of torchtitan's step lines (colour codes and all);
     without a Python that has torchtitan it says what to give and exits with run_all's SKIPPED."""
