@@ -29,6 +29,15 @@ def test_workload_times_a_layout(capsys, layout):
     assert float(found[1]) > 0 and len(peaks) == 1 + len(layout) and min(peaks) > 0
 
 
+def test_a_timed_run_gives_its_steps_alone_and_from_step_to_step():
+    """step_s times the steps themselves; wall_s the loop from one step's end to the next (what a peer's log stamps
+    give: bench/vs_torchtitan.py), which holds the step and the loop's own work between steps."""
+    from sixfold.bench import time_run, workload_config
+
+    r = time_run(workload_config(TINY, [], 4), "1")
+    assert 0 < r["step_s"] <= r["wall_s"] < r["step_s"] + 1, r
+
+
 def test_search_brackets_then_bisects_over_valid_lengths():
     cfg = load_config(TINY, ["parallel.cp=2", "parallel.tp=2"])  # lengths: multiples of 4
     probed = []
