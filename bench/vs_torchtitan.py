@@ -30,8 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sixfold.bench import TABLE, WARMUP, threads_per_rank, undisturbed_run, workload_config  # noqa: E402
-from sixfold.measure import DOC, QUIET, machine, others_while, revision, write_doc  # noqa: E402
+from common import spread  # noqa: E402
+from sixfold.bench import (TABLE, WARMUP, least_disturbed, threads_per_rank, undisturbed_run,  # noqa: E402
+                           workload_config)
+from sixfold.measure import DOC, machine, others_while, revision, write_doc  # noqa: E402
 
 SKIPPED = 3  # the exit status without a torchtitan Python (bench/run_all.py reports the section as skipped)
 SHIM = Path(__file__).resolve().parent / "torchtitan_cpu.py"
@@ -99,25 +101,13 @@ def step_time(log: str, steps: int) -> float | None:
     return (stamps[steps] - stamps[WARMUP]).total_seconds() / (steps - WARMUP)
 
 
-def quiet_titan_run(python: str, work: Path, ranks: int, args: tuple[str, ...], steps: int, tries: int = 3) -> dict:
-    """As sixfold.bench.undisturbed_run: launched again while other processes kept more than QUIET cores busy."""
-    runs = []
-    while len(runs) < tries and (not runs or runs[-1]["others"] > QUIET):
-        runs.append(titan_run(python, work, ranks, args, steps))
-    return min(runs, key=lambda r: r["others"])
-
-
 def median(runs: list[dict]) -> float:
     return statistics.median(r["step_s"] for r in runs)
 
 
-def spread(runs: list[dict]) -> str:
-    times = [r["step_s"] for r in runs]
-    return f"{statistics.median(times):.3f} ({min(times):.3f}-{max(times):.3f})"
-
-
 def cell(row: dict, side: str) -> str:
-    return ", ".join(f"{spread(runs)}{f' ({way})' if way else ''}" for (s, way), runs in row.items() if s == side)
+    return ", ".join(f"{spread([r['step_s'] for r in runs], 3)}{f' ({way})' if way else ''}"
+                     for (s, way), runs in row.items() if s == side)
 
 
 def report(rows: dict, args, rev: str, titan_version: str) -> str:
@@ -148,8 +138,7 @@ def report(rows: dict, args, rev: str, titan_version: str) -> str:
                         for side in ("sixfold", "torchtitan"))
         pairs = [a["step_s"] / b["step_s"] for a, b in zip(row[ours], row[theirs])]
         lines.append(f"| {layout.name} | {cell(row, 'sixfold')} | {cell(row, 'torchtitan')} | "
-                     f"**{median(row[ours]) / median(row[theirs]):.2f}** | {statistics.median(pairs):.2f} "
-                     f"({min(pairs):.2f}-{max(pairs):.2f}) | {layout.peers[1]} |")
+                     f"**{median(row[ours]) / median(row[theirs]):.2f}** | {spread(pairs, 2)} | {layout.peers[1]} |")
     return "\n".join(lines)
 
 
@@ -189,7 +178,7 @@ def main() -> None:
                         r = undisturbed_run(how, str(threads_per_rank(how)))
                         r = {**r, "step_s": r["wall_s"]}
                     else:
-                        r = quiet_titan_run(args.python, work, *how, args.steps)
+                        r = least_disturbed(lambda: titan_run(args.python, work, *how, args.steps))
                     rows[x.name][side, way].append(r)
                     print(f"round {i + 1}, {x.name}, {side} {way}: {r['step_s']:.3f} s/step, other processes "
                           f"{r['others']:.2f} cores", flush=True)

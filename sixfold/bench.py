@@ -11,6 +11,7 @@ import re
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from .benchjob import NO_RESUME, BenchError, launch, quiet
 from .config import Config, ConfigError, check_available, differing, load_config, override
@@ -70,7 +71,8 @@ def time_run(cfg: Config, threads: str | None = None) -> dict:
     if job.oom:
         raise BenchError(f"{cfg.parallel.describe()} ran out of CUDA memory; lower train.seq_len or "
                          f"train.global_batch (sixfold bench --max-seq finds the longest sequence that fits)")
-    first, ends = job.ranks[0], job.ranks[0]["elapsed_s"]
+    first = job.ranks[0]
+    ends = first["elapsed_s"]
     return {"step_s": statistics.mean(first["step_s"][WARMUP:]),
             "wall_s": (ends[-1] - ends[WARMUP - 1]) / (len(ends) - WARMUP), "others": job.others,
             "peak_mb": [r["peak_bytes"] / 2**20 for r in job.ranks], "accelerator": first["accelerator"]}
@@ -119,11 +121,16 @@ def report(results: list[list[dict]], argv: list[str], rev: str, steps: int) -> 
 
 
 def undisturbed_run(cfg: Config, threads: str, tries: int = 3) -> dict:
-    """A job run again (up to `tries` times in all) while other processes kept more than QUIET cores busy; the
-    least disturbed one kept."""
+    """A job of cfg, as least_disturbed runs one."""
+    return least_disturbed(lambda: time_run(cfg, threads), tries)
+
+
+def least_disturbed(run: Callable[[], dict], tries: int = 3) -> dict:
+    """run() again (up to `tries` times in all) while other processes kept more than QUIET cores busy (its result's
+    "others"); the least disturbed result kept."""
     runs = []
     while len(runs) < tries and (not runs or runs[-1]["others"] > QUIET):
-        runs.append(time_run(cfg, threads))
+        runs.append(run())
     return min(runs, key=lambda r: r["others"])
 
 
