@@ -99,7 +99,7 @@ COMPARISONS = {  # sixfold against another implementation
     "collectives": Ratios("Reduce-scatter on gloo", "torch.distributed.reduce_scatter_tensor", ("time ratio", 0),
                           None),
     "torchtitan": Ratios("Common workload, torchtitan run here", "torchtitan 0.3.0 in the same session (its faster "
-                         "way where it has two)", ("sixfold / torchtitan", 0), None),
+                         "way where it has several)", ("sixfold / torchtitan", 0), ("memory ratio", 0)),
     "workload": Ratios("Common workload, 8 layouts", "fastest of picotron, torchtitan, DeepSpeed (their fixed times "
                        "from issue #11, on a CPU it does not name: not yet evidence, see the section)",
                        ("sixfold / fastest peer", 0), None),

@@ -16,13 +16,23 @@ and bends it where it assumes CUDA or a newer torch, changing no work of a step:
 - FSDP reduces with a plain sum where torchtitan asks for a divide factor of 1 (gloo has no PREMUL_SUM);
 - a pipeline schedule given micro-batches already made (torchtitan 0.3.0's call) runs them as torch 2.13's
   step() runs the ones it makes from a whole batch.
+
+With SIXFOLD_PEAK_DIR set, each rank writes its peak memory there (rank{RANK}.json) as sixfold's bench jobs measure
+theirs: resident-set growth, here from the start of torchtitan's Trainer (before its model, tokenizer and data
+loader are built) to its close.
 """
+import json
 import os
 import runpy
+import sys
 import types
+from pathlib import Path
 
 import torch
 import torchtitan.tools.utils as utils
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from sixfold.measure import mark_memory, peak_mb  # noqa: E402  (standard library only: no sixfold install needed)
 
 cpu = torch.cpu
 cpu.get_device_name = lambda *a: "cpu"
@@ -80,4 +90,23 @@ for schedule in list(vars(schedules).values()):
     if isinstance(schedule, type) and "step" in vars(schedule):
         schedule.step = _premade(schedule.step)
 
+
+def _measured(trainer):
+    init, close = trainer.__init__, trainer.close
+    base = []
+
+    def start(self, *args, **kwargs):
+        base.append(mark_memory())
+        init(self, *args, **kwargs)
+
+    def end(self):
+        close(self)
+        folder = Path(os.environ["SIXFOLD_PEAK_DIR"])
+        (folder / f"rank{os.environ['RANK']}.json").write_text(json.dumps({"peak_mb": peak_mb(base[0])}))
+    trainer.__init__, trainer.close = start, end
+
+
+if os.environ.get("SIXFOLD_PEAK_DIR"):
+    from torchtitan.trainer import Trainer
+    _measured(Trainer)
 runpy.run_module("torchtitan.train", run_name="__main__")

@@ -41,20 +41,33 @@ BASE = ("--module", "llama3", "--config", "llama3_bench", "--training.seq_len", 
         "4", "--parallelism.spmd_backend", "partial_dtensor", "--training.disable_cuda_graphs")
 REPLICATE, FSDP = "--parallelism.data_parallel_replicate_degree", "--parallelism.data_parallel_shard_degree"
 PP = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1")
+ZERO_BUBBLE = ("--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble")
 # torchtitan's ways of running each row of sixfold's TABLE (as issue #11 measured it): (name, ranks, arguments).
-# Its replication is fully_shard over a replicate x 1 mesh (HSDP, shards of 1), which issue #11 calls DDP
+# Its replication is fully_shard over a replicate x 1 mesh (HSDP, shards of 1), which issue #11 calls DDP; its
+# pipeline runs its debugmodel's schedule (interleaved 1F1B, 2 stages a rank) and its fastest here of the others
 TITAN = {
     "1 process": [("", 1, ())],
     "dp 2": [("replicated", 2, (REPLICATE, "2", FSDP, "1")), ("FSDP", 2, (FSDP, "2"))],
     "dp 4": [("replicated", 4, (REPLICATE, "4", FSDP, "1")), ("FSDP", 4, (FSDP, "4"))],
     "tp 2": [("", 2, ("--parallelism.tensor_parallel_degree", "2"))],
-    "pp 2 (4 micro-batches)": [("interleaved", 2, PP)],
+    "pp 2 (4 micro-batches)": [("interleaved", 2, PP), ("interleaved zero bubble", 2, (*PP, *ZERO_BUBBLE))],
     "dp2 x tp2": [("FSDP", 4, (FSDP, "2", "--parallelism.tensor_parallel_degree", "2"))],
-    "dp2 x pp2": [("FSDP", 4, (FSDP, "2", *PP))],
+    "dp2 x pp2": [("FSDP, interleaved", 4, (FSDP, "2", *PP)),
+                  ("FSDP, interleaved zero bubble", 4, (FSDP, "2", *PP, *ZERO_BUBBLE))],
 }
-# sixfold's other way of the data-parallel rows: ZeRO-1 (the optimizer sharded, as torchtitan's FSDP shards it)
-SIXFOLD = {x.name: [("ZeRO-1", (*(o.replace("dp_replicate", "dp_shard") for o in x.overrides), "parallel.zero=1"))]
-           for x in TABLE if x.name.startswith("dp")}
+
+
+def other_ways(layout) -> list[tuple[str, tuple[str, ...]]]:
+    """sixfold's other ways of a row of TABLE beside the table's own: ZeRO-1 for data parallelism (the optimizer
+    sharded, as torchtitan's FSDP shards it), the zero-bubble schedule ZB-H1 for pipelining (the table's is 1F1B)."""
+    ways = []
+    if layout.name.startswith("dp"):
+        ways.append(("ZeRO-1", (*(o.replace("dp_replicate", "dp_shard") for o in layout.overrides), "parallel.zero=1")))
+    if "parallel.pp_schedule=1f1b" in layout.overrides:
+        ways.append(("ZB-H1", tuple(o.replace("=1f1b", "=zb-h1") for o in layout.overrides)))
+    return ways
+
+
 NOT_RUN = {"cp 2": "torchtitan's context parallelism runs SDPA through DTensor, which has no rule for the CPU's flash "
                    "kernel, and flex attention, its other way, has no CPU backward"}
 STEP = re.compile(r"^\[titan\] (\S+ \S+) .*?step:\s+(\d+)\s", re.M)
@@ -78,19 +91,23 @@ def assets(out: Path) -> None:
 
 
 def titan_run(python: str, work: Path, ranks: int, args: tuple[str, ...], steps: int) -> dict:
-    """One torchtitan job: rank 0's mean step time after warm-up, from its log, and the cores other processes
-    kept busy meanwhile."""
+    """One torchtitan job: rank 0's mean step time after warm-up, from its log, each rank's peak MB (as
+    torchtitan_cpu.py measures it), and the cores other processes kept busy meanwhile."""
     cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            "--local-ranks-filter", "0", str(SHIM), *BASE, "--hf_assets_path", str(work / "tokenizer"),
            "--dataloader.dataset_path", str(work / "data"), "--training.steps", str(steps),
            "--dump_folder", str(work / "out"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)), "CUDA_VISIBLE_DEVICES": ""}
-    proc, others = others_while(lambda: subprocess.run(cmd, cwd=work, env=env, text=True, capture_output=True))
+    with tempfile.TemporaryDirectory(dir=work) as peaks:
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)),
+               "CUDA_VISIBLE_DEVICES": "", "SIXFOLD_PEAK_DIR": peaks}
+        proc, others = others_while(lambda: subprocess.run(cmd, cwd=work, env=env, text=True, capture_output=True))
+        found = [Path(peaks) / f"rank{r}.json" for r in range(ranks)]
+        peak_mb = [json.loads(f.read_text())["peak_mb"] for f in found if f.exists()]
     log = proc.stdout + proc.stderr
     step_s = step_time(log, steps)
-    if proc.returncode or step_s is None:
+    if proc.returncode or step_s is None or len(peak_mb) < ranks:
         sys.exit(f"torchtitan {' '.join(args)} on {ranks} ranks failed:\n{log[-4000:]}")
-    return {"step_s": step_s, "others": others}
+    return {"step_s": step_s, "peak_mb": peak_mb, "others": others}
 
 
 def step_time(log: str, steps: int) -> float | None:
@@ -105,9 +122,13 @@ def median(runs: list[dict]) -> float:
     return statistics.median(r["step_s"] for r in runs)
 
 
-def cell(row: dict, side: str) -> str:
-    return ", ".join(f"{spread([r['step_s'] for r in runs], 3)}{f' ({way})' if way else ''}"
-                     for (s, way), runs in row.items() if s == side)
+def peak(runs: list[dict]) -> float:
+    """The median over runs of the largest rank's peak MB."""
+    return statistics.median(max(r["peak_mb"]) for r in runs)
+
+
+def cell(row: dict, side: str, value) -> str:
+    return ", ".join(f"{value(runs)}{f' ({way})' if way else ''}" for (s, way), runs in row.items() if s == side)
 
 
 def report(rows: dict, args, rev: str, titan_version: str) -> str:
@@ -120,16 +141,21 @@ def report(rows: dict, args, rev: str, titan_version: str) -> str:
              f"{WARMUP + 1}-{args.steps} timed; other processes kept at most {others:.2f} cores busy in the runs "
              f"kept.",
              "",
-             "Seconds per step, median over runs (range); lower is better. Where a side has two ways of a row (data "
-             "parallelism replicated or sharded), \"sixfold / torchtitan\" divides the faster of sixfold's by the "
-             "faster of torchtitan's; paired: each round's run of the one over the other's, median (range). The last "
-             "column is torchtitan as issue #11 gives it.",
+             "Seconds per step, median over runs (range); lower is better. A way not named is `sixfold bench "
+             "--table`'s (dp_replicate, 1F1B) or torchtitan's only one. Where a side has several ways of a row, "
+             "\"sixfold / torchtitan\" divides the fastest of sixfold's by the fastest of torchtitan's; paired: each "
+             "round's run of the one over the other's, median (range). Peak MB: the largest rank's resident-set "
+             "growth, from just before the model is built (sixfold: its corpus loaded; torchtitan: its Trainer "
+             "begun, so its data loader, built after, counts), median over runs; its ratio is of the ways the "
+             "time ratio compares. The last column is torchtitan as issue #11 gives it.",
              "",
-             "| layout | sixfold | torchtitan here | sixfold / torchtitan | paired | torchtitan, issue #11 |",
-             "|---|---|---|---|---|---|"]
+             "| layout | sixfold | torchtitan here | sixfold / torchtitan | paired | sixfold peak MB | torchtitan peak "
+             "MB | memory ratio | torchtitan, issue #11 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for layout in TABLE:
         if layout.name in NOT_RUN:
-            lines.append(f"| {layout.name} | - | not run: {NOT_RUN[layout.name]} | - | - | {layout.peers[1]} |")
+            lines.append(f"| {layout.name} | - | not run: {NOT_RUN[layout.name]} | - | - | - | - | - | "
+                         f"{layout.peers[1]} |")
             continue
         if layout.name not in rows:
             continue
@@ -137,8 +163,11 @@ def report(rows: dict, args, rev: str, titan_version: str) -> str:
         ours, theirs = (min((k for k in row if k[0] == side), key=lambda k: median(row[k]))
                         for side in ("sixfold", "torchtitan"))
         pairs = [a["step_s"] / b["step_s"] for a, b in zip(row[ours], row[theirs])]
-        lines.append(f"| {layout.name} | {cell(row, 'sixfold')} | {cell(row, 'torchtitan')} | "
-                     f"**{median(row[ours]) / median(row[theirs]):.2f}** | {spread(pairs, 2)} | {layout.peers[1]} |")
+        times, mbs = (lambda runs: spread([r["step_s"] for r in runs], 3)), (lambda runs: f"{peak(runs):.0f}")
+        lines.append(f"| {layout.name} | {cell(row, 'sixfold', times)} | {cell(row, 'torchtitan', times)} | "
+                     f"**{median(row[ours]) / median(row[theirs]):.2f}** | {spread(pairs, 2)} | "
+                     f"{cell(row, 'sixfold', mbs)} | {cell(row, 'torchtitan', mbs)} | "
+                     f"{peak(row[ours]) / peak(row[theirs]):.2f} | {layout.peers[1]} |")
     return "\n".join(lines)
 
 
@@ -165,7 +194,7 @@ def main() -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     layouts = [x for x in TABLE if x.name not in NOT_RUN and (not args.only or x.name in args.only)]
     ways = {x.name: [("sixfold", "", workload_config(None, list(x.overrides), args.steps))]
-            + [("sixfold", way, workload_config(None, list(o), args.steps)) for way, o in SIXFOLD.get(x.name, [])]
+            + [("sixfold", way, workload_config(None, list(o), args.steps)) for way, o in other_ways(x)]
             + [("torchtitan", way, (ranks, a)) for way, ranks, a in TITAN[x.name]] for x in layouts}
     rev, rows = revision(), {name: {(side, way): [] for side, way, _ in ws} for name, ws in ways.items()}
     with tempfile.TemporaryDirectory() as tmp:

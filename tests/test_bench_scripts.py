@@ -97,3 +97,29 @@ def test_torchtitan_comparison_reads_step_times_and_is_skipped_without_torchtita
                           capture_output=True)
     assert proc.returncode == run_all.SKIPPED == vs_torchtitan.SKIPPED, proc.stderr
     assert proc.stdout.startswith("skipped") and "--python" in proc.stdout
+
+
+def test_torchtitan_comparison_takes_each_sides_fastest_way_and_its_memory():
+    """bench/vs_torchtitan.py: sixfold's other ways of a row (ZeRO-1 for data parallelism, ZB-H1 for pipelining);
+    the time ratio divides each side's fastest way, the memory ratio those same ways' largest-rank peaks, which
+    the summary reads back."""
+    import vs_torchtitan
+    from sixfold.bench import TABLE
+
+    ways = {x.name: [(way, o) for way, o in vs_torchtitan.other_ways(x)] for x in TABLE}
+    assert ways["1 process"] == [] and ways["tp 2"] == []
+    assert [w for w, _ in ways["dp 2"]] == ["ZeRO-1"] and "parallel.dp_shard=2" in ways["dp 2"][0][1]
+    assert ways["pp 2 (4 micro-batches)"] == [("ZB-H1", ("parallel.pp=2", "parallel.pp_schedule=zb-h1",
+                                                         "train.micro_batches=4"))]
+    assert [w for w, _ in ways["dp2 x pp2"]] == ["ZeRO-1", "ZB-H1"]
+
+    def run(step_s, *peaks):
+        return {"step_s": step_s, "peak_mb": list(peaks), "others": 0.0}
+    row = {("sixfold", ""): [run(0.5, 100, 120)], ("sixfold", "ZB-H1"): [run(0.4, 110, 150)],
+           ("torchtitan", "interleaved"): [run(0.6, 170, 200)], ("torchtitan", "zero bubble"): [run(0.5, 180, 190)]}
+    args = type("Args", (), {"runs": 1, "steps": 10})
+    body = vs_torchtitan.report({"pp 2 (4 micro-batches)": row}, args, "commit abc", "0.3.0")
+    line = next(x for x in body.splitlines() if x.startswith("| pp 2"))
+    assert "**0.80**" in line and "| 120, 150 (ZB-H1) | 200 (interleaved), 190 (zero bubble) | 0.79 |" in line
+    found = run_all.ratios(body, run_all.COMPARISONS["torchtitan"])
+    assert found[0] == ("pp 2 (4 micro-batches)", "0.80", "0.79")
