@@ -10,7 +10,7 @@ docs/benchmarks.md; then a summary of their ratios at the top of docs/benchmarks
 Each benchmark is its own process (python bench/NAME.py ..., or sixfold bench --table --write), which waits for a
 quiet machine and writes its own section, as when run by hand. A benchmark that fails is reported and the others
 still run; one comparing against a framework that is not installed (bench/vs_torchtitan.py without
-TORCHTITAN_PYTHON) is reported as skipped. The summary reads the ratios back from the sections (their markdown
+TORCHTITAN_PYTHON, bench/vs_deepspeed.py without DEEPSPEED_PYTHON) is reported as skipped. The summary reads the ratios back from the sections (their markdown
 tables), so it also covers the sections this invocation did not rewrite, and says when each was measured.
 Nothing here needs a GPU (bench/gpu.py, which does, is not run).
 """
@@ -74,8 +74,10 @@ JOBS = (
         ("-m", "sixfold.cli", "bench", "--table", "--write", "--steps", "3"), ("workload",)),
     Job("torchtitan", ("bench/vs_torchtitan.py", "--runs", "3", "--write"),
         ("bench/vs_torchtitan.py", "--runs", "1", "--steps", "3", "--only", "1 process", "--write"), ("torchtitan",)),
+    Job("deepspeed", ("bench/vs_deepspeed.py", "--runs", "3", "--write"),
+        ("bench/vs_deepspeed.py", "--runs", "1", "--steps", "3", "--only", "1 process", "--write"), ("deepspeed",)),
 )
-SKIPPED = 3  # a job's exit status when what it compares against is not installed (vs_torchtitan.py's)
+SKIPPED = 3  # a job's exit status when what it compares against is not installed (bench/peers.py's)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,8 @@ COMPARISONS = {  # sixfold against another implementation
                           None),
     "torchtitan": Ratios("Common workload, torchtitan run here", "torchtitan 0.3.0 in the same session (its faster "
                          "way where it has several)", ("sixfold / torchtitan", 0), ("memory ratio", 0)),
+    "deepspeed": Ratios("Common workload, DeepSpeed run here", "DeepSpeed 0.19.8 in the same session (its faster "
+                        "way)", ("sixfold / DeepSpeed", 0), ("memory ratio", 0)),
     "workload": Ratios("Common workload, 8 layouts", "fastest of picotron, torchtitan, DeepSpeed (their fixed times "
                        "from issue #11, on a CPU it does not name: not yet evidence, see the section)",
                        ("sixfold / fastest peer", 0), None),

@@ -15,27 +15,22 @@ TORCHTITAN_PYTHON) it says so and exits with SKIPPED.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import spread  # noqa: E402
-from sixfold.bench import (TABLE, WARMUP, least_disturbed, threads_per_rank, undisturbed_run,  # noqa: E402
-                           workload_config)
-from sixfold.measure import DOC, machine, others_while, revision, write_doc  # noqa: E402
+from peers import Peer, arguments, report, rounds, sixfold_ways, version  # noqa: E402
+from sixfold.bench import TABLE, WARMUP, least_disturbed, workload_config  # noqa: E402
+from sixfold.measure import DOC, others_while, revision, write_doc  # noqa: E402
 
-SKIPPED = 3  # the exit status without a torchtitan Python (bench/run_all.py reports the section as skipped)
 SHIM = Path(__file__).resolve().parent / "torchtitan_cpu.py"
 BASE = ("--module", "llama3", "--config", "llama3_bench", "--training.seq_len", "256", "--training.local_batch_size",
         "4", "--parallelism.spmd_backend", "partial_dtensor", "--training.disable_cuda_graphs")
@@ -118,100 +113,29 @@ def step_time(log: str, steps: int) -> float | None:
     return (stamps[steps] - stamps[WARMUP]).total_seconds() / (steps - WARMUP)
 
 
-def median(runs: list[dict]) -> float:
-    return statistics.median(r["step_s"] for r in runs)
-
-
-def peak(runs: list[dict]) -> float:
-    """The median over runs of the largest rank's peak MB."""
-    return statistics.median(max(r["peak_mb"]) for r in runs)
-
-
-def cell(row: dict, side: str, value) -> str:
-    return ", ".join(f"{value(runs)}{f' ({way})' if way else ''}" for (s, way), runs in row.items() if s == side)
-
-
-def report(rows: dict, args, rev: str, titan_version: str) -> str:
-    others = max(r["others"] for row in rows.values() for runs in row.values() for r in runs)
-    lines = [f"Command: `python bench/vs_torchtitan.py {' '.join(sys.argv[1:])}`  ",
-             f"Machine: {machine()}  ",
-             f"sixfold: {rev}; torchtitan {titan_version}  ",
-             f"Date: {time.strftime('%Y-%m-%d')}; {args.runs} round(s) over the layouts, each way of each layout "
-             f"run once a round, sixfold's and torchtitan's in turn (who goes first alternates); steps "
-             f"{WARMUP + 1}-{args.steps} timed; other processes kept at most {others:.2f} cores busy in the runs "
-             f"kept.",
-             "",
-             "Seconds per step, median over runs (range); lower is better. A way not named is `sixfold bench "
-             "--table`'s (dp_replicate, 1F1B) or torchtitan's only one. Where a side has several ways of a row, "
-             "\"sixfold / torchtitan\" divides the fastest of sixfold's by the fastest of torchtitan's; paired: each "
-             "round's run of the one over the other's, median (range). Peak MB: the largest rank's resident-set "
-             "growth, from just before the model is built (sixfold: its corpus loaded; torchtitan: its Trainer "
-             "begun, so its data loader, built after, counts), median over runs; its ratio is of the ways the "
-             "time ratio compares. The last column is torchtitan as issue #11 gives it.",
-             "",
-             "| layout | sixfold | torchtitan here | sixfold / torchtitan | paired | sixfold peak MB | torchtitan peak "
-             "MB | memory ratio | torchtitan, issue #11 |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for layout in TABLE:
-        if layout.name in NOT_RUN:
-            lines.append(f"| {layout.name} | - | not run: {NOT_RUN[layout.name]} | - | - | - | - | - | "
-                         f"{layout.peers[1]} |")
-            continue
-        if layout.name not in rows:
-            continue
-        row = rows[layout.name]
-        ours, theirs = (min((k for k in row if k[0] == side), key=lambda k: median(row[k]))
-                        for side in ("sixfold", "torchtitan"))
-        pairs = [a["step_s"] / b["step_s"] for a, b in zip(row[ours], row[theirs])]
-        times, mbs = (lambda runs: spread([r["step_s"] for r in runs], 3)), (lambda runs: f"{peak(runs):.0f}")
-        lines.append(f"| {layout.name} | {cell(row, 'sixfold', times)} | {cell(row, 'torchtitan', times)} | "
-                     f"**{median(row[ours]) / median(row[theirs]):.2f}** | {spread(pairs, 2)} | "
-                     f"{cell(row, 'sixfold', mbs)} | {cell(row, 'torchtitan', mbs)} | "
-                     f"{peak(row[ours]) / peak(row[theirs]):.2f} | {layout.peers[1]} |")
-    return "\n".join(lines)
+WAYS = ("A way not named is `sixfold bench --table`'s (dp_replicate, 1F1B) or torchtitan's default (in the pipelined "
+        "rows its debugmodel's interleaved 1F1B, 2 stages a rank). sixfold's other ways are ZeRO-1 (dp_shard) and the "
+        "zero-bubble ZB-H1; torchtitan's its replication, FSDP and InterleavedZeroBubble. torchtitan's memory is "
+        "counted from the start of its Trainer (its data loader, built after, counts), sixfold's from after its "
+        "corpus is loaded.")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--python", default=os.environ.get("TORCHTITAN_PYTHON"),
-                   help="a Python with torchtitan 0.3.0, torch 2.13 and triton (default: $TORCHTITAN_PYTHON)")
-    p.add_argument("--runs", type=int, default=3, help="rounds over the layouts")
-    p.add_argument("--steps", type=int, default=10, help=f"steps per run; the first {WARMUP} are not timed")
-    p.add_argument("--only", nargs="+", choices=[x.name for x in TABLE if x.name not in NOT_RUN], metavar="LAYOUT",
-                   help="these rows only (the table's names: '1 process', 'dp 2', ...)")
-    p.add_argument("--write", action="store_true", help="put the table into docs/benchmarks.md")
-    args = p.parse_args()
-    if not args.python:
-        print("skipped: give --python (or set TORCHTITAN_PYTHON) to a Python with torchtitan 0.3.0; see "
-              "bench/vs_torchtitan.py's docstring for the one line that installs it")
-        sys.exit(SKIPPED)
-    found = subprocess.run([args.python, "-c", "import importlib.metadata as m; print(m.version('torchtitan'))"],
-                           text=True, capture_output=True)
-    if found.returncode:
-        sys.exit(f"{args.python} cannot import torchtitan: {found.stderr.strip()[-300:]}")
-    if args.steps <= WARMUP:
-        p.error(f"--steps must be more than the {WARMUP} warm-up steps")
+    args = arguments(__doc__, "torchtitan 0.3.0 and triton", "TORCHTITAN_PYTHON",
+                     [x.name for x in TABLE if x.name not in NOT_RUN])
+    peer = Peer("torchtitan", version(args.python, "torchtitan", "TORCHTITAN_PYTHON", "bench/vs_torchtitan.py"),
+                "vs_torchtitan.py", 1, NOT_RUN, WAYS)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     layouts = [x for x in TABLE if x.name not in NOT_RUN and (not args.only or x.name in args.only)]
-    ways = {x.name: [("sixfold", "", workload_config(None, list(x.overrides), args.steps))]
-            + [("sixfold", way, workload_config(None, list(o), args.steps)) for way, o in other_ways(x)]
+    ways = {x.name: sixfold_ways(x, other_ways(x), args.steps)
             + [("torchtitan", way, (ranks, a)) for way, ranks, a in TITAN[x.name]] for x in layouts}
-    rev, rows = revision(), {name: {(side, way): [] for side, way, _ in ws} for name, ws in ways.items()}
+    rev = revision()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         assets(work)
-        for i in range(args.runs):
-            for x in layouts:
-                for side, way, how in ways[x.name][::1 if i % 2 == 0 else -1]:
-                    if side == "sixfold":  # timed as torchtitan is: step to step
-                        r = undisturbed_run(how, str(threads_per_rank(how)))
-                        r = {**r, "step_s": r["wall_s"]}
-                    else:
-                        r = least_disturbed(lambda: titan_run(args.python, work, *how, args.steps))
-                    rows[x.name][side, way].append(r)
-                    print(f"round {i + 1}, {x.name}, {side} {way}: {r['step_s']:.3f} s/step, other processes "
-                          f"{r['others']:.2f} cores", flush=True)
-    body = report(rows, args, rev, found.stdout.strip())
+        rows = rounds(ways, args.runs,
+                      lambda how: least_disturbed(lambda: titan_run(args.python, work, *how, args.steps)))
+    body = report(rows, args, rev, peer)
     print(body)
     if args.write:
         write_doc("torchtitan", "The common workload: sixfold beside torchtitan, both run here", body)

@@ -86,6 +86,7 @@ def test_every_section_in_the_docs_gives_numbers():
 def test_torchtitan_comparison_reads_step_times_and_is_skipped_without_torchtitan():
     """bench/vs_torchtitan.py: a run's time from the stamps of torchtitan's step lines (colour codes and all);
     without a Python that has torchtitan it says what to give and exits with run_all's SKIPPED."""
+    import peers
     import vs_torchtitan
 
     log = "".join(f"[titan] 2026-11-30 04:49:{40 + i // 4:02d},{250 * (i % 4):03d} - root - INFO - \x1b[31mstep: "
@@ -95,7 +96,7 @@ def test_torchtitan_comparison_reads_step_times_and_is_skipped_without_torchtita
     env = {k: v for k, v in os.environ.items() if k != "TORCHTITAN_PYTHON"}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "vs_torchtitan.py")], env=env, text=True,
                           capture_output=True)
-    assert proc.returncode == run_all.SKIPPED == vs_torchtitan.SKIPPED, proc.stderr
+    assert proc.returncode == run_all.SKIPPED == peers.SKIPPED, proc.stderr
     assert proc.stdout.startswith("skipped") and "--python" in proc.stdout
 
 
@@ -103,6 +104,7 @@ def test_torchtitan_comparison_takes_each_sides_fastest_way_and_its_memory():
     """bench/vs_torchtitan.py: sixfold's other ways of a row (ZeRO-1 for data parallelism, ZB-H1 for pipelining);
     the time ratio divides each side's fastest way, the memory ratio those same ways' largest-rank peaks, which
     the summary reads back."""
+    import peers
     import vs_torchtitan
     from sixfold.bench import TABLE
 
@@ -118,8 +120,26 @@ def test_torchtitan_comparison_takes_each_sides_fastest_way_and_its_memory():
     row = {("sixfold", ""): [run(0.5, 100, 120)], ("sixfold", "ZB-H1"): [run(0.4, 110, 150)],
            ("torchtitan", "interleaved"): [run(0.6, 170, 200)], ("torchtitan", "zero bubble"): [run(0.5, 180, 190)]}
     args = type("Args", (), {"runs": 1, "steps": 10})
-    body = vs_torchtitan.report({"pp 2 (4 micro-batches)": row}, args, "commit abc", "0.3.0")
+    peer = peers.Peer("torchtitan", "0.3.0", "vs_torchtitan.py", 1, vs_torchtitan.NOT_RUN, "")
+    body = peers.report({"pp 2 (4 micro-batches)": row}, args, "commit abc", peer)
     line = next(x for x in body.splitlines() if x.startswith("| pp 2"))
     assert "**0.80**" in line and "| 120, 150 (ZB-H1) | 200 (interleaved), 190 (zero bubble) | 0.79 |" in line
     found = run_all.ratios(body, run_all.COMPARISONS["torchtitan"])
     assert found[0] == ("pp 2 (4 micro-batches)", "0.80", "0.79")
+
+
+def test_deepspeed_comparison_rows_and_skipped_without_deepspeed():
+    """bench/vs_deepspeed.py: the rows issue #11 gives DeepSpeed a time in, sixfold's ZeRO-3 beside the table's way
+    in the data-parallel ones; without a Python that has DeepSpeed it exits with run_all's SKIPPED."""
+    import vs_deepspeed
+    from sixfold.bench import TABLE
+
+    assert {x.name for x in TABLE if x.peers[2] != "-"} == set(vs_deepspeed.ROWS)
+    ways = {x.name: vs_deepspeed.other_ways(x) for x in TABLE if x.name in vs_deepspeed.ROWS}
+    assert ways == {"1 process": [], "dp 2": [("ZeRO-3", ("parallel.dp_shard=2", "parallel.zero=3"))],
+                    "dp 4": [("ZeRO-3", ("parallel.dp_shard=4", "parallel.zero=3"))]}
+    env = {k: v for k, v in os.environ.items() if k != "DEEPSPEED_PYTHON"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "vs_deepspeed.py")], env=env, text=True,
+                          capture_output=True)
+    assert proc.returncode == run_all.SKIPPED, proc.stderr
+    assert proc.stdout.startswith("skipped") and "DEEPSPEED_PYTHON" in proc.stdout
