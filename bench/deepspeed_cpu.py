@@ -54,6 +54,8 @@ def main(tokens_path: str, steps: int, stage: int, out: str) -> None:
         losses.append(loss.item())
         ends.append(time.perf_counter())
     Path(out, f"rank{rank}.json").write_text(json.dumps({"loss": losses, "ends": ends, "peak_mb": peak_mb(base)}))
+    torch.distributed.barrier()  # ZeRO-3's gloo work ended on every rank before the group goes (else an abort at exit)
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from common import spread
-from sixfold.bench import TABLE, WARMUP, Layout, threads_per_rank, undisturbed_run, workload_config
+from sixfold.bench import (TABLE, WARMUP, Layout, cores_per, least_disturbed, threads_per_rank, undisturbed_run,
+                           workload_config)
 from sixfold.measure import machine
 
 SKIPPED = 3  # the exit status without the other framework's Python (bench/run_all.py reports the section as skipped)
@@ -57,6 +58,12 @@ def sixfold_ways(layout: Layout, others: list[tuple[str, tuple[str, ...]]], step
     return [("sixfold", way, workload_config(None, list(o), steps)) for way, o in [("", layout.overrides), *others]]
 
 
+def peer_env(ranks: int, **extra: str) -> dict[str, str]:
+    """The environment of the other side's job of `ranks` ranks: OMP_NUM_THREADS as sixfold's (the cores over the
+    ranks), no GPU."""
+    return {**os.environ, "OMP_NUM_THREADS": str(cores_per(ranks)), "CUDA_VISIBLE_DEVICES": "", **extra}
+
+
 def sixfold_run(cfg) -> dict:
     """A sixfold job timed as the other side is: from step to step."""
     r = undisturbed_run(cfg, str(threads_per_rank(cfg)))
@@ -65,12 +72,13 @@ def sixfold_run(cfg) -> dict:
 
 def rounds(ways: dict[str, list[tuple]], runs: int, peer_run: Callable[[object], dict]) -> dict:
     """Each row's ways ((side, way, how): sixfold's config or what peer_run takes) run once a round, in turn (who
-    goes first alternates); {row: {(side, way): [result of each round]}}."""
+    goes first alternates), each side's run as least_disturbed runs it; {row: {(side, way): [result of each
+    round]}}."""
     rows = {name: {(side, way): [] for side, way, _ in ws} for name, ws in ways.items()}
     for i in range(runs):
         for name, ws in ways.items():
             for side, way, how in ws[::1 if i % 2 == 0 else -1]:
-                r = sixfold_run(how) if side == "sixfold" else peer_run(how)
+                r = sixfold_run(how) if side == "sixfold" else least_disturbed(lambda: peer_run(how))
                 rows[name][side, way].append(r)
                 print(f"round {i + 1}, {name}, {side} {way}: {r['step_s']:.3f} s/step, other processes "
                       f"{r['others']:.2f} cores", flush=True)

@@ -10,8 +10,9 @@ docs/benchmarks.md; then a summary of their ratios at the top of docs/benchmarks
 Each benchmark is its own process (python bench/NAME.py ..., or sixfold bench --table --write), which waits for a
 quiet machine and writes its own section, as when run by hand. A benchmark that fails is reported and the others
 still run; one comparing against a framework that is not installed (bench/vs_torchtitan.py without
-TORCHTITAN_PYTHON, bench/vs_deepspeed.py without DEEPSPEED_PYTHON) is reported as skipped. The summary reads the ratios back from the sections (their markdown
-tables), so it also covers the sections this invocation did not rewrite, and says when each was measured.
+TORCHTITAN_PYTHON, bench/vs_deepspeed.py without DEEPSPEED_PYTHON) is reported as skipped. The summary reads the
+ratios back from the sections (their markdown tables), so it also covers the sections this invocation did not
+rewrite, and says when each was measured.
 Nothing here needs a GPU (bench/gpu.py, which does, is not run).
 """
 from __future__ import annotations

@@ -25,8 +25,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from peers import Peer, arguments, report, rounds, sixfold_ways, version  # noqa: E402
-from sixfold.bench import TABLE, WARMUP, least_disturbed, workload_config  # noqa: E402
+from peers import Peer, arguments, peer_env, report, rounds, sixfold_ways, version  # noqa: E402
+from sixfold.bench import TABLE, WARMUP, workload_config  # noqa: E402
 from sixfold.measure import DOC, others_while, revision, write_doc  # noqa: E402
 
 RUNNER = Path(__file__).resolve().parent / "deepspeed_cpu.py"
@@ -60,8 +60,7 @@ def ds_run(python: str, work: Path, ranks: int, stage: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory(dir=work) as out:
         cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(RUNNER),
                str(work / "tokens.npy"), str(steps), str(stage), out]
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)),
-               "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+        env = peer_env(ranks, DS_ACCELERATOR="cpu")
         proc, others = others_while(lambda: subprocess.run(cmd, cwd=work, env=env, text=True, capture_output=True))
         found = [Path(out) / f"rank{r}.json" for r in range(ranks)]
         results = [json.loads(f.read_text()) for f in found if f.exists()]
@@ -84,7 +83,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tokens(work)
-        rows = rounds(ways, args.runs, lambda how: least_disturbed(lambda: ds_run(args.python, work, *how, args.steps)))
+        rows = rounds(ways, args.runs, lambda how: ds_run(args.python, work, *how, args.steps))
     body = report(rows, args, rev, peer)
     print(body)
     if args.write:

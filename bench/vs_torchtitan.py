@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from peers import Peer, arguments, report, rounds, sixfold_ways, version  # noqa: E402
-from sixfold.bench import TABLE, WARMUP, least_disturbed, workload_config  # noqa: E402
+from peers import Peer, arguments, peer_env, report, rounds, sixfold_ways, version  # noqa: E402
+from sixfold.bench import TABLE, WARMUP, workload_config  # noqa: E402
 from sixfold.measure import DOC, others_while, revision, write_doc  # noqa: E402
 
 SHIM = Path(__file__).resolve().parent / "torchtitan_cpu.py"
@@ -93,8 +93,7 @@ def titan_run(python: str, work: Path, ranks: int, args: tuple[str, ...], steps:
            "--dataloader.dataset_path", str(work / "data"), "--training.steps", str(steps),
            "--dump_folder", str(work / "out"), *args]
     with tempfile.TemporaryDirectory(dir=work) as peaks:
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)),
-               "CUDA_VISIBLE_DEVICES": "", "SIXFOLD_PEAK_DIR": peaks}
+        env = peer_env(ranks, SIXFOLD_PEAK_DIR=peaks)
         proc, others = others_while(lambda: subprocess.run(cmd, cwd=work, env=env, text=True, capture_output=True))
         found = [Path(peaks) / f"rank{r}.json" for r in range(ranks)]
         peak_mb = [json.loads(f.read_text())["peak_mb"] for f in found if f.exists()]
@@ -133,8 +132,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         assets(work)
-        rows = rounds(ways, args.runs,
-                      lambda how: least_disturbed(lambda: titan_run(args.python, work, *how, args.steps)))
+        rows = rounds(ways, args.runs, lambda how: titan_run(args.python, work, *how, args.steps))
     body = report(rows, args, rev, peer)
     print(body)
     if args.write:

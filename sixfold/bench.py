@@ -136,7 +136,12 @@ def least_disturbed(run: Callable[[], dict], tries: int = 3) -> dict:
 
 def threads_per_rank(cfg: Config) -> int:
     """The machine's cores shared by the layout's ranks (a single process uses them all, as the peers' did)."""
-    return max(1, (os.cpu_count() or 1) // cfg.parallel.world_size)
+    return cores_per(cfg.parallel.world_size)
+
+
+def cores_per(ranks: int) -> int:
+    """The machine's cores over `ranks`, at least 1."""
+    return max(1, (os.cpu_count() or 1) // ranks)
 
 
 def table(path: str | None, overrides: list[str], steps: int, write: bool, argv: list[str], runs: int = 1) -> None:
