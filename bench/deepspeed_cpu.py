@@ -35,7 +35,7 @@ def main(tokens_path: str, steps: int, stage: int, out: str) -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     base = mark_memory()
     torch.manual_seed(1234)
-    model = LlamaForCausalLM(LlamaConfig(**SHAPE, attn_implementation="sdpa", torch_dtype=torch.float32))
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE, attn_implementation="sdpa", dtype=torch.float32))
     decay = [p for n, p in model.named_parameters() if not n.endswith("norm.weight")]
     flat = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": flat, "weight_decay": 0.0}],

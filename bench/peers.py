@@ -28,7 +28,7 @@ SKIPPED = 3  # the exit status without the other framework's Python (bench/run_a
 def arguments(doc: str, peer: str, env: str, rows: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--python", default=os.environ.get(env),
-                   help=f"a Python with {peer} and torch 2.13 (default: ${env}); the script's docstring installs one")
+                   help=f"a Python with {peer} (default: ${env}); the script's docstring installs one")
     p.add_argument("--runs", type=int, default=3, help="rounds over the layouts")
     p.add_argument("--steps", type=int, default=10, help=f"steps per run; the first {WARMUP} are not timed")
     p.add_argument("--only", nargs="+", choices=rows, metavar="LAYOUT",
@@ -53,6 +53,11 @@ def version(python: str | None, package: str, env: str, script: str) -> str:
     return found.stdout.strip()
 
 
+def sharded(layout: Layout, zero: int) -> tuple[str, ...]:
+    """The row's overrides with its data parallelism sharded (dp_shard) at ZeRO stage `zero`."""
+    return (*(o.replace("dp_replicate", "dp_shard") for o in layout.overrides), f"parallel.zero={zero}")
+
+
 def sixfold_ways(layout: Layout, others: list[tuple[str, tuple[str, ...]]], steps: int) -> list[tuple]:
     """("sixfold", way, config) of the table's own way of the row (named "") and of `others` (name, overrides)."""
     return [("sixfold", way, workload_config(None, list(o), steps)) for way, o in [("", layout.overrides), *others]]
@@ -74,6 +79,7 @@ def rounds(ways: dict[str, list[tuple]], runs: int, peer_run: Callable[[object],
     """Each row's ways ((side, way, how): sixfold's config or what peer_run takes) run once a round, in turn (who
     goes first alternates), each side's run as least_disturbed runs it; {row: {(side, way): [result of each
     round]}}."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # sixfold's jobs on the CPU too, as the workload's
     rows = {name: {(side, way): [] for side, way, _ in ws} for name, ws in ways.items()}
     for i in range(runs):
         for name, ws in ways.items():
@@ -105,7 +111,7 @@ class Peer:
     script: str  # the comparison's file under bench/
     column: int  # its column of the issue's fixed times (Layout.peers)
     not_run: dict[str, str]  # the rows of TABLE it cannot run, and why
-    ways: str  # the section's words on what each side's ways of a row are
+    note: str  # the section's words on what each side's ways of a row are, and where they differ
 
 
 def report(rows: dict, args, rev: str, peer: Peer) -> str:
@@ -120,7 +126,7 @@ def report(rows: dict, args, rev: str, peer: Peer) -> str:
              f"{WARMUP + 1}-{args.steps} timed; other processes kept at most {others:.2f} cores busy in the runs "
              f"kept.",
              "",
-             f"Seconds per step, median over runs (range); lower is better. {peer.ways} Where a side has several "
+             f"Seconds per step, median over runs (range); lower is better. {peer.note} Where a side has several "
              f"ways of a row, \"sixfold / {name}\" divides the fastest of sixfold's by the fastest of {name}'s; "
              "paired: each round's run of the one over the other's, median (range). Peak MB: the largest rank's "
              "resident-set growth from just before the model is built, median over runs; its ratio is of the ways "

@@ -18,8 +18,8 @@ and bends it where it assumes CUDA or a newer torch, changing no work of a step:
   step() runs the ones it makes from a whole batch.
 
 With SIXFOLD_PEAK_DIR set, each rank writes its peak memory there (rank{RANK}.json) as sixfold's bench jobs measure
-theirs: resident-set growth, here from the start of torchtitan's Trainer (before its model, tokenizer and data
-loader are built) to its close.
+theirs: resident-set growth, here from the end of torchtitan's init_distributed (its process group and device
+meshes made; its model, tokenizer and data loader not yet built) to its Trainer's close.
 """
 import json
 import os
@@ -92,18 +92,19 @@ for schedule in list(vars(schedules).values()):
 
 
 def _measured(trainer):
-    init, close = trainer.__init__, trainer.close
+    meshes, close = trainer.init_distributed, trainer.close
     base = []
 
-    def start(self, *args, **kwargs):
+    def start(self):
+        made = meshes(self)
         base.append(mark_memory())
-        init(self, *args, **kwargs)
+        return made
 
     def end(self):
         close(self)
         folder = Path(os.environ["SIXFOLD_PEAK_DIR"])
         (folder / f"rank{os.environ['RANK']}.json").write_text(json.dumps({"peak_mb": peak_mb(base[0])}))
-    trainer.__init__, trainer.close = start, end
+    trainer.init_distributed, trainer.close = start, end
 
 
 if os.environ.get("SIXFOLD_PEAK_DIR"):

@@ -16,7 +16,6 @@ TORCHTITAN_PYTHON) it says so and exits with SKIPPED.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from peers import Peer, arguments, peer_env, report, rounds, sixfold_ways, version  # noqa: E402
+from peers import Peer, arguments, peer_env, report, rounds, sharded, sixfold_ways, version  # noqa: E402
 from sixfold.bench import TABLE, WARMUP, workload_config  # noqa: E402
 from sixfold.measure import DOC, others_while, revision, write_doc  # noqa: E402
 
@@ -57,7 +56,7 @@ def other_ways(layout) -> list[tuple[str, tuple[str, ...]]]:
     sharded, as torchtitan's FSDP shards it), the zero-bubble schedule ZB-H1 for pipelining (the table's is 1F1B)."""
     ways = []
     if layout.name.startswith("dp"):
-        ways.append(("ZeRO-1", (*(o.replace("dp_replicate", "dp_shard") for o in layout.overrides), "parallel.zero=1")))
+        ways.append(("ZeRO-1", sharded(layout, 1)))
     if "parallel.pp_schedule=1f1b" in layout.overrides:
         ways.append(("ZB-H1", tuple(o.replace("=1f1b", "=zb-h1") for o in layout.overrides)))
     return ways
@@ -112,19 +111,18 @@ def step_time(log: str, steps: int) -> float | None:
     return (stamps[steps] - stamps[WARMUP]).total_seconds() / (steps - WARMUP)
 
 
-WAYS = ("A way not named is `sixfold bench --table`'s (dp_replicate, 1F1B) or torchtitan's default (in the pipelined "
+NOTE = ("A way not named is `sixfold bench --table`'s (dp_replicate, 1F1B) or torchtitan's default (in the pipelined "
         "rows its debugmodel's interleaved 1F1B, 2 stages a rank). sixfold's other ways are ZeRO-1 (dp_shard) and the "
-        "zero-bubble ZB-H1; torchtitan's its replication, FSDP and InterleavedZeroBubble. torchtitan's memory is "
-        "counted from the start of its Trainer (its data loader, built after, counts), sixfold's from after its "
-        "corpus is loaded.")
+        "zero-bubble ZB-H1; torchtitan's its replication, FSDP and InterleavedZeroBubble. Both sides' memory is "
+        "counted from after their process groups are made, sixfold's with its corpus loaded, torchtitan's before "
+        "its data loader is built (which then counts).")
 
 
 def main() -> None:
-    args = arguments(__doc__, "torchtitan 0.3.0 and triton", "TORCHTITAN_PYTHON",
+    args = arguments(__doc__, "torchtitan 0.3.0, triton and torch 2.13", "TORCHTITAN_PYTHON",
                      [x.name for x in TABLE if x.name not in NOT_RUN])
     peer = Peer("torchtitan", version(args.python, "torchtitan", "TORCHTITAN_PYTHON", "bench/vs_torchtitan.py"),
-                "vs_torchtitan.py", 1, NOT_RUN, WAYS)
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+                "vs_torchtitan.py", 1, NOT_RUN, NOTE)
     layouts = [x for x in TABLE if x.name not in NOT_RUN and (not args.only or x.name in args.only)]
     ways = {x.name: sixfold_ways(x, other_ways(x), args.steps)
             + [("torchtitan", way, (ranks, a)) for way, ranks, a in TITAN[x.name]] for x in layouts}

@@ -72,10 +72,14 @@ def time_run(cfg: Config, threads: str | None = None) -> dict:
         raise BenchError(f"{cfg.parallel.describe()} ran out of CUDA memory; lower train.seq_len or "
                          f"train.global_batch (sixfold bench --max-seq finds the longest sequence that fits)")
     first = job.ranks[0]
-    ends = first["elapsed_s"]
-    return {"step_s": statistics.mean(first["step_s"][WARMUP:]),
-            "wall_s": (ends[-1] - ends[WARMUP - 1]) / (len(ends) - WARMUP), "others": job.others,
-            "peak_mb": [r["peak_bytes"] / 2**20 for r in job.ranks], "accelerator": first["accelerator"]}
+    return {"step_s": statistics.mean(first["step_s"][WARMUP:]), "wall_s": per_step(first["elapsed_s"]),
+            "others": job.others, "peak_mb": [r["peak_bytes"] / 2**20 for r in job.ranks],
+            "accelerator": first["accelerator"]}
+
+
+def per_step(ends: list[float]) -> float:
+    """The mean time per step after WARMUP steps, from the times at which each step ended."""
+    return (ends[-1] - ends[WARMUP - 1]) / (len(ends) - WARMUP)
 
 
 def line(name: str, r: dict, steps: int) -> str:

@@ -38,6 +38,14 @@ def test_a_timed_run_gives_its_steps_alone_and_from_step_to_step():
     assert 0 < r["step_s"] <= r["wall_s"] < r["step_s"] + 1, r
 
 
+def test_per_step_times_the_steps_after_warm_up_from_their_ends():
+    """From the times steps 1-5 ended: steps 3-5 took 9 - 3 seconds (sixfold's wall_s, DeepSpeed's side of
+    bench/vs_deepspeed.py)."""
+    from sixfold.bench import WARMUP, per_step
+
+    assert WARMUP == 2 and per_step([1.0, 3.0, 4.0, 6.0, 9.0]) == 2.0
+
+
 def test_search_brackets_then_bisects_over_valid_lengths():
     cfg = load_config(TINY, ["parallel.cp=2", "parallel.tp=2"])  # lengths: multiples of 4
     probed = []

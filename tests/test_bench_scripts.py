@@ -134,8 +134,8 @@ def test_deepspeed_comparison_rows_and_skipped_without_deepspeed():
     import vs_deepspeed
     from sixfold.bench import TABLE
 
-    assert {x.name for x in TABLE if x.peers[2] != "-"} == set(vs_deepspeed.ROWS)
-    ways = {x.name: vs_deepspeed.other_ways(x) for x in TABLE if x.name in vs_deepspeed.ROWS}
+    assert {x.name for x in TABLE if x.peers[2] != "-"} == set(vs_deepspeed.RANKS)
+    ways = {x.name: vs_deepspeed.other_ways(x) for x in TABLE if x.name in vs_deepspeed.RANKS}
     assert ways == {"1 process": [], "dp 2": [("ZeRO-3", ("parallel.dp_shard=2", "parallel.zero=3"))],
                     "dp 4": [("ZeRO-3", ("parallel.dp_shard=4", "parallel.zero=3"))]}
     env = {k: v for k, v in os.environ.items() if k != "DEEPSPEED_PYTHON"}
