@@ -20,7 +20,7 @@ from typing import Callable
 from common import spread
 from sixfold.bench import (TABLE, WARMUP, Layout, cores_per, least_disturbed, threads_per_rank, undisturbed_run,
                            workload_config)
-from sixfold.measure import machine
+from sixfold.measure import DOC, machine, write_doc
 
 SKIPPED = 3  # the exit status without the other framework's Python (bench/run_all.py reports the section as skipped)
 
@@ -152,3 +152,12 @@ def report(rows: dict, args, rev: str, peer: Peer) -> str:
                      f"{cell(row, 'sixfold', mbs)} | {cell(row, name, mbs)} | "
                      f"{peak(row[ours]) / peak(row[theirs]):.2f} | {given} |")
     return "\n".join(lines)
+
+
+def publish(rows: dict, args, rev: str, peer: Peer) -> None:
+    """Print the section and, with --write, put it into docs/benchmarks.md (markers named after the peer)."""
+    body = report(rows, args, rev, peer)
+    print(body)
+    if args.write:
+        write_doc(peer.name.lower(), f"The common workload: sixfold beside {peer.name}, both run here", body)
+        print(f"wrote {DOC}")

@@ -25,9 +25,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from peers import Peer, arguments, peer_env, report, rounds, sharded, sixfold_ways, version  # noqa: E402
+from peers import Peer, arguments, peer_env, publish, rounds, sharded, sixfold_ways, version  # noqa: E402
 from sixfold.bench import TABLE, per_step, workload_config  # noqa: E402
-from sixfold.measure import DOC, others_while, revision, write_doc  # noqa: E402
+from sixfold.measure import others_while, revision  # noqa: E402
 
 RUNNER = Path(__file__).resolve().parent / "deepspeed_cpu.py"
 RANKS = {"1 process": 1, "dp 2": 2, "dp 4": 4}  # the rows issue #11 gives DeepSpeed a time in, and their ranks
@@ -81,11 +81,7 @@ def main() -> None:
         work = Path(tmp)
         path = tokens(work)
         rows = rounds(ways, args.runs, lambda how: ds_run(args.python, work, path, *how, args.steps))
-    body = report(rows, args, rev, peer)
-    print(body)
-    if args.write:
-        write_doc("deepspeed", "The common workload: sixfold beside DeepSpeed, both run here", body)
-        print(f"wrote {DOC}")
+    publish(rows, args, rev, peer)
 
 
 if __name__ == "__main__":

@@ -26,9 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from peers import Peer, arguments, peer_env, report, rounds, sharded, sixfold_ways, version  # noqa: E402
+from peers import Peer, arguments, peer_env, publish, rounds, sharded, sixfold_ways, version  # noqa: E402
 from sixfold.bench import TABLE, WARMUP, workload_config  # noqa: E402
-from sixfold.measure import DOC, others_while, revision, write_doc  # noqa: E402
+from sixfold.measure import others_while, revision  # noqa: E402
 
 SHIM = Path(__file__).resolve().parent / "torchtitan_cpu.py"
 BASE = ("--module", "llama3", "--config", "llama3_bench", "--training.seq_len", "256", "--training.local_batch_size",
@@ -131,11 +131,7 @@ def main() -> None:
         work = Path(tmp)
         assets(work)
         rows = rounds(ways, args.runs, lambda how: titan_run(args.python, work, *how, args.steps))
-    body = report(rows, args, rev, peer)
-    print(body)
-    if args.write:
-        write_doc("torchtitan", "The common workload: sixfold beside torchtitan, both run here", body)
-        print(f"wrote {DOC}")
+    publish(rows, args, rev, peer)
 
 
 if __name__ == "__main__":
