@@ -10,8 +10,9 @@ trained here on the same text, 4 sequences of 256 tokens per data-parallel rank,
 bench/torchtitan_cpu.py (what it sets and bends to run on a CPU is listed there). A run's time is rank 0's mean
 wall time per step over steps 3-10, the loop's own work between steps (logging, sixfold's stop check) in: for
 torchtitan from the times its log stamps on each step's line, for sixfold from the elapsed time its trainer
-records at each step's end (`sixfold bench`'s jobs; its own table times the steps alone). Without --python (or
-TORCHTITAN_PYTHON) it says so and exits with SKIPPED.
+records at each step's end (`sixfold bench`'s jobs; its own table times the steps alone). Beside it, each rank's
+peak memory, measured alike on both sides (bench/peers.py). Without --python (or TORCHTITAN_PYTHON) it says so and
+exits with SKIPPED.
 """
 from __future__ import annotations
 
