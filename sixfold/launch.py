@@ -4,9 +4,11 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from typing import NoReturn
 
 from .stop import Stopped, put_back, take
@@ -84,13 +86,17 @@ def run_ranks(nproc: int, module: str, argv: list[str], threads: str | None = No
 
 def torchrun(argv: list[str]) -> int:
     """torchrun ARGV, ending with the ranks' own exit code (the first failed rank's; 128 + the signal when torchrun
-    itself is stopped by one) instead of torchrun's traceback and 1: each rank has said what went wrong."""
+    itself is stopped by one) instead of torchrun's traceback and 1: each rank has said what went wrong. Its
+    directory of the ranks' error files is removed at the end (torchrun leaves one in the temporary directory at
+    every run) unless ARGV names one (--log-dir)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)  # said below
+    named = any(a.split("=")[0] in ("--log-dir", "--log_dir") for a in argv)
+    logs = None if named else tempfile.mkdtemp(prefix="sixfold_torchrun_")
     try:
-        main(argv)
+        main(argv if named else [f"--log-dir={logs}", *argv])
     except ChildFailedError as e:
         rank, first = e.get_first_failure()  # the earliest: the cause, the others were stopped for it
         if first.exitcode > 0:  # the rank has said why
@@ -99,6 +105,9 @@ def torchrun(argv: list[str]) -> int:
         return 128 - first.exitcode
     except SignalException as e:
         return 128 + int(e.sigval)
+    finally:
+        if logs is not None:
+            shutil.rmtree(logs, ignore_errors=True)
     return 0
 
 

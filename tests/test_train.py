@@ -694,11 +694,12 @@ def test_a_signal_after_the_last_step_ends_the_run(tmp_path, monkeypatch):
     assert ledger.read(tmp_path / "third")["layout"]
 
 
-def _launch(run: Path, *args: str) -> subprocess.Popen:
+def _launch(run: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     """`sixfold train --nproc 2` of LONG, once it has logged 3 steps; its output unbuffered. It takes SIGINT as in a
     terminal, whether or not these tests ignore it (as a shell's background job does, which the launcher keeps)."""
     cmd = [sys.executable, "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}", *LONG, *args, "--nproc", "2"]
-    job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = run / "metrics.jsonl"
@@ -813,9 +814,11 @@ def test_a_job_a_signal_ended_exits_as_a_shell_reports_it():
 
 def test_a_rank_ended_by_a_signal_is_named_by_the_launcher(tmp_path):
     """kill -9 of one rank (as the out-of-memory killer does): it cannot say anything itself, so the launcher
-    names it and says how to go on, with the shell's exit code for the signal."""
-    run = tmp_path / "run"
-    job = _launch(run)
+    names it and says how to go on, with the shell's exit code for the signal. torchrun's directory of the ranks'
+    error files is not left behind in the temporary directory."""
+    run, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    job = _launch(run, env={"TMPDIR": str(tmp)})
     (torchrun_pid,) = children(job.pid)
     worker = max(children(torchrun_pid))
     os.kill(worker, signal.SIGKILL)
@@ -824,6 +827,7 @@ def test_a_rank_ended_by_a_signal_is_named_by_the_launcher(tmp_path):
     assert f"sixfold error: rank 1 (pid {worker}) was ended by SIGKILL (the kernel's out-of-memory killer" in err, \
         err[-3000:]
     assert "checkpoint.resume=auto" in err and "torch.distributed.elastic" not in err
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith(("torchelastic_", "sixfold_torchrun_"))]
 
 
 def test_what_the_data_refuses_is_refused_before_the_ranks_start(tmp_path):
