@@ -155,6 +155,7 @@ class TrainConfig:
     reduce_each_micro_batch: bool = False  # ZeRO-2/3: reduce-scatter after every micro-batch, not only the last
     skip_nonfinite: int = 3  # steps with a NaN/Inf loss or gradient skipped in a row; the run stops at the next
     compile: bool = False  # torch.compile each block's forward
+    deterministic: bool = False  # the same bits from run to run on a GPU too (determinism.py): slower kernels
 
 
 @dataclass

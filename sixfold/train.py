@@ -23,6 +23,7 @@ from .comm import Comm
 from .config import (DTYPES, RUN_CONFIG_HEAD, Config, ConfigError, DataConfig, check_available, check_bpe_size,
                      check_tensorboard, differing, PICTURES, SUMMARIES, make_run_dir, shown)
 from .console import console
+from .determinism import make_deterministic, unsupported
 from .files import write_text
 from .data import BatchLoader, BPETokenizer, DataError, TokenData, eval_batches, load_data, with_tokenizer
 from .logs import RunLog, start_metrics
@@ -79,6 +80,8 @@ class Trainer:
                 warnings.simplefilter("ignore")
             check_inputs(cfg, self.data)
         torch.manual_seed(t.seed)
+        if t.deterministic:
+            make_deterministic(t.compile)
         p = cfg.parallel
         tp = TensorParallel(self.comm, p.sequence_parallel)
         self.cp = ContextParallel(self.comm, p.cp_mode, p.cp_zigzag)
@@ -530,10 +533,13 @@ class Trainer:
                               f"layout's memory") from None
 
     def _step_in_memory(self) -> dict:
-        """train_step(), its running out of memory a TrainingError naming what holds less and what was saved."""
+        """train_step(), its running out of memory (or into an operation train.deterministic cannot run) a
+        TrainingError naming what to change and what was saved."""
         try:
             return self.train_step()
         except (MemoryError, RuntimeError) as e:
+            if unsupported(e):
+                raise TrainingError(f"{unsupported(e)}. {self._kept()}") from None
             if not _out_of_memory(e):
                 raise
             t = self.cfg.train
