@@ -23,7 +23,7 @@ from ..parallel.context import ContextParallel
 from ..parallel.expert import ExpertParallel
 from ..parallel.pipeline.stages import Stage, whole
 from ..parallel.tensor import (Linear, Split, TensorParallel, VocabEmbedding, cross_entropy, gather_vocab,
-                               linear)
+                               linear, outside_compile)
 
 
 class RMSNorm(nn.Module):
@@ -256,7 +256,8 @@ class Llama(nn.Module):
         """torch.compile each block's forward (train.compile; the sharding hooks around them stay eager). Inside, an
         MoE layer stays eager (its shapes and collectives follow the routing), and so does context-parallel
         attention (its collectives; the ring's chunk pairs follow the documents, and a compiled block would guard
-        on them and compile again for each pattern)."""
+        on them and compile again for each pattern), and so do the linear layers' collectives under tp."""
+        outside_compile()
         for block in self.layers.values():
             if isinstance(block.mlp, MoE):
                 block.mlp.forward = torch.compiler.disable(block.mlp.forward)

@@ -246,17 +246,20 @@ def linear(tp: TensorParallel, x: torch.Tensor, weights: list[torch.Tensor], mod
     if len(weights) == 1 and not may_defer and (tp.size == 1 or mode == "plain"):
         return F.linear(x, weights[0])  # autograd's own linear suffices
     # torch.compile, if loaded, may be tracing: its backward graph would read weight_grads.defer once, at tracing,
-    # and never defer; kept out of its graphs, the Function's backward reads it when it runs
-    apply = _outside_compile() if may_defer and "torch._dynamo" in sys.modules else _Linear.apply
+    # and never defer, and it cannot trace the collectives (their ledger, timing and roll call); kept out of its
+    # graphs, the Function runs them, and its backward reads `defer` when it runs
+    outside = may_defer or (tp.size > 1 and mode != "plain")
+    apply = outside_compile() if outside and "torch._dynamo" in sys.modules else _Linear.apply
     return apply(x, tp, mode, sp and tp.size > 1, head, laid_out, *weights)
 
 
 _DISABLED: list = []  # not functools.cache, whose wrapper torch.compile warns it ignores
 
 
-def _outside_compile():
+def outside_compile():
     """_Linear.apply as torch.compile calls it: outside its graphs (made once torch.compile is loaded: importing
-    it costs a tenth of a GB, which a run that does not compile should not pay)."""
+    it costs a tenth of a GB, which a run that does not compile should not pay; and before it traces, which cannot
+    trace the making)."""
     if not _DISABLED:
         _DISABLED.append(torch.compiler.disable(_Linear.apply))
     return _DISABLED[0]
