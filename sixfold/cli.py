@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import os
 import shlex
 import signal
@@ -12,7 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
-from .config import (PICTURES, ConfigError, check_available, check_tensorboard, check_text, check_world_size,
+from .config import (PICTURES, Config, ConfigError, check_available, check_tensorboard, check_text, check_world_size,
                      load_config, make_run_dir, override, validate, writable_dir)
 from .console import gone, mute
 from .launch import end, run_torchrun, under_torchrun
@@ -269,6 +270,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sixfold", description="Train LLaMA-style models over a 6-D device mesh.")
     p.add_argument("--version", action="version", version=f"sixfold {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
+    p.commands = sub.choices  # name -> the command's own parser
     t = sub.add_parser("train", help="train a model: sixfold train CONFIG [key=value ...] [--nproc N]")
     t.add_argument("config", nargs="*", help="a YAML file, then section.key=value overrides")
     t.add_argument("--nproc", type=_at_least(1), help="start N ranks on this machine with torchrun (default and "
@@ -363,6 +365,23 @@ def joined(argv: list[str]) -> list[str]:
     return out
 
 
+def _unrecognized(command: argparse.ArgumentParser, extra: list[str]) -> NoReturn:
+    """The command's usage and what it does not take: each unknown option with the nearest it has, or the config
+    key of its name."""
+    flags = [a.split("=")[0] for a in extra if a.startswith("-")]
+    if not flags:
+        command.error(f"unrecognized arguments: {' '.join(extra)} (overrides are section.key=value)")
+    options = [s for action in command._actions for s in action.option_strings]
+    keys = [f"{section}.{key}" for section, values in Config().to_dict().items() for key in values]
+    said = []
+    for flag in flags:
+        key = [k for k in keys if k.split(".")[1] == flag.lstrip("-").replace("-", "_")]
+        near = [f"the config key {key[0]}=VALUE"] if key else difflib.get_close_matches(flag, options, 1, 0.75)
+        said.append(flag + (f" (did you mean {near[0]}?)" if near else ""))
+    command.error(f"unrecognized option {', '.join(said)}; {command.prog} takes "
+                  f"{', '.join(o for o in options if o.startswith('--'))}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = joined(list(sys.argv[1:] if argv is None else argv))
     cli = parser()
@@ -370,7 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     if extra and hasattr(args, "config") and all("=" in a and not a.startswith("-") for a in extra):
         args.config += extra  # overrides after the flags
     elif extra:
-        cli.error(f"unrecognized arguments: {' '.join(extra)}")
+        _unrecognized(cli.commands[args.command], extra)
+    if args.command == "train" and not args.config:
+        cli.commands["train"].error("name a config file (configs/tiny.yaml, configs/demo.yaml) or give key=value "
+                                    "overrides of the defaults")
     warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
     rank = f" (rank {os.environ['RANK']})" if os.environ.get("RANK") else ""
     try:

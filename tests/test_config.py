@@ -44,6 +44,22 @@ def test_unknown_key_names_nearest():
             load_config(None, [f"{key}=2"])
 
 
+def test_an_unknown_option_gets_the_commands_usage_and_the_nearest_it_takes(capsys):
+    from sixfold.cli import main
+    cases = [(["train", "configs/tiny.yaml", "--steps", "3", "train.steps=2"],
+              "sixfold train: error: unrecognized option --steps (did you mean the config key train.steps=VALUE?); "
+              "sixfold train takes --help, --nproc"),
+             (["train", "configs/tiny.yaml", "--nprocs", "2"], "unrecognized option --nprocs (did you mean --nproc?)"),
+             (["generate", "runs/x", "--prompt", "a", "--max-tokens=5"],
+              "unrecognized option --max-tokens (did you mean --max-new-tokens?)"),
+             (["train"], "sixfold train: error: name a config file")]  # not a run of the defaults on the stdlib
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as ended:
+            main(argv)
+        err = capsys.readouterr().err
+        assert ended.value.code == 2 and message in err and err.startswith("usage: sixfold " + argv[0]), err
+
+
 def test_unknown_key_in_yaml(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  n_layer: 3\n")
