@@ -390,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         args.config += extra  # overrides after the flags
     elif extra:
         _unrecognized(cli.commands[args.command], extra)
+    given = [a.split("=")[0] for a in getattr(args, "config", []) if "=" in a]
+    twice = sorted({k for k in given if given.count(k) > 1})
+    if twice:
+        cli.commands[args.command].error(f"{', '.join(twice)} given more than once; give each key once")
     if args.command == "train" and not args.config:
         cli.commands["train"].error("name a config file (configs/tiny.yaml, configs/demo.yaml) or give key=value "
                                     "overrides of the defaults")

@@ -16,8 +16,8 @@ import warnings
 from array import array
 from pathlib import Path
 
-from sixfold.checkpoint import META, META_SHA256
-from sixfold.config import RUN_CONFIG_HEAD, DataConfig, checkpoint_over
+from sixfold.checkpoint import META, META_SHA256, run_directory
+from sixfold.config import DataConfig, checkpoint_over
 
 SPLIT_SLACK = 4  # the held-out documents hold at most this many times data.val_fraction of the text
 STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__"}
@@ -43,17 +43,8 @@ def _sixfold_output(d: Path) -> bool:
     """Whether directory d is one sixfold writes: a run directory (its config.yaml opens with RUN_CONFIG_HEAD, or,
     from before that line, metrics.jsonl lies beside it; or it holds checkpoints/latest) or a checkpoint (meta.json
     with meta.sha256)."""
-    config = d / "config.yaml"
-    if config.is_file():
-        if (d / "metrics.jsonl").is_file():
-            return True
-        try:
-            with open(config, "rb") as f:
-                if f.read(len(RUN_CONFIG_HEAD)) == RUN_CONFIG_HEAD.encode():
-                    return True
-        except OSError:  # then corpus, and refused as unreadable when it is read
-            pass
-    return (d / "checkpoints" / "latest").is_file() or ((d / META).is_file() and (d / META_SHA256).is_file())
+    return run_directory(d) or (d / "checkpoints" / "latest").is_file() or \
+        ((d / META).is_file() and (d / META_SHA256).is_file())
 
 
 def _walk(root: Path, skip=(), cache: Path | None = None) -> tuple[list[tuple[str, Path]], list[str]]:

@@ -262,6 +262,18 @@ def test_an_unfinished_save_is_ignored_and_cleared_and_the_last_k_are_kept(tmp_p
         assert find_checkpoint(run / given) == run / "checkpoints" / "step_0000003"
 
 
+def test_a_run_directory_with_no_checkpoint_yet_is_named_so(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(RUN_CONFIG_HEAD + "train:\n  steps: 3\n")
+    with pytest.raises(CheckpointError, match="run is a run directory with no checkpoint yet: a run writes one every "
+                                              "checkpoint.every steps and at its end"):
+        find_checkpoint(run)
+    (run / "config.yaml").write_text("train:\n  steps: 3\n")  # a user's config beside other files: not a run
+    with pytest.raises(CheckpointError, match="is neither a checkpoint"):
+        find_checkpoint(run)
+
+
 def test_a_run_that_starts_over_moves_the_earlier_runs_checkpoints_aside(tmp_path):
     """A run in a directory that holds an earlier run's checkpoints, not resuming them, writes its own beside them:
     none of the earlier ones is replaced or removed. Without `latest`, resume=auto takes the newest complete one."""
