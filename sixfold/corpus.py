@@ -171,6 +171,9 @@ def _corpus(cfg: DataConfig) -> tuple[str, Path, list[tuple[str, Path]]]:
             where = "" if holder == root else f" (inside {holder})"
             raise DataError(f"data.source={cfg.source!r}: {root} is a sixfold run directory or checkpoint{where}, "
                             f"whose files are no corpus; point data.source at the directory of the text files")
+        if not (root.is_file() or root.is_dir()):
+            raise DataError(f"data.source={cfg.source!r}: {root} is neither a regular file nor a directory (a device, "
+                            f"pipe or socket); point data.source at a file, a directory or a pattern of text files")
         files, own = ([(root.name, root)], []) if root.is_file() else _walk(root, cache=cache)
     if own:  # said on every load: the corpus is listed before the cache is looked in
         warnings.warn(f"skipped {len(own)} of sixfold's own directories and files in {root} (run directories, "

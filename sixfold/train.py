@@ -695,9 +695,13 @@ def check_inputs(cfg: Config, data: TokenData) -> None:
         warnings.warn(f"the validation's {t.eval_batches} batch(es) hold prompts only (data.jsonl_prompt_field): its "
                       f"loss, which counts answers only, is nan; raise data.val_fraction or train.eval_batches")
     prompt = len(prompt_ids(data.tokenizer, cfg.log.sample_prompt)) if cfg.log.sample_tokens else 1
-    if prompt > cfg.model.max_seq_len:
+    room = cfg.model.max_seq_len - prompt
+    if room < 0:
         raise ConfigError(f"log.sample_prompt is {prompt} tokens, more than model.max_seq_len={cfg.model.max_seq_len} "
                           f"that the sample after training may hold; shorten it, or set log.sample_tokens=0")
+    if cfg.log.sample_tokens > room:
+        warnings.warn(f"log.sample_tokens={cfg.log.sample_tokens}: model.max_seq_len={cfg.model.max_seq_len} leaves "
+                      f"room for {room} after log.sample_prompt; the sample after training holds at most {room}")
     if cfg.checkpoint.resume not in ("", "auto"):
         _look_for(cfg.checkpoint.resume)
 

@@ -253,7 +253,8 @@ def load(checkpoint: Checkpoint, sharded: Sharded, optim: AdamW, cfg: Config) ->
     resumes only the same model: settings other than FREE and OBJECTIVE must match."""
     diffs = differences(checkpoint.meta, cfg)
     named = ", ".join(f"model.{k}={shown(a)} (here {shown(b)})" for k, (a, b) in diffs.items())
-    hint = f"the checkpoint was written with {named}; set those to match" if diffs else \
+    hint = f"the checkpoint was written with {named}; set those to match to resume from it, or train this model " \
+        f"from the start (without checkpoint.resume, or in another log.run_dir)" if diffs else \
         "check model.* settings against the checkpoint's config"
     expected = full_shapes(cfg.model)
     weights = Reader(checkpoint, "model")
@@ -263,7 +264,7 @@ def load(checkpoint: Checkpoint, sharded: Sharded, optim: AdamW, cfg: Config) ->
         ckpt.check_shapes({f"{n}.{k}": s for n, s in expected.items() for k in MOMENTS}, state.shapes(),
                           f"{checkpoint.path} (optim)", hint)
     if state is not None and set(diffs) - set(FREE + OBJECTIVE + _unused(diffs, cfg)):
-        raise CheckpointError(f"{checkpoint.path} is a training checkpoint of another model: {hint} to resume from it")
+        raise CheckpointError(f"{checkpoint.path} is a training checkpoint of another model: {hint}")
     sharded.settle()  # no gather reads the masters while they are written
     flats = [torch.zeros_like(u.master) for u in sharded.units]
     for unit, a, b, name, _, cut, start, stop in _slices(sharded):

@@ -132,6 +132,11 @@ def test_bad_sources_raise(tmp_path):
         iter_documents(cfg(tmp_path, source=str(tmp_path / "empty")))
     with pytest.raises(DataError, match=r"data\.source.*nowhere"):
         load_data(cfg(tmp_path, source=str(tmp_path / "nowhere")))
+    os.mkfifo(tmp_path / "pipe")
+    for odd in (tmp_path / "pipe", Path("/dev/zero")):
+        with pytest.raises(DataError, match=f"{odd} is neither a regular file nor a directory \\(a device, pipe or "
+                                            f"socket\\); point data.source at a file"):
+            iter_documents(cfg(tmp_path, source=str(odd)))
     mixed = write_corpus(tmp_path / "mixed", 1)
     np.arange(5, dtype=np.uint16).tofile(mixed / "t.bin")
     with pytest.raises(DataError, match="mixes"):

@@ -90,6 +90,14 @@ def test_a_train_split_shorter_than_a_batch_is_said(tmp_path):
         check_inputs(cfg, load_data(data_settings(cfg)))
 
 
+def test_a_sample_longer_than_the_model_holds_is_said(tmp_path):
+    cfg = load_config(TINY, [f"log.run_dir={tmp_path}", "log.sample_tokens=1000", "log.sample_prompt=def"])
+    with pytest.warns(UserWarning, match=re.escape(
+            "log.sample_tokens=1000: model.max_seq_len=256 leaves room for 253 after log.sample_prompt; the sample "
+            "after training holds at most 253")):
+        check_inputs(cfg, load_data(data_settings(cfg)))
+
+
 @pytest.mark.parametrize("layout", [["parallel.dp_replicate=2"], ["parallel.dp_shard=2", "parallel.zero=3"],
                                     ["parallel.pp=2", "parallel.pp_schedule=zb-v", "parallel.pp_virtual_stages=2"],
                                     ["parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3", "checkpoint.async_save=true"]])
