@@ -670,7 +670,8 @@ def check_inputs(cfg: Config, data: TokenData) -> None:
     """Refuse what the config and the data alone show cannot run, before any step (and, from `sixfold train`,
     before its ranks start): a vocabulary smaller than the tokenizer's, a split too short for one sequence, a
     sample prompt longer than the model takes, a checkpoint to resume from that is not there. Warn of a train split
-    shorter than one batch and of evaluation batches that go round the val split."""
+    shorter than one batch, of evaluation batches that go round the val split and of a sample longer than the
+    model holds."""
     t = cfg.train
     if data.tokenizer.vocab_size > cfg.model.vocab_size:
         resume = resume_path(cfg)  # its embeddings are that many
