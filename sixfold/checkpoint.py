@@ -58,32 +58,32 @@ def resume_source(resume: str, run_dir: str) -> str:
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory (or its meta.json), or the latest checkpoint of a run directory (or of its checkpoints
-    directory, or its `latest`): the one `latest` names, or without that pointer the newest complete one."""
+    """A checkpoint directory (or its meta.json), or the latest checkpoint of a run directory or of a directory of
+    checkpoints (its `checkpoints`, one a new run moved aside, a copy; or its `latest`): the one `latest` names, or
+    without that pointer the newest complete one."""
     path = Path(path)
     if path.name in (META, "latest") and path.is_file():  # a file of the checkpoint, or of the run, given
         path = path.parent
     if (path / META).is_file():
         return path
-    if path.name == "checkpoints" and ((path / "latest").is_file() or any(path.glob("step_*"))):
-        path = path.parent  # the run's
-    latest = path / "checkpoints" / "latest"
+    holder = path if (path / "latest").is_file() or steps_in(path) else path / "checkpoints"
+    latest = holder / "latest"
     if latest.is_file():
         name = latest.read_text().strip()
-        found = path / "checkpoints" / name
+        found = holder / name
         if not name.startswith("step_") or Path(name).name != name:
             raise CheckpointError(f"{latest} names {name!r}, not a checkpoint of this run; point it at one of "
-                                  f"{path / 'checkpoints'}'s step_* directories, or remove it")
+                                  f"{holder}'s step_* directories, or remove it")
         if (found / META).is_file():
             return found
-        for old in found.parent.glob(f".{found.name}.old-*"):  # a save replacing it stopped in between: read it
-            if (old / META).is_file():                         # there (the next save puts it back)
+        for old in holder.glob(f".{found.name}.old-*"):  # a save replacing it stopped in between: read it there
+            if (old / META).is_file():                  # (the next save puts it back)
                 return old
-        done = complete_steps(path)
+        done = complete_in(holder)
         hint = f"; the newest complete one is {done[-1]}: give that path instead (to train on from it: " \
                f"checkpoint.resume={done[-1]})" if done else ""
         raise CheckpointError(f"{latest} points to {found}, which holds no {META}{hint}")
-    done = complete_steps(path)
+    done = complete_in(holder)
     if done:
         warnings.warn(f"{latest} is missing: reading the newest complete checkpoint, {done[-1]}")
         return done[-1]

@@ -293,6 +293,9 @@ def test_a_run_that_starts_over_moves_the_earlier_runs_checkpoints_aside(tmp_pat
     assert (aside / "comm_ledger.json").read_text() == ledger  # with its run, not replaced by this one's
     assert cli.main(["trace", str(aside)]) == 0 and (aside / "mesh.png").is_file()  # its config.yaml beside it
     assert {p.name: (p / "model-00000.safetensors").read_bytes() for p in aside.glob("step_*")} == earlier
+    assert find_checkpoint(aside) == aside / "step_0000003"  # read through its latest, as generate would
+    shutil.copytree(aside, tmp_path / "copy")  # a copy of a checkpoints directory, under any name
+    assert find_checkpoint(tmp_path / "copy") == tmp_path / "copy" / "step_0000003"
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000001", "step_0000002"]
     (run / "checkpoints" / "latest").unlink()
     (run / "checkpoints" / "step_0000005").mkdir()  # no meta.json: not a checkpoint, nor counted by keep
