@@ -54,6 +54,7 @@ class ParityResult:
     loss_tol: float = LOSS_RTOL
     weight_tol: float = WEIGHT_RTOL  # inf: not checked
     kept: str = ""  # where the two runs were left to look into, if not where asked
+    loss_of: str = "max"  # which steps' losses loss_rel compares: "max" over all, or "last" (bf16 against fp32)
 
     @property
     def ok(self) -> bool:
@@ -62,7 +63,7 @@ class ParityResult:
     def line(self) -> str:
         weight_tol = "not checked" if math.isinf(self.weight_tol) else f"tol {self.weight_tol:.0e}"
         return (f"parity {'OK' if self.ok else 'FAILED'}: {self.layout}, {self.steps} steps, "
-                f"max loss rel diff {self.loss_rel:.2e} (tol {self.loss_tol:.0e}), max weight rms-rel diff "
+                f"{self.loss_of} loss rel diff {self.loss_rel:.2e} (tol {self.loss_tol:.0e}), max weight rms-rel diff "
                 f"{self.weight_rel:.2e} ({weight_tol}, worst {self.worst_param})"
                 + (f"; both runs are in {self.kept}" if self.kept else ""))
 
@@ -152,7 +153,7 @@ def compare_learning(layout_dir: Path, reference_dir: Path, layout: str) -> Pari
                           "few steps to tell whether bf16 learns (sixfold check: give more --steps)")
     loss_rel = _rel(pairs[-1][0]["loss"], last)
     return ParityResult(layout, len(a), loss_rel, *_weight_diff(layout_dir, reference_dir), loss_tol=BF16_LOSS_RTOL,
-                        weight_tol=math.inf)
+                        weight_tol=math.inf, loss_of="last")
 
 
 @contextlib.contextmanager

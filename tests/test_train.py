@@ -360,7 +360,9 @@ def test_a_step_that_only_one_run_has_a_loss_for_fails_parity(monkeypatch):
         assert parity.compare(None, None, "a layout").loss_rel == rel
     bf16 = [{"loss": 6.1}, {"loss": 4.02}, {"loss": math.nan, "skipped": True}]
     monkeypatch.setattr(parity, "_steps", lambda *dirs: (bf16, reference))  # bf16 learns: the steps with a loss
-    assert parity.compare_learning(None, None, "bf16").loss_rel == pytest.approx(0.005)
+    learned = parity.compare_learning(None, None, "bf16")
+    assert learned.loss_rel == pytest.approx(0.005) and "3 steps, last loss rel diff 5.00e-03 (tol" in learned.line()
+    assert "3 steps, max loss rel diff 1.67e-02" in parity.compare(None, None, "bf16").line()  # fp32: every step
 
 
 def test_final_weights_that_are_nan_or_missing_fail_parity(monkeypatch):
