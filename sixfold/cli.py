@@ -120,7 +120,12 @@ def cmd_check(args, argv) -> int:
         raise ConfigError(f"sixfold check runs --steps steps (now {args.steps}), not train.steps: give --steps "
                           f"instead")
     from .data import load_data
-    from .parity import check, layout_config, reference_config, reference_key
+    from .parity import QUIET, check, layout_config, reference_config, reference_key
+    unused = [k for k in ("log.run_dir", *(f"{s}.{k}" for s, keys in QUIET.items() for k in keys))
+              if override(_split(args.config)[1], k)]
+    if unused:
+        warnings.warn(f"sixfold check runs both sides its own way, without {', '.join(unused)} as given (--workdir "
+                      f"keeps the two runs' directories)")
     from .train import check_inputs
     layout = layout_config(cfg, Path("."), args.steps)
     if reference_key(layout) == reference_key(reference_config(cfg, Path("."), args.steps)):

@@ -305,9 +305,12 @@ def test_layout_errors_before_any_process_starts(tmp_path):
 
 
 def test_check_command_prints_one_verdict(tmp_path):
-    proc = sixfold("check", TINY, "parallel.dp_replicate=2", "--steps", "2", "--workdir", str(tmp_path))
+    """Settings of its own runs that the check replaces are said to be unused."""
+    proc = sixfold("check", TINY, "parallel.dp_replicate=2", "log.trace=true", "--steps", "2", "--workdir",
+                   str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("parity OK: dp_replicate2, 2 steps")
+    assert "sixfold check runs both sides its own way, without log.trace as given" in proc.stderr, proc.stderr
     again = sixfold("check", TINY, "parallel.dp_replicate=2", "--steps", "2", "--workdir", str(tmp_path))
     assert again.returncode == 2 and f"--workdir {tmp_path} holds an earlier check's runs (layout, reference); " \
         "remove them or give another --workdir" in again.stderr, again.stderr
