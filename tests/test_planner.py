@@ -137,8 +137,12 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     assert cli.main(["plan", TINY, "train.global_batch=12", "parallel.dp_shard=12", "--gpus", "12"]) == 2
     assert "--gpus 12 do not fill machines of 8: give --nodes" in capsys.readouterr().err
     assert cli.main(["plan", "configs/llama3-8b.yaml", "--gpus", "1"]) == 0
-    assert "does NOT fit in memory: shard more (parallel.zero=3, tp, pp, cp), recompute (model.recompute), or add " \
-           "GPUs; --search ranks the layouts that fit" in capsys.readouterr().out
+    assert "does NOT fit in memory: shard more (parallel.zero=3, tp, pp, cp), recompute (model.recompute=selective " \
+           "or full), never hold the whole logits (model.loss_chunk=4096), or add GPUs; --search ranks the layouts " \
+           "that fit" in capsys.readouterr().out
+    assert cli.main(["plan", "configs/llama3-8b.yaml", "parallel.zero=3", "parallel.dp_shard=2", "parallel.tp=2",
+                     "model.recompute=full", "--gpus", "4"]) == 0  # what it sets already is not advised
+    assert "does NOT fit in memory: shard more (tp, pp, cp), or add GPUs" in capsys.readouterr().out
     # long sequences: without pipelining, the fewest micro-batches that fit (one would not)
     assert cli.main(["plan", "configs/llama3-1b.yaml", "train.precision=bf16", "train.global_batch=128",
                      "train.seq_len=8192", "--gpus", "8", "--search"]) == 0
@@ -158,7 +162,8 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     assert cli.main(["plan", "configs/llama3-8b.yaml", "--gpus", "1", "--search"]) == 2
     assert "no layout fits: even single process holds 128.5 GB of weights" in capsys.readouterr().err
     assert cli.main(["plan", "configs/llama3-8b.yaml", "train.seq_len=131072", "--gpus", "2", "--search"]) == 2
-    assert "lower train.seq_len, or add GPUs" in capsys.readouterr().err
+    assert "lower train.seq_len, or add GPUs (for tp, cp or pp); the search keeps model.loss_chunk as given: with " \
+           "model.loss_chunk=4096 the layouts without tp never hold the whole logits" in capsys.readouterr().err
     assert cli.main(["plan", TINY, "parallel.tp=2", "--gpus", "2", "--nodes", "2"]) == 0
     out = capsys.readouterr().out
     assert "memory per rank (MB)" in out and "note: tp=2 groups span nodes (1 GPU(s) each)" in out

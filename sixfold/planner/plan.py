@@ -220,7 +220,9 @@ def _none_fits(plans: list[Plan], device: Device) -> str:
     sequences = t.global_batch // (p.dp_replicate * p.dp_shard) // t.micro_batches
     return (f"no layout fits: the leanest, {best.cfg.parallel.describe()} with recompute {best.cfg.model.recompute},"
             f" peaks at {best.peak / 1e9:.1f} GB per GPU, above the {usable:.0f} GB usable on an {device.name}, with "
-            f"{sequences} sequence(s) per micro-batch: lower train.seq_len, or add GPUs (for tp, cp or pp)")
+            f"{sequences} sequence(s) per micro-batch: lower train.seq_len, or add GPUs (for tp, cp or pp)"
+            + ("" if best.cfg.model.loss_chunk else "; the search keeps model.loss_chunk as given: with "
+               "model.loss_chunk=4096 the layouts without tp never hold the whole logits"))
 
 
 def _persistent(stage: StagePlan) -> int:

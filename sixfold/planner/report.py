@@ -43,8 +43,8 @@ def describe(p: Plan, device: str, gpus: int, nodes: int) -> str:
     lines += ["", f"step (slowest stage): compute {num(worst.compute_s * 1e3)} ms, pipeline bubble "
                   f"{worst.bubble:.1%}, traffic ms on the wire: {comm or 'none'}",
               f"estimated step {num(p.step_s * 1e3)} ms, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}; "
-              f"{'fits' if p.fits else 'does NOT fit'} in memory" + ("" if p.fits else ": shard more (parallel.zero=3, "
-              "tp, pp, cp), recompute (model.recompute), or add GPUs; --search ranks the layouts that fit")]
+              f"{'fits' if p.fits else 'does NOT fit'} in memory" + ("" if p.fits else f": {_leaner(cfg)}, or add "
+                                                                     "GPUs; --search ranks the layouts that fit")]
     dims = ParallelDims.from_config(cfg.parallel)
     crossing = [g for g in ("tp", "cp", "ep") if getattr(cfg.parallel, g) > 1 and dims.crosses_nodes(g, gpus // nodes)]
     if crossing:
@@ -54,6 +54,17 @@ def describe(p: Plan, device: str, gpus: int, nodes: int) -> str:
                      f"critical path of every layer, cross the network; keep them within a node ({within} dividing "
                      f"the GPUs per node)")
     return "\n".join(lines)
+
+
+def _leaner(cfg: Config) -> str:
+    """The settings that would hold less, of those the config does not use yet."""
+    shard = ([] if cfg.parallel.zero == 3 else ["parallel.zero=3"]) + ["tp", "pp", "cp"]
+    out = [f"shard more ({', '.join(shard)})"]
+    if cfg.model.recompute != "full":
+        out.append("recompute (model.recompute=selective or full)")
+    if not cfg.model.loss_chunk and cfg.parallel.tp == 1:
+        out.append("never hold the whole logits (model.loss_chunk=4096)")
+    return ", ".join(out)
 
 
 def _workload(cfg: Config, device: str, gpus: int, nodes: int) -> str:
