@@ -121,8 +121,11 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     assert table[0] == "layouts on 16 x h100 (2 node(s)); 8,030,261,248 parameters, global batch 8 x 8192 tokens, bf16"
     assert table[1].startswith("layout ") and steps == sorted(steps) and len(steps) == 10
     assert table[end].endswith("layouts fit; fastest first, the first 10 shown: --top)")
-    # what the trainer would refuse is said, not silently dropped: interleaved needs micro-batches in multiples of pp
-    assert len(table) == end + 2 and table[-1].startswith("not planned: 10 parallel layout(s) that the trainer refuses")
+    # what the trainer would refuse is said, not silently dropped: interleaved needs micro-batches in multiples of pp,
+    # and 16 data-parallel ranks need a multiple of 16 sequences
+    assert len(table) == end + 3 and table[-1].startswith("not planned: 10 parallel layout(s) that the trainer refuses")
+    assert table[-2].startswith("not planned: 1 parallel layout(s) that the trainer refuses, e.g. dp_replicate16: "
+                                "train.global_batch=8 must be divisible by data-parallel size (16 = ")
     assert "interleaved" in table[-1]
     assert "needs train.micro_batches=1 to be a multiple of parallel.pp=2: no multiple of 2 divides the 1 " \
            "sequence(s) per data-parallel rank (train.global_batch / dp): change train.global_batch" in table[-1]
@@ -159,6 +162,8 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
     err = capsys.readouterr().err
     assert "no layout of 5 GPUs divides this model and batch" in err
     assert "not planned: 3 parallel layout(s) that the trainer refuses, e.g. pp5, 1f1b: " in err  # and why
+    assert "e.g. tp5, sequence-TP: model.n_heads=4 is not divisible by parallel.tp=5" in err  # heads, batch too
+    assert "e.g. dp_replicate5: train.global_batch=8 must be divisible by data-parallel size (5 = " in err
     assert cli.main(["plan", "configs/llama3-8b.yaml", "--gpus", "1", "--search"]) == 2
     assert "no layout fits: even single process holds 128.5 GB of weights" in capsys.readouterr().err
     assert cli.main(["plan", "configs/llama3-8b.yaml", "train.seq_len=131072", "--gpus", "2", "--search"]) == 2

@@ -97,14 +97,32 @@ def layouts(cfg: Config, world: int, per_node: int, refused: dict[str, str] | No
     recomputation mode, and for an MoE model each ep that divides the experts and the ranks that read different
     tokens. Those that validation refuses go into `refused` (the layout's description: the reason)."""
     m, t = cfg.model, cfg.train
+
+    def refuse(**sizes) -> None:
+        """A layout that validation refuses whatever else is chosen: once, in `refused`, with its reason."""
+        c = copy.deepcopy(cfg)
+        for key, value in sizes.items():
+            setattr(c.parallel, key, value)
+        c.parallel.zero = 1 if c.parallel.dp_shard > 1 else 0
+        try:
+            validate(c, world_size=world)
+        except ConfigError as e:
+            refused[c.parallel.describe()] = str(e)
+
     for tp, cp, pp in itertools.product(divisors(min(world, per_node)), divisors(world), divisors(world)):
         rest = world // (tp * cp * pp) if world % (tp * cp * pp) == 0 else 0
-        if not rest or m.n_heads % tp:
+        if not rest:
+            continue
+        if m.n_heads % tp:
+            if refused is not None:
+                refuse(tp=tp, cp=cp, pp=pp, dp_replicate=rest, dp_shard=1)
             continue
         for replicate in divisors(rest):
             shard = rest // replicate
             dp = replicate * shard
             if t.global_batch % dp:
+                if refused is not None and shard == 1:  # (once for the data-parallel size)
+                    refuse(tp=tp, cp=cp, pp=pp, dp_replicate=replicate, dp_shard=1)
                 continue
             # under pipelining ZeRO-3 gathers once per step: its peak and traffic are ZeRO-1's, a duplicate row
             zeros = (0,) if shard * cp == 1 else (1,) if pp > 1 else (1, 3)
