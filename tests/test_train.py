@@ -402,7 +402,7 @@ def test_check_holds_a_bf16_layout_to_learn_like_fp32(tmp_path, monkeypatch, cap
     """50 steps by default: the last loss within 2% of the fp32 reference's, which fell by at least 1."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert cli.main(["check", TINY, "train.precision=bf16"]) == 0
-    assert capsys.readouterr().out.startswith("parity OK: single process, 50 steps, max loss rel diff")
+    assert capsys.readouterr().out.startswith("parity OK: single process, 50 steps, last loss rel diff")
     assert cli.main(["check", TINY, "train.precision=bf16", "--steps", "2"]) == 2
     assert "not 1.0 lower: too few steps to tell whether bf16 learns (sixfold check: give more --steps)" in \
         capsys.readouterr().err
