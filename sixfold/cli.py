@@ -116,13 +116,14 @@ def cmd_check(args, argv) -> int:
     if cfg.checkpoint.resume:
         raise ConfigError(f"sixfold check starts the layout and the single process from the same initial weights: "
                           f"checkpoint.resume={cfg.checkpoint.resume} would not be used; leave it out")
-    if override(_split(args.config)[1], "train.steps"):
+    overrides = _split(args.config)[1]
+    if override(overrides, "train.steps"):
         raise ConfigError(f"sixfold check runs --steps steps (now {args.steps}), not train.steps: give --steps "
                           f"instead")
     from .data import load_data
     from .parity import QUIET, check, layout_config, reference_config, reference_key
     unused = [k for k in ("log.run_dir", *(f"{s}.{k}" for s, keys in QUIET.items() for k in keys))
-              if override(_split(args.config)[1], k)]
+              if override(overrides, k)]
     if unused:
         warnings.warn(f"sixfold check runs both sides its own way, without {', '.join(unused)} as given (--workdir "
                       f"keeps the two runs' directories)")
@@ -395,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         args.config += extra  # overrides after the flags
     elif extra:
         _unrecognized(cli.commands[args.command], extra)
-    given = [a.split("=")[0] for a in getattr(args, "config", []) if "=" in a]
+    given = [a.split("=", 1)[0].strip() for a in getattr(args, "config", []) if "=" in a]  # as override() reads them
     twice = sorted({k for k in given if given.count(k) > 1})
     if twice:
         cli.commands[args.command].error(f"{', '.join(twice)} given more than once; give each key once")

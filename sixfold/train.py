@@ -538,8 +538,8 @@ class Trainer:
         try:
             return self.train_step()
         except (MemoryError, RuntimeError) as e:
-            if unsupported(e):
-                raise TrainingError(f"{unsupported(e)}. {self._kept()}") from None
+            if said := unsupported(e):
+                raise TrainingError(f"{said}. {self._kept()}") from None
             if not _out_of_memory(e):
                 raise
             t = self.cfg.train

@@ -98,16 +98,23 @@ def layouts(cfg: Config, world: int, per_node: int, refused: dict[str, str] | No
     tokens. Those that validation refuses go into `refused` (the layout's description: the reason)."""
     m, t = cfg.model, cfg.train
 
-    def refuse(**sizes) -> None:
-        """A layout that validation refuses whatever else is chosen: once, in `refused`, with its reason."""
-        c = copy.deepcopy(cfg)
-        for key, value in sizes.items():
-            setattr(c.parallel, key, value)
-        c.parallel.zero = 1 if c.parallel.dp_shard > 1 else 0
+    def valid(c: Config) -> bool:
+        """Whether validation takes layout `c`; if not, its reason goes into `refused`."""
         try:
             validate(c, world_size=world)
         except ConfigError as e:
-            refused[c.parallel.describe()] = str(e)
+            if refused is not None:
+                refused[c.parallel.describe()] = str(e)
+            return False
+        return True
+
+    def unsharded(tp: int, cp: int, pp: int, dp: int) -> Config:
+        """The layout with dp replicas and nothing sharded: one to name a reason that holds whatever else is chosen."""
+        c = copy.deepcopy(cfg)
+        c.parallel.tp, c.parallel.cp, c.parallel.pp, c.parallel.dp_replicate = tp, cp, pp, dp
+        c.parallel.dp_shard, c.parallel.zero, c.parallel.ep, c.parallel.reshard_after_forward = 1, 0, 1, None
+        c.train.reduce_each_micro_batch, c.train.micro_batches = False, 1
+        return c
 
     for tp, cp, pp in itertools.product(divisors(min(world, per_node)), divisors(world), divisors(world)):
         rest = world // (tp * cp * pp) if world % (tp * cp * pp) == 0 else 0
@@ -115,14 +122,14 @@ def layouts(cfg: Config, world: int, per_node: int, refused: dict[str, str] | No
             continue
         if m.n_heads % tp:
             if refused is not None:
-                refuse(tp=tp, cp=cp, pp=pp, dp_replicate=rest, dp_shard=1)
+                valid(unsharded(tp, cp, pp, rest))
             continue
         for replicate in divisors(rest):
             shard = rest // replicate
             dp = replicate * shard
             if t.global_batch % dp:
                 if refused is not None and shard == 1:  # (once for the data-parallel size)
-                    refuse(tp=tp, cp=cp, pp=pp, dp_replicate=replicate, dp_shard=1)
+                    valid(unsharded(tp, cp, pp, replicate))
                 continue
             # under pipelining ZeRO-3 gathers once per step: its peak and traffic are ZeRO-1's, a duplicate row
             zeros = (0,) if shard * cp == 1 else (1,) if pp > 1 else (1, 3)
@@ -139,13 +146,8 @@ def layouts(cfg: Config, world: int, per_node: int, refused: dict[str, str] | No
                 c.train.reduce_each_micro_batch = t.reduce_each_micro_batch and zero >= 2 and pp == 1
                 c.model.recompute = recompute
                 c.train.micro_batches = t.global_batch // dp if pp > 1 else 1
-                try:
-                    validate(c, world_size=world)
-                except ConfigError as e:
-                    if refused is not None:
-                        refused[c.parallel.describe()] = str(e)
-                    continue
-                yield c
+                if valid(c):
+                    yield c
 
 
 def _fewest_micro_batches(c: Config, device: Device, per_node: int) -> Plan:
