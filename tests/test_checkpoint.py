@@ -145,8 +145,8 @@ BAD = {
                      r"with model.dim=64 \(here 128\), model.ffn_dim=176 \(here 352\)"),
     "wrong dtype": (_to_fp16, [], "is torch.float16 with .* expects float32"),
     "another model config": (lambda p: None, ["model.rope_theta=500000"],
-                             "training checkpoint of another model: .*model.rope_theta=10000.0 \\(here 500000.0\\); set "
-                             "those to match to resume from it, or train this model from the start \\(without "
+                             "training checkpoint of another model: .*model.rope_theta=10000.0 \\(here 500000.0\\); "
+                             "set those to match to resume from it, or train this model from the start \\(without "
                              "checkpoint.resume, or in another log.run_dir\\)"),
     "unreadable meta.json": (lambda p: (p / "meta.json").write_text("{"), [], "meta.json is unreadable"),
     "altered meta.json": (_flip_step, [], "meta.json is corrupt: its sha256 does not match meta.sha256"),

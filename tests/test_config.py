@@ -52,9 +52,9 @@ def test_an_unknown_option_gets_the_commands_usage_and_the_nearest_it_takes(caps
              (["train", "configs/tiny.yaml", "--nprocs", "2"], "unrecognized option --nprocs (did you mean --nproc?)"),
              (["generate", "runs/x", "--prompt", "a", "--max-tokens=5"],
               "unrecognized option --max-tokens (did you mean --max-new-tokens?)"),
-             (["train"], "sixfold train: error: name a config file"),
+             (["train"], "sixfold train: error: name a config file"),  # not a run of the defaults on the stdlib
              (["check", "configs/tiny.yaml", "train.steps=3", "parallel.tp=2", "train.steps=2"],
-              "sixfold check: error: train.steps given more than once; give each key once")]  # not a run of the defaults on the stdlib
+              "sixfold check: error: train.steps given more than once; give each key once")]
     for argv, message in cases:
         with pytest.raises(SystemExit) as ended:
             main(argv)

@@ -114,7 +114,8 @@ def test_compiled_blocks_under_tp_leave_the_collectives_to_eager_code(tmp_path):
     warning of what the compiler cannot trace, and the training of eager blocks."""
     runs = {}
     for name, extra in (("eager", []), ("compiled", ["train.compile=true"])):
-        proc = sixfold("train", TINY, "parallel.tp=2", f"train.steps={STEPS}", *extra, f"log.run_dir={tmp_path / name}")
+        proc = sixfold("train", TINY, "parallel.tp=2", f"train.steps={STEPS}", *extra,
+                       f"log.run_dir={tmp_path / name}")
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "Dynamo" not in proc.stderr, proc.stderr[-3000:]
         runs[name] = [m["loss"] for m in read_metrics(tmp_path / name)]
