@@ -6,11 +6,13 @@ from itertools import accumulate
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from sixfold.model.fused import attention_heads, rms_norm, swiglu
+from sixfold.activations import SavedTensors
+from sixfold.model.fused import attention_heads, norm_again, rms_norm, swiglu, swiglu_again
 from sixfold.config import ModelConfig, load_config
 from sixfold.model.llama import Llama, init_weights, rope_frequencies, rope_tables
-from sixfold.parallel.tensor import note_laid_out
+from sixfold.parallel.tensor import TensorParallel, linear, note_laid_out
 
 D = torch.float64
 
@@ -57,6 +59,30 @@ def test_swiglu():
     gate, up = x.chunk(2, -1)
     assert torch.allclose(swiglu(x), F.silu(gate) * up, rtol=0, atol=1e-12)
     assert torch.autograd.gradcheck(swiglu, (x,))
+
+
+@pytest.mark.parametrize("op", ["norm", "swiglu"])
+def test_a_linear_layer_computes_its_input_again_rather_than_save_it(op):
+    """The norm's output (the q, k, v and the gate and up products' input) and SwiGLU's (w_down's): the linear
+    layer computes it again in backward from what the norm or SwiGLU saves anyway. The gradients against finite
+    differences in fp64, and what is saved for backward: the operation's input (and the norm's statistics), not
+    its output."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 8, dtype=D, requires_grad=True)
+    norm = op == "norm"
+    params = nn.ParameterList([torch.randn(5, 8 if norm else 4, dtype=D), *([torch.randn(8, dtype=D)] if norm else [])])
+    tp = TensorParallel()
+
+    def run(x, w, *scale):
+        h, again = norm_again(x, scale[0], 1e-6) if norm else swiglu_again(x)
+        return linear(tp, h, [w], "column" if norm else "row", False, again=again)
+
+    assert torch.autograd.gradcheck(run, (x, *params))
+    plain = rms_norm(x, params[1], 1e-6) if norm else swiglu(x)
+    assert torch.allclose(run(x, *params), plain @ params[0].t(), rtol=0, atol=1e-12)
+    with SavedTensors(params) as saved:
+        run(x, *params)
+    assert [s.shape for s in saved.saved] == ([(6, 8), (6, 1)] if norm else [(6, 8)])
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -61,8 +61,8 @@ LAYOUTS = {
                                       "model.recompute=full"],
 }
 # The step's peak beyond the persistent buffers, planned over measured, at least PEAK_UNDER and at most PEAK_OVER.
-# Here 0.93 to 1.09: ZeRO-2/3 gradients and gathers are counted at their busiest moment of the backward, and the
-# lowest peak beside temporaries the planner leaves out. MoE layers (0.93 to 1.04) are counted for balanced routing.
+# Here 0.93 to 1.08: ZeRO gathers are counted at their busiest moment of the backward, and the lowest peak beside
+# temporaries the planner leaves out. MoE layers (0.93 to 1.04) are counted for balanced routing.
 PEAK_UNDER = 0.9
 PEAK_OVER = 1.35
 
@@ -74,7 +74,7 @@ def test_predictions_equal_what_a_run_held_and_sent(tmp_path, layout):
     saved, peaks, routed = [], [], [0, 0]  # (predicted, measured) per rank; the experts' all-to-all bytes summed
     for r in range(cfg.parallel.world_size):
         measured = json.loads((tmp_path / f"rank{r}.json").read_text())
-        rank = build_rank(cfg, r)
+        rank = build_rank(cfg, r, cpu=True)
         assert persistent(rank) == measured["held"], r
         predicted = step_bytes(rank)
         routed = [routed[0] + predicted.pop("ep/all_to_all", 0), routed[1] + measured["sent"].pop("ep/all_to_all", 0)]
@@ -227,14 +227,14 @@ def test_the_search_keeps_a_zero3_layout_that_fits_with_one_micro_batch_only():
 
 def test_the_search_reduces_each_micro_batch_where_that_alone_fits():
     """Llama-3-8B, ZeRO-3 over 8 or 16 H100s: the search also plans each layout reducing each micro-batch, which
-    fits with fewer micro-batches (2, 2.87 s planned, against 4, 3.27 s) or fits where nothing else does; the
+    fits with fewer micro-batches (2, 3.17 s planned, against 4, 3.56 s) or fits where nothing else does; the
     ranking marks those rows."""
     def best(dp_shard: int, global_batch: int, seq_len: int) -> Plan:
         cfg = load_config("configs/llama3-8b.yaml", ["train.precision=bf16", f"train.seq_len={seq_len}",
                                                      f"train.global_batch={global_batch}",
                                                      f"parallel.dp_shard={dp_shard}", "parallel.zero=3"])
         return _fewest_micro_batches(cfg, DEVICES["h100"], 8)
-    fewer, only = best(16, 64, 4096), best(8, 32, 8192)
+    fewer, only = best(16, 64, 6144), best(8, 32, 9216)
     assert fewer.fits and fewer.cfg.train.micro_batches == 2 and fewer.cfg.train.reduce_each_micro_batch
     four = copy.deepcopy(fewer.cfg)
     four.train.micro_batches, four.train.reduce_each_micro_batch = 4, False  # the fewest that fit without

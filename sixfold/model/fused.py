@@ -2,6 +2,8 @@
 
 Autograd's chain of small operations makes several passes over memory and saves their intermediates; these make
 fewer passes and save only their input (the norm: and its per-token statistics) or nothing (rotation: the tables).
+The norm's output and SwiGLU's, the inputs of linear layers, are not saved at all where the layer computes them
+again in its backward from what they save (norm_again, swiglu_again).
 Under torch.compile (train.compile) the plain operations run instead: the compiler derives their backward and fuses
 both into few kernels itself, where the Functions' writes into slices would split its graph.
 """
@@ -9,6 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..parallel.tensor import Again
 
 
 def _wide(x: torch.Tensor) -> torch.dtype:
@@ -21,14 +25,15 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
+        """The output and the per-token 1 / rms(x)."""
         h = x.to(_wide(x))
         rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True).add_(eps))
         ctx.save_for_backward(x, weight, rstd)
-        y = (h * rstd).to(x.dtype)
-        return y.mul_(weight) if weight.dtype == y.dtype else weight * y
+        ctx.mark_non_differentiable(rstd)
+        return _normed(h, weight, rstd, x.dtype), rstd
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _):
         x, weight, rstd = ctx.saved_tensors
         xhat = x.to(rstd.dtype) * rstd
         g = grad.to(rstd.dtype)
@@ -45,7 +50,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         h = x.to(_wide(x))
         y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
         return weight * y
-    return RMSNormFunction.apply(x, weight, eps)
+    return RMSNormFunction.apply(x, weight, eps)[0]
+
+
+def _normed(h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The norm's output in `dtype` from its input h in rstd's dtype."""
+    y = (h * rstd).to(dtype)
+    return y.mul_(weight) if weight.dtype == y.dtype else weight * y
+
+
+def norm_again(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, Again | None]:
+    """rms_norm(x) for a linear layer's input, and how the layer computes it again from the norm's own saved
+    tensors (None without gradients, and under torch.compile, which chooses what to save)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return rms_norm(x, weight, eps), None
+    y, rstd = RMSNormFunction.apply(x, weight, eps)
+    return y, Again(lambda x, rstd: _normed(x.to(rstd.dtype), weight, rstd, x.dtype), (x, rstd))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float, out: torch.Tensor) -> None:
@@ -104,9 +124,8 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        gate, up = x.chunk(2, -1)
         ctx.save_for_backward(x)
-        return F.silu(gate).mul_(up)
+        return _swiglu(x)
 
     @staticmethod
     def backward(ctx, grad):
@@ -125,3 +144,15 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, -1)
         return F.silu(gate) * up
     return SwiGLUFunction.apply(x)
+
+
+def _swiglu(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, -1)
+    return F.silu(gate).mul_(up)
+
+
+def swiglu_again(x: torch.Tensor) -> tuple[torch.Tensor, Again | None]:
+    """swiglu(x) for a linear layer's input, and how the layer computes it again from x (norm_again)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return swiglu(x), None
+    return SwiGLUFunction.apply(x), Again(_swiglu, (x,))

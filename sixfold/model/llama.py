@@ -16,13 +16,13 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from .documents import within_documents
-from .fused import attention_heads, rms_norm, swiglu
+from .fused import attention_heads, norm_again, rms_norm, swiglu_again
 from .head_loss import chunked_head_loss
 from .moe import MoE
 from ..parallel.context import ContextParallel
 from ..parallel.expert import ExpertParallel
 from ..parallel.pipeline.stages import Stage, whole
-from ..parallel.tensor import (Linear, Split, TensorParallel, VocabEmbedding, cross_entropy, gather_vocab,
+from ..parallel.tensor import (Again, Linear, Split, TensorParallel, VocabEmbedding, cross_entropy, gather_vocab,
                                linear, outside_compile)
 
 
@@ -34,6 +34,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def again(self, x: torch.Tensor) -> tuple[torch.Tensor, Again | None]:
+        """The output for a linear layer that computes it again in backward (fused.py norm_again)."""
+        return norm_again(x, self.weight, self.eps)
 
 
 def rope_frequencies(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -107,9 +111,10 @@ class Attention(nn.Module):
     def stacked(self) -> list[torch.Tensor]:
         return [self.wq.weight, self.wk.weight, self.wv.weight]
 
-    def forward(self, x: torch.Tensor, t: Tokens) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, t: Tokens, again: Again | None = None) -> torch.Tensor:
+        """again: how to compute x again (RMSNorm.again), which is then not saved."""
         (b, s), sp = t.shape, t.sequence_tp
-        qkv = linear(self.tp, x, self.stacked(), "column", sp, laid_out=self.laid_out)
+        qkv = linear(self.tp, x, self.stacked(), "column", sp, laid_out=self.laid_out, again=again)
         q, k, v = attention_heads(qkv.view(b, s, self.n_heads + 2 * self.n_kv_heads, self.head_dim),
                                   self.n_heads, self.n_kv_heads, t.cos, t.sin)
         attend = partial(self.context_attention, t=t) if t.context else \
@@ -152,9 +157,11 @@ class MLP(nn.Module):
     def stacked(self) -> list[torch.Tensor]:
         return [self.w_gate.weight, self.w_up.weight]
 
-    def forward(self, x: torch.Tensor, sp: bool) -> torch.Tensor:
-        gate_up = linear(self.tp, x, self.stacked(), "column", sp, laid_out=self.laid_out)
-        return self.w_down(swiglu(gate_up), sp)
+    def forward(self, x: torch.Tensor, sp: bool, again: Again | None = None) -> torch.Tensor:
+        """again: how to compute x again (RMSNorm.again), which is then not saved; nor is SwiGLU's output."""
+        gate_up = linear(self.tp, x, self.stacked(), "column", sp, laid_out=self.laid_out, again=again)
+        h, again = swiglu_again(gate_up)
+        return self.w_down(h, sp, again)
 
 
 class Block(nn.Module):
@@ -171,10 +178,14 @@ class Block(nn.Module):
             self.mlp = MLP(cfg, tp)
 
     def _attend(self, x: torch.Tensor, t: Tokens) -> torch.Tensor:
-        return x + self.attn(self.attn_norm(x), t)
+        h, again = self.attn_norm.again(x)
+        return x + self.attn(h, t, again)
 
     def _ffn(self, x: torch.Tensor, t: Tokens) -> torch.Tensor:
-        return x + self.mlp(self.mlp_norm(x), t.sequence_tp)
+        if isinstance(self.mlp, MoE):
+            return x + self.mlp(self.mlp_norm(x), t.sequence_tp)
+        h, again = self.mlp_norm.again(x)
+        return x + self.mlp(h, t.sequence_tp, again)
 
     def forward(self, x: torch.Tensor, t: Tokens) -> torch.Tensor:
         """x: [tokens, dim], this rank's 1/tp of the tokens under sequence-TP. With full recomputation each

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -157,15 +158,26 @@ def _wait(p: Pending | None) -> None:
         p.wait()
 
 
+class Again(NamedTuple):
+    """A linear layer's input as fn(*tensors), computed again in its backward: the tensors are saved in its place
+    (model/fused.py: the norm's input and statistics, SwiGLU's input, which their own backward saves anyway)."""
+    fn: Callable[..., torch.Tensor]
+    tensors: tuple[torch.Tensor, ...]
+
+
 class _Linear(torch.autograd.Function):
     """y = x [W_1; W_2; ...]^T: weights sharing one input, stacked by rows into one product; column mode gathers
-    x, row mode reduces y."""
+    x, row mode reduces y. With `again` (fn of the first `kept` tensors, the weights after them) x is not saved but
+    computed again in backward."""
 
     @staticmethod
-    def forward(ctx, x, tp: TensorParallel, mode: str, sp: bool, head: bool, laid_out: bool, *weights):
+    def forward(ctx, x, tp: TensorParallel, mode: str, sp: bool, head: bool, laid_out: bool, again, kept: int,
+                *tensors):
+        weights = tensors[kept:]
         # the weights themselves, not saved copies: deferred gradients and their hooks need the parameters
         ctx.tp, ctx.mode, ctx.sp, ctx.head, ctx.laid_out, ctx.weights = tp, mode, sp, head, laid_out, weights
-        ctx.save_for_backward(x)  # under sequence-TP the shard: gathered again in backward
+        ctx.again, ctx.kept = again, kept
+        ctx.save_for_backward(*(tensors[:kept] if again else (x,)))  # under sequence-TP x is the shard
         full = tp.gather(x, sp)[0] if mode == "column" else x
         y = F.linear(full, _stacked(weights, laid_out))
         if mode == "row":
@@ -175,8 +187,9 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         tp, mode, sp = ctx.tp, ctx.mode, ctx.sp
-        (x,), weights = ctx.saved_tensors, ctx.weights
-        if mode == "column":
+        weights = ctx.weights
+        x = ctx.again(*ctx.saved_tensors) if ctx.again else ctx.saved_tensors[0]
+        if mode == "column":  # x gathered again under sequence-TP
             full, gathering = tp.gather(x, sp, async_op=True)
             # overlaps the weight gradients
             dx, reducing = tp.reduce(dy @ _stacked(weights, ctx.laid_out), sp, async_op=True)
@@ -188,7 +201,7 @@ class _Linear(torch.autograd.Function):
             dx, reducing = dy @ _stacked(weights, ctx.laid_out), None
         dws = _weight_grads(tp, weights, dy, full, ctx.head)
         _wait(reducing)
-        return (dx, None, None, None, None, None, *dws)
+        return (dx, None, None, None, None, None, None, None, *[None] * ctx.kept, *dws)
 
 
 def _stacked(weights: tuple[torch.Tensor, ...], laid_out: bool) -> torch.Tensor:
@@ -236,21 +249,22 @@ def _weight_grads(tp: TensorParallel, weights: tuple[torch.Tensor, ...], dy: tor
 
 
 def linear(tp: TensorParallel, x: torch.Tensor, weights: list[torch.Tensor], mode: str, sp: bool,
-           head: bool = False, laid_out: bool = False) -> torch.Tensor:
+           head: bool = False, laid_out: bool = False, again: Again | None = None) -> torch.Tensor:
     """x times the weights stacked by rows, in `mode` (plain, column or row): one product whose last dimension
     holds each weight's outputs in turn (the caller splits it; a split, not slices, keeps its gradient one
     tensor). head: the logits' linear (WeightGrads defers it only with `head` set). laid_out: the weights lie
-    one after another in one storage (note_laid_out)."""
+    one after another in one storage (note_laid_out). again: how backward computes x again, rather than save it."""
     wg = tp.weight_grads
     may_defer = wg.defer or wg.used
-    if len(weights) == 1 and not may_defer and (tp.size == 1 or mode == "plain"):
+    if len(weights) == 1 and again is None and not may_defer and (tp.size == 1 or mode == "plain"):
         return F.linear(x, weights[0])  # autograd's own linear suffices
     # torch.compile, if loaded, may be tracing: its backward graph would read weight_grads.defer once, at tracing,
     # and never defer, and it cannot trace the collectives (their ledger, timing and roll call); kept out of its
     # graphs, the Function runs them, and its backward reads `defer` when it runs
     outside = may_defer or (tp.size > 1 and mode != "plain")
     apply = outside_compile() if outside and "torch._dynamo" in sys.modules else _Linear.apply
-    return apply(x, tp, mode, sp and tp.size > 1, head, laid_out, *weights)
+    fn, kept = (None, ()) if again is None else again
+    return apply(x, tp, mode, sp and tp.size > 1, head, laid_out, fn, len(kept), *kept, *weights)
 
 
 _DISABLED: list = []  # not functools.cache, whose wrapper torch.compile warns it ignores
@@ -281,8 +295,8 @@ class Linear(nn.Module):
             shape[split.dim] = split.size
         self.weight = nn.Parameter(torch.empty(shape))
 
-    def forward(self, x: torch.Tensor, sp: bool) -> torch.Tensor:
-        return linear(self.tp, x, [self.weight], self.mode, sp)
+    def forward(self, x: torch.Tensor, sp: bool, again: Again | None = None) -> torch.Tensor:
+        return linear(self.tp, x, [self.weight], self.mode, sp, again=again)
 
 
 class _Reduce(torch.autograd.Function):

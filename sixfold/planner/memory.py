@@ -12,10 +12,12 @@ Activations (saved for backward, per micro-batch; a per-layer count in the manne
 for this model: RMSNorm, SwiGLU, rotary embeddings, fused attention that keeps its log-sum-exp), with T tokens
 on the rank, T_h the hidden rows (T / tp under sequence-TP), and per tp rank q_dim and kv_dim the query and
 key/value widths, a the heads, f the ffn width:
-  per block   b * (4 * T_h * dim            each norm's input and output (the linear's input)
+  per block   b * (2 * T_h * dim            each norm's input (its output, the linear's input, is computed
+                                            again in the linear's backward; an MoE layer's MLP keeps its input)
                    + 2 * T * q_dim          q after rotation, the attention output (the wo input)
                    + 2 * T * kv_dim         k after rotation, v
-                   + 3 * T * f)             gate and up (one product), the w_down input (MoE: mlp_activations)
+                   + 2 * T * f)             gate and up (one product; SwiGLU's output, the w_down input, computed
+                                            again; MoE: mlp_activations)
               + 4 * (2 * T_h + T * a)       norm statistics, the attention log-sum-exp
   recompute   full: each sub-layer's input only (2 * b * T_h * dim; an MoE layer's MLP, not run again, saves as
               without: 3 * b * T_h * dim + 4 * T_h + its own); selective: the log-sum-exp is rebuilt (the
@@ -30,7 +32,7 @@ key/value widths, a the heads, f the ffn width:
 A pipeline rank keeps each stage's activations for that stage's (stage, micro-batch) pairs in flight, and for a
 pair past a B that leaves its weight gradients to a W, what that W needs instead (of the simulator's crowds of
 pairs, the largest in bytes). The step's peak (step()) adds the computation's temporaries and transient buffers
-at the largest of its moments: the loss's backward, the first block's, and under pipelining an early sender's
+at the largest of its moments: the loss's backward, each block's, and under pipelining an early sender's
 weight gradient, or a W's.
 """
 from __future__ import annotations
@@ -65,7 +67,8 @@ def block_activations(rank: Rank, layer: int, recompute: str) -> int:
             return 3 * b * th * cfg.dim + 4 * th + mlp_activations(rank, layer)
         return 2 * b * th * cfg.dim
     core = b * t * q + (0 if recompute == "selective" else 4 * t * attn.n_heads)  # wo keeps the output anyway
-    saved = b * (4 * th * cfg.dim + t * q + 2 * t * kv) + mlp_activations(rank, layer) + core + 4 * 2 * th
+    inputs = 2 * th * cfg.dim if rank.moe(layer) is None else 3 * th * cfg.dim  # and an MoE layer's MLP's input
+    saved = b * (inputs + t * q + 2 * t * kv) + mlp_activations(rank, layer) + core + 4 * 2 * th
     cp = rank.model.cp
     if cp.size > 1 and recompute != "selective" and cp.mode == "allgather":  # inside the core selective rebuilds
         saved += b * 2 * (cp.size - 1) * t * kv  # every rank's keys and values, q copied out of the heads' buffer
@@ -75,7 +78,7 @@ def block_activations(rank: Rank, layer: int, recompute: str) -> int:
 
 
 def mlp_activations(rank: Rank, layer: int) -> int:
-    """Bytes a block's MLP saves beyond its input: a dense SwiGLU b * 3 * T * f; an MoE layer, with R = T_h * k
+    """Bytes a block's MLP saves beyond its input: a dense SwiGLU b * 2 * T * f; an MoE layer, with R = T_h * k
     routed rows (those reaching this rank's experts when routing is balanced over ep), b * R * (3 * dim + 2 * f)
     (the rows in, each expert's gate and up (one tensor), the outputs out and weighted) and
     its routing (probabilities and log-sum-exp inputs 8 * T_h * E, the top k, their sum, weights and row indices
@@ -89,30 +92,31 @@ def mlp_activations(rank: Rank, layer: int) -> int:
     return out + (_swiglu(rank, moe.shared) if moe.shared is not None else 0)
 
 
-def _swiglu(rank: Rank, mlp) -> int:
-    """A dense SwiGLU's saved bytes beyond its input, b * 3 * T * f: gate and up (one product), the w_down input."""
-    return rank.compute_bytes * 3 * rank.micro_tokens * mlp.w_gate.weight.shape[0]
+def _swiglu(rank: Rank, mlp, working: bool = False) -> int:
+    """A dense SwiGLU's saved bytes beyond its input, b * 2 * T * f: gate and up (one product; w_down computes its
+    input from them again). working: its backward's temporaries instead, b * 4 * T * f: the incoming gradient,
+    the stacked gate and up gradient and silu(gate) again."""
+    return rank.compute_bytes * (4 if working else 2) * rank.micro_tokens * mlp.w_gate.weight.shape[0]
 
 
 def mlp_working(rank: Rank, layer: int, deferring: bool = False) -> int:
-    """Temporaries of a block's MLP backward: a dense SwiGLU's incoming gradient, stacked gate and up gradient
-    and silu(gate) again, b * 3 * T * f (its saved count); an MoE layer's routed rows' gradient, b * R * dim, and
-    one expert's at a time, silu(gate) and its SwiGLU again, then the gate and up gradients, b * 2 * (R / local
-    experts) * f (deferring its weight gradients: every expert's SwiGLU and gradients, b * 3 * R * f), or a shared
-    expert's, whichever is larger."""
+    """Temporaries of a block's MLP backward: a dense SwiGLU's (_swiglu); an MoE layer's routed rows' gradient,
+    b * R * dim, and one expert's at a time, silu(gate) and its SwiGLU again, then the gate and up gradients,
+    b * 2 * (R / local experts) * f (deferring its weight gradients: every expert's SwiGLU and gradients,
+    b * 3 * R * f), or a shared expert's, whichever is larger."""
     cfg, b, moe = rank.cfg.model, rank.compute_bytes, rank.moe(layer)
     if moe is None:
-        return mlp_activations(rank, layer)
+        return _swiglu(rank, rank.model.layers[str(layer)].mlp, working=True)
     rows, local = rank.routed_rows, moe.experts.w_gate.shape[0]
     routed = b * rows * cfg.dim + (b * 3 * rows * cfg.ffn_dim if deferring else
                                    b * 2 * -(-rows // local) * cfg.ffn_dim)
-    return max(routed, _swiglu(rank, moe.shared) if moe.shared is not None else 0)
+    return max(routed, _swiglu(rank, moe.shared, working=True) if moe.shared is not None else 0)
 
 
 def deferred(rank: Rank, layer: int) -> tuple[int, int]:
     """Bytes a block's deferred weight gradients hold until they are computed, which its backward does not free:
     each linear's output gradient (a row linear's gathered over sequence-TP) and input (a column linear's gathered
-    over sequence-TP; saved, or under full recomputation rebuilt); and the largest weight gradient one of them
+    over sequence-TP, computed again); and the largest weight gradient one of them
     makes (stacked weights in one product). MoE experts hold their rows in and their output gradient, b * R * dim
     each, and per row the SwiGLU and the gate and up gradients, b * R * 3 * f (their products add into the
     gradient in place); a shared expert defers as a dense SwiGLU."""
@@ -218,13 +222,12 @@ def step(rank: Rank) -> dict[str, int]:
     place of the saved fp32 logits, now freed; the products for the head's weight, b * vocab * dim, and its input,
     b * T * dim); the gradients allocated at forward (ZeRO-2/3: the head's, a tied embedding's), the gathered
     weights, the pipeline's buffers.
-    At the backward of the first block to go back, which begins with its MLP: the saved activations less the ends
-    of that micro-batch, now freed; the MLP's temporaries (mlp_working), two hidden-state gradients, under full
-    recomputation that sub-layer rebuilt (not an MoE layer's, which is not run again); all the buffers above
-    and the full gradients of the units being reduced (ZeRO-2/3) and their copies in the reduction's dtype
-    (bf16 gradients reduced in fp32): the REDUCING + 1 largest units'. The saved activations are the crowd's
-    alive as a B begins. The MLP of a B that defers holds w_down's output gradient and its experts' deferred
-    tensors (mlp_working).
+    At the backward of each block, which begins with its MLP: the saved activations less the ends of that
+    micro-batch, now freed (and without pipelining those of the blocks gone back before it); the MLP's temporaries
+    (mlp_working), two hidden-state gradients, under full recomputation that sub-layer rebuilt (not an MoE layer's,
+    which is not run again); all the buffers above and those of the reductions then (_reducing). The saved
+    activations are the crowd's alive as a B begins. The MLP of a B that defers holds w_down's output gradient and
+    input and its experts' deferred tensors (mlp_working).
     Under pipelining, at the weight gradient of a B that sent its input gradient first (Schedule.sends_early):
     the saved activations less that B's micro-batch's on its stage (freed by the B), that stage's deferred
     tensors and its largest weight gradient (deferred()), the input gradient it sent, and the buffers of the
@@ -248,19 +251,23 @@ def step(rank: Rank) -> dict[str, int]:
     early = {s for s, _ in rank.schedule.sends_early(pp)} if rank.schedule else set()
     split = {s for s, _ in rank.schedule.split(pp)} if rank.schedule else set()
     if rank.blocks:
-        block = 0
+        before = max(n for _, n in crowds(rank, backward=True)) + shared - ends(rank)  # as a B begins
+        reducing, gone = _reducing(rank, buffers["early"]), 0
         for st in rank.model.stages:
-            for layer in st.layers:
+            for layer in reversed(st.layers):
                 moe = rank.moe(layer)
                 full = rank.cfg.model.recompute == "full" and moe is None  # an MoE layer's MLP is not run again
-                rebuilt = b * th * dim + 4 * th + mlp_activations(rank, layer) if full else 0
+                rebuilt = 4 * th + mlp_activations(rank, layer) if full else 0
                 deferring = st.index in early | split
-                # a dense w_down's output gradient (a shared expert's too) waits for its weight gradient
-                down = b * rank.micro_tokens * dim if deferring and (moe is None or moe.shared is not None) else 0
+                # a dense w_down's output gradient and input, computed again (a shared expert's too), wait for its
+                # weight gradient
+                dense = rank.model.layers[str(layer)].mlp if moe is None else moe.shared
+                down = b * rank.micro_tokens * (dim + dense.w_gate.weight.shape[0]) if deferring and dense else 0
                 working = mlp_working(rank, layer, deferring) + down
-                block = max(block, rebuilt + working + 2 * b * th * dim)
-        before = max(n for _, n in crowds(rank, backward=True)) + shared  # as a B begins
-        moments.append({"saved": before - ends(rank), "working": block, "transient": buffers["reducing"]})
+                moments.append({"saved": before - gone, "working": rebuilt + working + 2 * b * th * dim,
+                                "transient": reducing[layer]})
+                if rank.schedule is None:  # the one micro-batch's blocks gone back free what they saved
+                    gone += block_activations(rank, layer, rank.cfg.model.recompute)
     sent = b * th * dim  # an early sender's input gradient, on its way
     for st in (st for st in rank.model.stages if st.index in early):
         held = [deferred(rank, layer) for layer in st.layers]
@@ -277,21 +284,55 @@ def step(rank: Rank) -> dict[str, int]:
     return peak
 
 
+def _reducing(rank: Rank, early: int) -> dict[int, int]:
+    """Each block's "reducing" buffers as its backward runs, with the `early` ones: without pipelining
+    (Sharded.launch), its own units' full gradients (ZeRO-2/3) and, of the units whose backward is done, the last
+    REDUCING that wait for their reduction: their full gradients, their copies in the reduction's dtype and on a CPU
+    the input their reduce-scatter stages (Comm.reduce_scatter); under pipelining, at every block, the copies of
+    the REDUCING + 1 largest units (their full gradients are early)."""
+    if rank.schedule is not None:
+        copies = sorted(_copy(rank, u) for u in rank.sharded.units)
+        return dict.fromkeys(rank.blocks, early + sum(copies[-(REDUCING + 1):]))
+
+    def held(u) -> int:  # while its reduction is in flight
+        staged = rank.reduce_bytes * u.padded if rank.cpu and u.zero and rank.ctx.size(u.group) > 1 else 0
+        return _later(rank, u) + _copy(rank, u) + staged
+
+    of_block = {id(rank.model.layers[str(layer)]): layer for layer in rank.blocks}
+    out, done = {}, []
+    for units in rank.sharded.layers:  # in the order the backward reaches them
+        layer = next((of_block[id(m)] for u in units for m in u.modules if id(m) in of_block), None)
+        if layer is not None:
+            out[layer] = early + sum(_later(rank, u) for u in units) + sum(held(u) for u in done[-REDUCING:])
+        done += [u for u in units if u.zero >= 2 or held(u)]
+    return out
+
+
+def _later(rank: Rank, u) -> int:
+    """Bytes of a ZeRO-2/3 unit's full gradients that live from its backward until it is reduced (none for the
+    others, and for those from forward: the head's, a tied embedding's; with pipelining, or several micro-batches
+    not reduced each, every unit's from the step's start)."""
+    t = rank.cfg.train
+    whole = rank.schedule is not None or (t.micro_batches > 1 and not t.reduce_each_micro_batch)
+    return rank.compute_bytes * u.padded if u.zero >= 2 and not (u.grad_at_forward or whole) else 0
+
+
+def _copy(rank: Rank, u) -> int:
+    """Bytes of the copy of a unit's gradients in the reduction's dtype while it is reduced (zero 0 reduces bf16 in
+    the fp32 shard itself; nothing is cast where nothing is sent)."""
+    b, c = rank.compute_bytes, rank.reduce_bytes
+    return c * u.padded if b != c and (u.zero or b == 4) and rank.ctx.size(u.group) > 1 else 0
+
+
 def _buffers(rank: Rank) -> dict[str, int]:
     """Transient buffers, each alive at the moments step() names: "early", ZeRO-2/3 gradients from forward (with
-    pipelining, or several micro-batches not reduced each, every unit's from the step's start); "reducing", those
-    and the units' being reduced, with their copies in the reduction's dtype; "held" through the step, ZeRO-3
-    gathered weights (all of the rank's under pipelining; else those kept through the step, and of the rest a
-    layer's units and the next layer's, prefetched: the two largest, at most), less those gathered before the step
-    (in persistent()), and under pipelining the most hidden states the rank's sends keep alive at once (until the
-    data is known received, delivery.py)."""
+    pipelining, or several micro-batches not reduced each, every unit's from the step's start); "held" through the
+    step, ZeRO-3 gathered weights (all of the rank's under pipelining; else those kept through the step, and of the
+    rest a layer's units and the next layer's, prefetched: the two largest, at most), less those gathered before
+    the step (in persistent()), and under pipelining the most hidden states the rank's sends keep alive at once
+    (until the data is known received, delivery.py). Those of the reductions: _reducing."""
     b, units = rank.compute_bytes, rank.sharded.units
-    t = rank.cfg.train  # every full gradient from the step's start, unless reduced (and freed) each micro-batch:
-    whole = rank.schedule is not None or (t.micro_batches > 1 and not t.reduce_each_micro_batch)
-    early = sum(b * u.padded for u in units if u.zero >= 2 and (u.grad_at_forward or whole))
-    later = sorted(b * u.padded for u in units if u.zero >= 2 and not (u.grad_at_forward or whole))
-    copy = rank.reduce_bytes if b != rank.reduce_bytes else 0  # zero 0 reduces bf16 in the fp32 shard itself
-    copies = sorted(copy * u.padded for u in units if (u.zero or b == 4) and rank.ctx.size(u.group) > 1)
+    early = sum(b * u.padded for u in units if u.zero >= 2 and not _later(rank, u))
     gathered = [b * u.padded for u in units if u.zero == 3 and (u.keep_gathered or rank.schedule is not None)]
     if rank.schedule is None:
         gathered += sorted(sum(b * u.padded for u in layer if u.zero == 3 and not u.keep_gathered)
@@ -299,5 +340,4 @@ def _buffers(rank: Rank) -> dict[str, int]:
     before = sum(b * u.padded for u in rank.sharded.ahead)  # gathered in the step before, in persistent()
     sends = held_sends(rank.schedule, rank.ctx.rank_in("pp")) if rank.schedule else 0
     pipe = sends * b * rank.hidden_tokens * rank.cfg.model.dim
-    return {"early": early, "reducing": early + sum(later[-(REDUCING + 1):]) + sum(copies[-(REDUCING + 1):]),
-            "held": sum(gathered) - before + pipe}
+    return {"early": early, "held": sum(gathered) - before + pipe}

@@ -32,6 +32,7 @@ class Rank:
     sharded: Sharded
     schedule: Schedule | None
     costs: Costs | None  # under pipelining, the simulator's costs of every stage (stage_costs)
+    cpu: bool = False  # the ranks are CPUs (as in the tests): their reduce-scatter stages its input
 
     @property
     def compute_bytes(self) -> int:
@@ -91,7 +92,7 @@ def _simulation(name: str, pp: int, v: int, m: int, costs: Costs):
     return simulate(_schedule(name, pp, v, m), costs)
 
 
-def build_rank(cfg: Config, rank: int) -> Rank:
+def build_rank(cfg: Config, rank: int, cpu: bool = False) -> Rank:
     p, t = cfg.parallel, cfg.train
     stages = split_stages(cfg.model, p.pp * p.pp_virtual_stages, t.seq_len)
     schedule = _schedule(p.pp_schedule, p.pp, p.pp_virtual_stages, t.micro_batches) if p.pp > 1 else None
@@ -104,7 +105,7 @@ def build_rank(cfg: Config, rank: int) -> Rank:
         _BUILT[key] = _build(dataclasses.replace(cfg, model=same), rank, stages, schedule)
     ctx, model, sharded = _BUILT[key]
     costs = stage_costs(cfg.model, stages, t.seq_len, schedule.splits) if schedule else None
-    return Rank(cfg, ctx, model, sharded, schedule, costs)
+    return Rank(cfg, ctx, model, sharded, schedule, costs, cpu)
 
 
 _BUILT: dict = {}  # build_rank's key -> _build's, the last 16
