@@ -61,11 +61,12 @@ def longest(fits: Callable[[int], bool], lo: int, hi: int, cfg: Config) -> tuple
     return good, bad
 
 
-def predicted_peak(cfg: Config) -> int:
-    """The planner's peak bytes of the layout's fullest rank (the device named only sets the time estimate)."""
+def predicted_peak(cfg: Config, cpu: bool) -> int:
+    """The planner's peak bytes of the layout's fullest rank on CPUs or GPUs (the device named only sets the time
+    estimate)."""
     from .planner.devices import DEVICES
     from .planner.plan import plan
-    return plan(cfg, DEVICES["h100"], cfg.parallel.world_size).peak
+    return plan(cfg, DEVICES["h100"], cfg.parallel.world_size, cpu=cpu).peak
 
 
 def answer(found: tuple[int | None, int | None], top: str) -> str:
@@ -121,8 +122,9 @@ def max_seq(path: str, overrides: list[str], budget_gb: float | None, lo: int | 
         peaks = [r["peak_bytes"] for r in job.ranks if not r["oom"]]
         fits = not job.oom and (budget_gb is None or max(peaks) <= budget_gb * GB)
         seen = "CUDA out of memory" if job.oom else f"peak GB per rank {', '.join(f'{p / GB:.3f}' for p in peaks)}"
-        print(f"  seq {seq:>7}: {'fits' if fits else 'does not fit'} ({seen}); planner: {predicted_peak(c) / GB:.3f} "
-              "GB", flush=True)
+        planned = predicted_peak(c, not cuda)
+        print(f"  seq {seq:>7}: {'fits' if fits else 'does not fit'} ({seen}); planner: {planned / GB:.3f} GB",
+              flush=True)
         return fits
 
     measured = longest(probe, first, hi, cfg)
@@ -131,6 +133,6 @@ def max_seq(path: str, overrides: list[str], budget_gb: float | None, lo: int | 
         budget, within = RESERVE * device_bytes[0], f"{RESERVE:.0%} of the GPU's {device_bytes[0] / GB:.1f} GB"
     else:
         budget, within = budget_gb * GB, f"--budget-gb {budget_gb:g}"
-    planned = longest(lambda s: predicted_peak(at_length(cfg, s)) <= budget, first, hi, cfg)
+    planned = longest(lambda s: predicted_peak(at_length(cfg, s), not cuda) <= budget, first, hi, cfg)
     print(f"longest train.seq_len that fits, measured in {len(device_bytes)} probes: {answer(measured, top)}\n"
           f"longest train.seq_len whose planned peak fits {within}: {answer(planned, top)}")

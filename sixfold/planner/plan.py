@@ -67,15 +67,16 @@ def _pp_ranks(cfg: Config, ends_only: bool) -> list[int]:
     return sorted({0, p.pp - 1, most[0], most[-1] if waits else most[0]})
 
 
-def plan(cfg: Config, device: Device, per_node: int, ends_only: bool = False) -> Plan:
-    """Every pipeline stage's first rank planned (with `ends_only`, three at most: see _pp_ranks)."""
+def plan(cfg: Config, device: Device, per_node: int, ends_only: bool = False, cpu: bool = False) -> Plan:
+    """Every pipeline stage's first rank planned (with `ends_only`, three at most: see _pp_ranks); `cpu`: the ranks
+    are CPUs (Rank.cpu)."""
     p = cfg.parallel
     world = p.world_size
     stride = world // p.pp  # pp is the outermost mesh dimension
     chosen = _pp_ranks(cfg, ends_only)
     stages = []
     for stage in chosen:
-        rank = build_rank(cfg, stage * stride)
+        rank = build_rank(cfg, stage * stride, cpu)
         memory = {**persistent(rank), **step_memory(rank)}
         memory["peak"] = sum(memory.values())
         stages.append(StagePlan(stage * stride, memory, estimate(rank, device, per_node)))
