@@ -307,7 +307,7 @@ def torchrun(script: str, world: int, *args: str) -> tuple[list[dict], float]:
     of a shared, noisy machine)."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               str(script), *args, "--out", out]
+               f"--log-dir={out}/torchrun", str(script), *args, "--out", out]
         proc, others = others_while(lambda: subprocess.run(cmd, env=CPU_ENV, text=True, capture_output=True))
         if proc.returncode:
             sys.exit(f"{Path(script).name} {' '.join(args)} on {world} ranks failed:\n"

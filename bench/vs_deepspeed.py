@@ -56,7 +56,8 @@ def ds_run(python: str, work: Path, tokens_path: Path, ranks: int, stage: int, s
     """One DeepSpeed job: rank 0's mean time per step after warm-up, each rank's peak MB, and the cores other
     processes kept busy meanwhile."""
     with tempfile.TemporaryDirectory(dir=work) as out:
-        cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(RUNNER),
+        cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               f"--log-dir={work / 'torchrun'}", str(RUNNER),
                str(tokens_path), str(steps), str(stage), out]
         env = peer_env(ranks, DS_ACCELERATOR="cpu")
         proc, others = others_while(lambda: subprocess.run(cmd, cwd=work, env=env, text=True, capture_output=True))

@@ -89,9 +89,9 @@ def titan_run(python: str, work: Path, ranks: int, args: tuple[str, ...], steps:
     """One torchtitan job: rank 0's mean step time after warm-up, from its log, each rank's peak MB (as
     torchtitan_cpu.py measures it), and the cores other processes kept busy meanwhile."""
     cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           "--local-ranks-filter", "0", str(SHIM), *BASE, "--hf_assets_path", str(work / "tokenizer"),
-           "--dataloader.dataset_path", str(work / "data"), "--training.steps", str(steps),
-           "--dump_folder", str(work / "out"), *args]
+           f"--log-dir={work / 'torchrun'}", "--local-ranks-filter", "0", str(SHIM), *BASE,
+           "--hf_assets_path", str(work / "tokenizer"), "--dataloader.dataset_path", str(work / "data"),
+           "--training.steps", str(steps), "--dump_folder", str(work / "out"), *args]
     with tempfile.TemporaryDirectory(dir=work) as peaks:
         env = peer_env(ranks, SIXFOLD_PEAK_DIR=peaks)
         proc, others = others_while(lambda: subprocess.run(cmd, cwd=work, env=env, text=True, capture_output=True))

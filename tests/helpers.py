@@ -5,8 +5,10 @@ import contextlib
 import os
 import signal
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,8 +27,16 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 300) -> subproc
     """nproc ranks of tests/workers/SCRIPT.py, or of a module (`sixfold.cli`), under plain torchrun."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     what = [str(ROOT / "tests" / "workers" / script)] if script.endswith(".py") else ["-m", script]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *what, *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True, timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="sixfold_test_torchrun_") as logs:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               f"--log-dir={logs}", *what, *args]
+        return subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True, timeout=timeout)
+
+
+def torchrun_logs() -> str:
+    """A --log-dir for a torchrun agent, which otherwise leaves one in the temporary directory at every run; removed
+    with the test's agents (end_machines)."""
+    return f"--log-dir={tempfile.mkdtemp(prefix='sixfold_test_torchrun_')}"
 
 
 def children(pid: int) -> list[int]:
@@ -62,7 +72,7 @@ def start_machines(count: int, nproc: int, *args: str, restarts: int = 0, rdzv: 
         meet = [f"--node-rank={n}", "--master-addr=127.0.0.1", f"--master-port={port}"] if rdzv == "static" else \
             ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job-{port}"]
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={count}", f"--nproc-per-node={nproc}", *meet,
-               f"--max-restarts={restarts}", "-m", "sixfold.cli", *args, *(own or {}).get(n, [])]
+               f"--max-restarts={restarts}", torchrun_logs(), "-m", "sixfold.cli", *args, *(own or {}).get(n, [])]
         agents.append(subprocess.Popen(cmd, cwd=cwds[n] if cwds else ROOT, env=env, text=True,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     return agents
@@ -81,9 +91,14 @@ def machines(count: int, nproc: int, *args: str, timeout: int = 300, rdzv: str =
 
 
 def end_machines(agents: list[subprocess.Popen]) -> None:
-    """Kill what is left of start_machines()' agents, their ranks first (each leads a process group of its own)."""
+    """Kill what is left of start_machines()' agents, their ranks first (each leads a process group of its own), and
+    remove their torchrun_logs()."""
     for agent in agents:
         for rank in children(agent.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(rank, signal.SIGKILL)
         agent.kill()
+        agent.wait()
+        for arg in agent.args:
+            if arg.startswith("--log-dir="):
+                shutil.rmtree(arg.split("=", 1)[1], ignore_errors=True)

@@ -589,8 +589,8 @@ def _start(run: Path, *overrides: str, restarts: int = 0) -> tuple[subprocess.Po
     """LONG on 2 ranks under torchrun, resuming from the run directory's latest checkpoint if any; once it has
     logged 3 steps, its two workers' pids."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           f"--max-restarts={restarts}", "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}",
-           "checkpoint.resume=auto", *LONG, *overrides]
+           f"--max-restarts={restarts}", f"--log-dir={run.parent / 'torchrun'}", "-m", "sixfold.cli", "train", TINY,
+           f"log.run_dir={run}", "checkpoint.resume=auto", *LONG, *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run / "metrics.jsonl"
