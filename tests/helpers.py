@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
-import shutil
 import subprocess
 import sys
 import tempfile
