@@ -32,7 +32,7 @@ class Rank:
     sharded: Sharded
     schedule: Schedule | None
     costs: Costs | None  # under pipelining, the simulator's costs of every stage (stage_costs)
-    cpu: bool = False  # the ranks are CPUs (as in the tests): their reduce-scatter stages its input
+    cpu: bool = False  # the ranks are CPUs (the tests, bench --max-seq on a CPU): their reduce-scatter stages its input
 
     @property
     def compute_bytes(self) -> int:
