@@ -32,6 +32,7 @@ LAYOUTS = {
                                         "train.micro_batches=2", "train.reduce_each_micro_batch=true"],
     "dp_shard2-zero1-bf16": ["parallel.dp_shard=2", "parallel.zero=1", "train.precision=bf16"],
     "tp2": ["parallel.tp=2"],
+    "tp2-seq256": ["parallel.tp=2", "train.seq_len=256"],  # attention in chunks of queries (model/causal.py)
     "tp2-no-sequence-tp-recompute-full": ["parallel.tp=2", "parallel.sequence_parallel=false", "model.recompute=full"],
     "cp2-ring-recompute-selective": ["parallel.cp=2", "model.recompute=selective"],
     "cp2-allgather": ["parallel.cp=2", "parallel.cp_mode=allgather"],

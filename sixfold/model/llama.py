@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from .causal import causal_attention
 from .documents import within_documents
 from .fused import attention_heads, norm_again, rms_norm, swiglu_again
 from .head_loss import chunked_head_loss
@@ -141,8 +142,9 @@ class Attention(nn.Module):
                 mask = torch.ones(s, past + s, dtype=torch.bool, device=q.device).tril(past)
         if s == 1:  # one query sees every key (a branch: under torch.compile a plain bool, not a symbolic one)
             causal = False
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                              enable_gqa=self.n_kv_heads != self.n_heads)
+        if causal:
+            return causal_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
 
 
 class MLP(nn.Module):

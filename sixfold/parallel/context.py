@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import Comm
+from ..model.causal import causal_attention
 from ..model.documents import additive, visible, within_documents
 from ..staging import to_device
 
@@ -131,8 +132,7 @@ class ContextParallel:
             k, v = (t.repeat_interleave(self.size // t.shape[1], dim=1) for t in (k, v))
         order = self._rank_order(q.shape[2], q.device).argsort()
         q, k, v = (_AllToAll.apply(t, self, _heads_to_tokens, _tokens_to_heads)[:, :, order] for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]) \
-            if mask is None else within_documents(q, k, v, mask)
+        out = causal_attention(q, k, v) if mask is None else within_documents(q, k, v, mask)
         return _AllToAll.apply(out[:, :, order.argsort()], self, _tokens_to_heads, _heads_to_tokens)
 
 

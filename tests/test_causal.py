@@ -1,0 +1,87 @@
+"""Causal attention in chunks of queries on a CPU (model/causal.py) against SDPA's whole kernel: gradients against
+finite differences in fp64, output and gradients in fp32 (causal, and within documents), the same bytes saved for backward, and SDPA where
+chunks would not gain."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sixfold.activations import SavedTensors
+from sixfold.model.causal import CHUNK, LONGEST, ChunkedCausal, causal_attention
+from sixfold.model.documents import additive, visible, within_documents
+
+
+def _heads(b: int, s: int, hq: int, hkv: int, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """One buffer [b, s, heads, d] of q, k and v heads, as the model lays them out."""
+    return torch.randn(b, s, hq + 2 * hkv, d, dtype=dtype, requires_grad=True)
+
+
+def _split(x: torch.Tensor, hq: int, hkv: int):
+    return x.transpose(1, 2).split([hq, hkv, hkv], 1)
+
+
+def test_gradients_match_finite_differences_with_a_short_last_chunk():
+    torch.manual_seed(0)
+    x = _heads(1, 2 * CHUNK + 2, 2, 1, 4, torch.float64)
+    assert torch.autograd.gradcheck(lambda x: ChunkedCausal.apply(*_split(x, 2, 1), None), (x,))
+
+
+@pytest.mark.parametrize("s, hq, hkv", [(256, 16, 16), (300, 8, 2)])
+def test_output_and_gradients_equal_the_whole_kernel_to_round_off(s, hq, hkv):
+    torch.manual_seed(0)
+    x = _heads(2, s, hq, hkv, 16, torch.float32)
+    grad = torch.randn(2, hq, s, 16)
+    outs, grads = [], []
+    for attend in (causal_attention, lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=hq != hkv)):
+        x.grad = None
+        out = attend(*_split(x, hq, hkv))
+        out.backward(grad)
+        outs.append(out)
+        grads.append(x.grad)
+    assert type(outs[0].grad_fn).__name__ == "ChunkedCausalBackward"
+    assert torch.allclose(outs[0], outs[1], rtol=0, atol=2e-6)
+    assert torch.allclose(grads[0], grads[1], rtol=0, atol=1e-5)
+    assert outs[0].transpose(1, 2).is_contiguous()  # the output projection reads it without a copy
+
+
+def test_within_documents_equals_sdpa_given_the_mask():
+    torch.manual_seed(0)
+    s = 3 * CHUNK + 10
+    x = _heads(2, s, 4, 2, 16, torch.float32)
+    ends = torch.zeros(2, s, dtype=torch.long)
+    ends[0, [30, 100, 190]] = ends[1, [64, 65]] = 1
+    ids = ends.cumsum(1) - ends
+    whole = torch.arange(s)
+    mask = additive(visible(ids, whole, whole), torch.float32)
+    grad = torch.randn(2, 4, s, 16)
+    outs, grads = [], []
+    for attend in (within_documents, lambda q, k, v, mask: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=True)):
+        x.grad = None
+        out = attend(*_split(x, 4, 2), mask)
+        out.backward(grad)
+        outs.append(out)
+        grads.append(x.grad)
+    assert type(outs[0].grad_fn).__name__ == "ChunkedCausalBackward"
+    assert torch.allclose(outs[0], outs[1], rtol=0, atol=2e-6)
+    assert torch.allclose(grads[0], grads[1], rtol=0, atol=1e-5)
+
+
+def test_saves_what_the_whole_kernel_saves():
+    x = _heads(2, 256, 4, 2, 16, torch.float32)
+    nbytes = []
+    for attend in (causal_attention, lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True)):
+        with SavedTensors(nn.Module()) as saved:
+            attend(*_split(x, 4, 2))
+        nbytes.append(saved.nbytes)
+    assert nbytes[0] == nbytes[1]
+
+
+@pytest.mark.parametrize("s, dtype, chunked", [
+    (2 * CHUNK, torch.float32, True), (LONGEST, torch.float64, True), (2 * CHUNK - 1, torch.float32, False),
+    (LONGEST + 1, torch.float32, False), (256, torch.bfloat16, False)])
+def test_chunks_only_where_they_gain(s, dtype, chunked):
+    out = causal_attention(*_split(_heads(1, s, 2, 2, 8, dtype), 2, 2))
+    assert (type(out.grad_fn).__name__ == "ChunkedCausalBackward") == chunked
