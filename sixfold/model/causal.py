@@ -44,36 +44,48 @@ def _chunks(q: torch.Tensor, mask: torch.Tensor | None) -> list[tuple[int, int, 
             for a in range(0, s, CHUNK)]
 
 
+def chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output, laid out [b, s, heads, d] (as the output projection reads it), and the log-sum-exp [b, heads, s]
+    of causal attention: mask None, or additive [b, 1, s, s] that keeps causality itself (model/documents.py)."""
+    b, h, s, d = q.shape
+    out = q.new_empty(b, s, h, d).transpose(1, 2)
+    lse = []
+    for a, e, m in _chunks(q, mask):
+        o, l = _forward(q[:, :, a:e], k[:, :, :e], v[:, :, :e], 0.0, a == 0, attn_mask=m, scale=scale)[:2]
+        out[:, :, a:e] = o
+        lse.append(l)
+    return out, torch.cat(lse, 2)
+
+
+def chunked_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, mask: torch.Tensor | None = None, scale: float | None = None):
+    """dq, dk, dv from chunked_forward's output and log-sum-exp."""
+    b, h, s, d = q.shape
+    dq = q.new_empty(b, s, h, d).transpose(1, 2)
+    dk = dv = None
+    for a, e, m in reversed(_chunks(q, mask)):  # the last chunk sees every key: dk, dv start there
+        gq, gk, gv = _backward(grad[:, :, a:e], q[:, :, a:e], k[:, :, :e], v[:, :, :e], out[:, :, a:e],
+                               lse[:, :, a:e], 0.0, a == 0, attn_mask=m, scale=scale)
+        dq[:, :, a:e] = gq
+        if dk is None:
+            dk, dv = gk, gv
+        else:
+            dk[:, :, :e] += gk
+            dv[:, :, :e] += gv
+    return dq, dk, dv
+
+
 class ChunkedCausal(torch.autograd.Function):
-    """mask: None (causal), or additive [b, 1, s, s] that keeps causality itself (model/documents.py). Saves q, k,
-    v, the mask, the output (which the output projection reads without a copy: it is laid out [b, s, heads, d])
-    and each chunk's log-sum-exp, as the whole kernel saves them."""
+    """chunked_forward as a Function. Saves q, k, v, the mask, the output (the output projection's input too) and
+    the log-sum-exp, as the whole kernel saves them."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask):
-        b, h, s, d = q.shape
-        out = q.new_empty(b, s, h, d).transpose(1, 2)
-        lse = []
-        for a, e, m in _chunks(q, mask):
-            o, l = _forward(q[:, :, a:e], k[:, :, :e], v[:, :, :e], 0.0, a == 0, attn_mask=m)[:2]
-            out[:, :, a:e] = o
-            lse.append(l)
-        ctx.save_for_backward(q, k, v, mask, out, *lse)
+        out, lse = chunked_forward(q, k, v, mask)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, mask, out, *lse = ctx.saved_tensors
-        b, h, s, d = q.shape
-        dq = q.new_empty(b, s, h, d).transpose(1, 2)
-        dk = dv = None
-        for (a, e, m), l in reversed(list(zip(_chunks(q, mask), lse))):  # the last chunk sees every key: dk, dv
-            gq, gk, gv = _backward(grad[:, :, a:e], q[:, :, a:e], k[:, :, :e], v[:, :, :e], out[:, :, a:e], l, 0.0,
-                                   a == 0, attn_mask=m)
-            dq[:, :, a:e] = gq
-            if dk is None:  # start there
-                dk, dv = gk, gv
-            else:
-                dk[:, :, :e] += gk
-                dv[:, :, :e] += gv
-        return dq, dk, dv, None
+        return *chunked_backward(grad, *ctx.saved_tensors), None

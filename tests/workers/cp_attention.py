@@ -22,11 +22,12 @@ size = int(os.environ["WORLD_SIZE"])
 ctx = ParallelContext.initialize(ParallelConfig(cp=size))
 comm = Comm(ctx, Tracer(False, ctx.rank))
 g = torch.Generator().manual_seed(0)
-# documents: row 0 ends one in the first chunk, a one-token one at the start of the third and two at the last
-# chunk's start; row 1 is one document
-b, s, d = 2, 8 * size, 16
+# documents: row 0 ends one in the first chunk, a one-token one at the start of the third and two at the start of
+# the last but one; row 1 is one document. Ulysses' whole sequence is long enough for the CPU's chunks of queries
+b, s, d = 2, 64 * size, 16
+chunk = s // (2 * size)
 tokens = torch.ones(b, s, dtype=torch.long)
-tokens[0, [3, 2 * s // 4, s - 8, s - 7]] = 0
+tokens[0, [3, 2 * chunk, s - 2 * chunk, s - 2 * chunk + 1]] = 0
 ids = document_ids(tokens, 0)
 whole = torch.arange(s)
 for (hq, hkv), documents in itertools.product(((4, 4), (4, 2), (4, 1)), (False, True)):
