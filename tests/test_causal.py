@@ -1,6 +1,6 @@
 """Causal attention in chunks of queries on a CPU (model/causal.py) against SDPA's whole kernel: gradients against
-finite differences in fp64, output and gradients in fp32 (causal, and within documents), the same bytes saved for backward, and SDPA where
-chunks would not gain."""
+finite differences in fp64, output and gradients in fp32 (causal, and within documents), the same bytes saved for
+backward, and SDPA where chunks would not gain."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,14 +26,11 @@ def test_gradients_match_finite_differences_with_a_short_last_chunk():
     assert torch.autograd.gradcheck(lambda x: ChunkedCausal.apply(*_split(x, 2, 1), None), (x,))
 
 
-@pytest.mark.parametrize("s, hq, hkv", [(256, 16, 16), (300, 8, 2)])
-def test_output_and_gradients_equal_the_whole_kernel_to_round_off(s, hq, hkv):
-    torch.manual_seed(0)
-    x = _heads(2, s, hq, hkv, 16, torch.float32)
-    grad = torch.randn(2, hq, s, 16)
+def _assert_equal_to_round_off(ours, reference, x: torch.Tensor, hq: int, hkv: int) -> None:
+    """ours(q, k, v) runs in chunks and equals reference(q, k, v) in output and gradients to fp32 round-off."""
+    grad = torch.randn(x.shape[0], hq, x.shape[1], x.shape[3])
     outs, grads = [], []
-    for attend in (causal_attention, lambda q, k, v: F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=hq != hkv)):
+    for attend in (ours, reference):
         x.grad = None
         out = attend(*_split(x, hq, hkv))
         out.backward(grad)
@@ -45,27 +42,24 @@ def test_output_and_gradients_equal_the_whole_kernel_to_round_off(s, hq, hkv):
     assert outs[0].transpose(1, 2).is_contiguous()  # the output projection reads it without a copy
 
 
+@pytest.mark.parametrize("s, hq, hkv", [(256, 16, 16), (300, 8, 2)])
+def test_output_and_gradients_equal_the_whole_kernel_to_round_off(s, hq, hkv):
+    torch.manual_seed(0)
+    _assert_equal_to_round_off(causal_attention, lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=hq != hkv), _heads(2, s, hq, hkv, 16, torch.float32), hq, hkv)
+
+
 def test_within_documents_equals_sdpa_given_the_mask():
     torch.manual_seed(0)
     s = 3 * CHUNK + 10
-    x = _heads(2, s, 4, 2, 16, torch.float32)
     ends = torch.zeros(2, s, dtype=torch.long)
     ends[0, [30, 100, 190]] = ends[1, [64, 65]] = 1
     ids = ends.cumsum(1) - ends
     whole = torch.arange(s)
     mask = additive(visible(ids, whole, whole), torch.float32)
-    grad = torch.randn(2, 4, s, 16)
-    outs, grads = [], []
-    for attend in (within_documents, lambda q, k, v, mask: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=True)):
-        x.grad = None
-        out = attend(*_split(x, 4, 2), mask)
-        out.backward(grad)
-        outs.append(out)
-        grads.append(x.grad)
-    assert type(outs[0].grad_fn).__name__ == "ChunkedCausalBackward"
-    assert torch.allclose(outs[0], outs[1], rtol=0, atol=2e-6)
-    assert torch.allclose(grads[0], grads[1], rtol=0, atol=1e-5)
+    _assert_equal_to_round_off(lambda q, k, v: within_documents(q, k, v, mask),
+                               lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+                               _heads(2, s, 4, 2, 16, torch.float32), 4, 2)
 
 
 def test_saves_what_the_whole_kernel_saves():
