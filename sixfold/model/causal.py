@@ -76,6 +76,24 @@ def chunked_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     return dq, dk, dv
 
 
+def cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None = None,
+                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU flash kernel's output and log-sum-exp, for a caller that writes its own backward (cpu_backward): in
+    chunks where attention is causal and chunks gain (a causal `mask` keeps causality itself), else the whole
+    kernel."""
+    if causal and chunks_gain(q):
+        return chunked_forward(q, k, v, mask, scale)
+    return _forward(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
+
+
+def cpu_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, causal: bool, mask: torch.Tensor | None = None, scale: float | None = None):
+    """dq, dk, dv of cpu_forward."""
+    if causal and chunks_gain(q):
+        return chunked_backward(grad, q, k, v, out, lse, mask, scale)
+    return _backward(grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+
+
 class ChunkedCausal(torch.autograd.Function):
     """chunked_forward as a Function. Saves q, k, v, the mask, the output (the output projection's input too) and
     the log-sum-exp, as the whole kernel saves them."""

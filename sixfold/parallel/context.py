@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import Comm
-from ..model.causal import causal_attention, chunked_backward, chunked_forward, chunks_gain
+from ..model.causal import causal_attention, cpu_backward, cpu_forward
 from ..model.documents import additive, visible, within_documents
 from ..staging import to_device
 
@@ -250,27 +250,17 @@ def _flash_backward(dout, delta, q, k, v, out, lse, causal: bool, scale: float, 
 
 
 def _cpu_forward(q, k, v, causal: bool, scale: float, mask=None):
-    """A diagonal pair (causal) long enough runs in chunks of queries (model/causal.py)."""
+    """A diagonal pair (causal) long enough runs in chunks of queries (model/causal.py cpu_forward)."""
     g = q.shape[2]
-    q, k, v = _flat(q, g), _flat(k, g), _flat(v, g)
-    if causal and chunks_gain(q):
-        out, lse = chunked_forward(q, k, v, mask, scale)
-    else:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
-                                                                              scale=scale)
+    out, lse = cpu_forward(_flat(q, g), _flat(k, g), _flat(v, g), causal, mask, scale)
     return out.unflatten(1, (-1, g)), lse.unflatten(1, (-1, g)), None
 
 
 def _cpu_backward(dout, delta, q, k, v, out, lse, causal: bool, scale: float, aux, mask=None):
     b, h, g, n, d = q.shape
     m = k.shape[2]
-    tensors = (_flat(dout, g).contiguous(), _flat(q, g), _flat(k, g), _flat(v, g), _flat(out, g),
-               lse.flatten(1, 2).contiguous())
-    if causal and chunks_gain(tensors[1]):
-        dq, dk, dv = chunked_backward(*tensors, mask, scale)
-    else:
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            *tensors, 0.0, causal, attn_mask=mask, scale=scale)
+    dq, dk, dv = cpu_backward(_flat(dout, g).contiguous(), _flat(q, g), _flat(k, g), _flat(v, g), _flat(out, g),
+                              lse.flatten(1, 2).contiguous(), causal, mask, scale)
     return dq.view(q.shape), dk.view(b, h, g, m, d).sum(2), dv.view(b, h, g, m, d).sum(2)
 
 
