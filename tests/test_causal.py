@@ -20,10 +20,23 @@ def _split(x: torch.Tensor, hq: int, hkv: int):
     return x.transpose(1, 2).split([hq, hkv, hkv], 1)
 
 
-def test_gradients_match_finite_differences_with_a_short_last_chunk():
+def _document_mask(ends: list[list[int]], s: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [b, 1, s, s] of rows whose documents end at the given positions."""
+    closes = torch.zeros(len(ends), s, dtype=torch.long)
+    for row, at in enumerate(ends):
+        closes[row, at] = 1
+    whole = torch.arange(s)
+    return additive(visible(closes.cumsum(1) - closes, whole, whole), dtype)
+
+
+@pytest.mark.parametrize("ends", [None, [[CHUNK + 10]]])
+def test_gradients_match_finite_differences_with_a_short_last_chunk(ends):
+    """Causal, and within documents: the second chunk's keys start at its first query's document."""
     torch.manual_seed(0)
-    x = _heads(1, 2 * CHUNK + 2, 2, 1, 4, torch.float64)
-    assert torch.autograd.gradcheck(lambda x: ChunkedCausal.apply(*_split(x, 2, 1), None), (x,))
+    s = 2 * CHUNK + 2
+    x = _heads(1, s, 2, 1, 4, torch.float64)
+    mask = None if ends is None else _document_mask(ends, s, torch.float64)
+    assert torch.autograd.gradcheck(lambda x: ChunkedCausal.apply(*_split(x, 2, 1), mask), (x,))
 
 
 def _assert_equal_to_round_off(ours, reference, x: torch.Tensor, hq: int, hkv: int) -> None:
@@ -49,14 +62,11 @@ def test_output_and_gradients_equal_the_whole_kernel_to_round_off(s, hq, hkv):
         q, k, v, is_causal=True, enable_gqa=hq != hkv), _heads(2, s, hq, hkv, 16, torch.float32), hq, hkv)
 
 
-def test_within_documents_equals_sdpa_given_the_mask():
+@pytest.mark.parametrize("s", [3 * CHUNK + 10, LONGEST + CHUNK])
+def test_within_documents_equals_sdpa_given_the_mask(s):
+    """Chunks at any length within documents; the keys of the chunks from the third on start past 0."""
     torch.manual_seed(0)
-    s = 3 * CHUNK + 10
-    ends = torch.zeros(2, s, dtype=torch.long)
-    ends[0, [30, 100, 190]] = ends[1, [64, 65]] = 1
-    ids = ends.cumsum(1) - ends
-    whole = torch.arange(s)
-    mask = additive(visible(ids, whole, whole), torch.float32)
+    mask = _document_mask([[30, 100, 190], [64, 65]], s, torch.float32)
     _assert_equal_to_round_off(lambda q, k, v: within_documents(q, k, v, mask),
                                lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
                                _heads(2, s, 4, 2, 16, torch.float32), 4, 2)

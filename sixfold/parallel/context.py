@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import Comm
-from ..model.causal import causal_attention, cpu_backward, cpu_forward
+from ..model.causal import ChunkedCausal, causal_attention, chunks_gain, cpu_backward, cpu_forward
 from ..model.documents import additive, visible, within_documents
 from ..staging import to_device
 
@@ -74,16 +74,15 @@ class ContextParallel:
     def document_mask(self, ids: torch.Tensor, local_len: int, dtype: torch.dtype, device=None):
         """What this rank's attention needs to keep each token to its document, from the document ids [b, S] of the
         whole sequences (best on the CPU; the masks are made on `device`): the additive mask of its queries over the
-        keys they meet ([b, 1, S, S] on one rank and under Ulysses, [b, 1, S/cp, S] under all-gather KV); for the
-        ring, per chunk pair (mine, theirs) in which a query sees a key, what ring_masks says."""
+        keys they meet, in the order of their positions ([b, 1, S, S] on one rank and under Ulysses, [b, 1, S/cp, S]
+        under all-gather KV); for the ring, per chunk pair (mine, theirs) in which a query sees a key, what ring_masks
+        says."""
         if self.size > 1 and self.mode == "ring":
             return ring_masks(self, ids, dtype, device)
         ids = to_device(ids, device)
-        if self.size == 1 or self.mode == "ulysses":
-            whole = torch.arange(ids.shape[1], device=ids.device)
-            return additive(visible(ids, whole, whole), dtype)
-        return additive(visible(ids, self.positions(local_len, ids.device), self._rank_order(local_len, ids.device)),
-                        dtype)
+        whole = torch.arange(ids.shape[1], device=ids.device)
+        mine = whole if self.size == 1 or self.mode == "ulysses" else self.positions(local_len, ids.device)
+        return additive(visible(ids, mine, whole), dtype)
 
     def comm_bytes(self, batch: int, heads: int, kv_heads: int, local: int, head_dim: int,
                    itemsize: int = 4, forward_only: bool = False) -> dict[str, int]:
@@ -110,11 +109,14 @@ class ContextParallel:
 
     # all-gather KV --------------------------------------------------------------------------------
     def _allgather(self, q, k, v, mask):
-        keys = _GatherKV.apply(torch.stack([k, v]), self)  # [2, b, hkv, cp*local, d], ranks' chunks in rank order
+        # [2, b, hkv, cp*local, d]: the ranks' chunks gathered in rank order, then put in the order of their positions
+        keys = _GatherKV.apply(torch.stack([k, v]), self)[:, :, :, self._rank_order(q.shape[2], q.device).argsort()]
         # attention saves q: a copy of its own (in q's layout, which its output takes, and the output projection
         # reads without a copy), or q's storage, the heads' buffer, would keep the local k and v too
         q = q.clone()
         mask = self._causal_mask(q) if mask is None else mask
+        if chunks_gain(q, masked=True):  # the local queries' positions rise: each chunk reaches a range of keys
+            return ChunkedCausal.apply(q, keys[0], keys[1], mask)
         return F.scaled_dot_product_attention(q, keys[0], keys[1], attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
     def _causal_mask(self, q):
@@ -122,7 +124,7 @@ class ContextParallel:
         layer: attention saves it for backward (a bool mask would be converted, and saved, once per layer)."""
         n, key = q.shape[2], (q.shape[2], q.device, q.dtype)
         if self._mask is None or self._mask[0] != key:
-            hidden = self.positions(n, q.device)[:, None] < self._rank_order(n, q.device)[None, :]
+            hidden = self.positions(n, q.device)[:, None] < torch.arange(self.size * n, device=q.device)[None, :]
             self._mask = key, torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill(hidden, -math.inf)
         return self._mask[1]
 
