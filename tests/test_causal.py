@@ -1,13 +1,16 @@
 """Causal attention in chunks of queries on a CPU (model/causal.py) against SDPA's whole kernel: gradients against
 finite differences in fp64, output and gradients in fp32 (causal, and within documents), the same bytes saved for
 backward, and SDPA where chunks would not gain."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sixfold.activations import SavedTensors
-from sixfold.model.causal import CHUNK, LONGEST, ChunkedCausal, causal_attention
+from sixfold.model.causal import (CHUNK, LONGEST, ChunkedCausal, _backward, _forward, causal_attention, cpu_backward,
+                                  cpu_forward)
 from sixfold.model.documents import additive, visible, within_documents
 
 
@@ -70,6 +73,27 @@ def test_within_documents_equals_sdpa_given_the_mask(s):
     _assert_equal_to_round_off(lambda q, k, v: within_documents(q, k, v, mask),
                                lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
                                _heads(2, s, 4, 2, 16, torch.float32), 4, 2)
+
+
+def test_a_masked_pair_of_chunks_equals_the_whole_kernel_on_the_queries_that_see_keys():
+    """Keys at positions 0-255, queries at 256-511 (as in a ring's pair): one document crosses from the keys into
+    the first 45 queries; the chunks from the second on see no key and are skipped."""
+    torch.manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 4, 256, 8, dtype=torch.float64) for _ in range(4))
+    ids = (torch.arange(512) >= 200).long() + (torch.arange(512) > 300).long() + (torch.arange(512) > 400).long()
+    mask = additive(visible(ids.expand(2, -1), torch.arange(256, 512), torch.arange(256)), torch.float64)
+    seeing = slice(0, 45)
+    out, lse = cpu_forward(q, k, v, False, mask)
+    whole_out, whole_lse = _forward(q, k, v, 0.0, False, attn_mask=mask)[:2]
+    assert torch.allclose(out[:, :, seeing], whole_out[:, :, seeing], rtol=0, atol=1e-12)
+    assert torch.allclose(lse[:, :, seeing], whole_lse[:, :, seeing], rtol=0, atol=1e-12)
+    assert (out[:, :, CHUNK:] == 0).all() and (lse[:, :, CHUNK:] == -math.inf).all()
+    lse = lse.clone()
+    lse[:, :, 45:] = 0.0  # (a ring merges in the log-sum-exp of pairs where these queries see keys)
+    ours = cpu_backward(grad, q, k, v, out, lse, False, mask)
+    whole = _backward(grad, q, k, v, out, lse, 0.0, False, attn_mask=mask)
+    for a, b in zip(ours, whole):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
 
 
 def test_saves_what_the_whole_kernel_saves():

@@ -46,9 +46,11 @@ def _seen(mask: torch.Tensor, row: int) -> torch.Tensor:
 def _chunks(q: torch.Tensor, mask: torch.Tensor | None) -> list[tuple[int, int, int, int, torch.Tensor | None]]:
     """Each chunk of queries [a, e) with its keys [lo, hi) and its mask over them. Without a mask, queries and keys
     are the same tokens and hi = e: rows of an additive causal mask, none for the first (the kernel's causal
-    flag). A given mask [..., n, keys] shows each query a range of keys that ends at the query, in keys sorted by
-    position, to queries sorted by position (causality, documents): lo is where the chunk's first query's range
-    begins, hi where its last one's ends, over the batch's rows."""
+    flag). A given mask [..., n, keys], queries and keys each in the order of their positions (causality, documents,
+    also between two chunks of the ring), shows each query a range of keys whose ends do not fall from one query to
+    the next, and once a query sees no key no later one does: lo is where the chunk's first query's range begins,
+    hi where its last one's ends, over the batch's rows; lo = hi where its first query sees no key (nor do the
+    others)."""
     n = q.shape[2]
     if mask is None:
         rows = torch.full((n, n), -math.inf, dtype=q.dtype, device=q.device).triu_(1)
@@ -56,8 +58,11 @@ def _chunks(q: torch.Tensor, mask: torch.Tensor | None) -> list[tuple[int, int, 
                 for a in range(0, n, CHUNK)]
     chunks = []
     for a in range(0, n, CHUNK):
-        e = min(a + CHUNK, n)
-        lo, hi = int(_seen(mask, a).int().argmax()), mask.shape[-1] - int(_seen(mask, e - 1).flip(0).int().argmax())
+        e, first = min(a + CHUNK, n), _seen(mask, a)
+        if not first.any():
+            chunks.append((a, e, 0, 0, None))
+            continue
+        lo, hi = int(first.int().argmax()), mask.shape[-1] - int(_seen(mask, e - 1).flip(0).int().argmax())
         chunks.append((a, e, lo, hi, mask[..., a:e, lo:hi]))
     return chunks
 
@@ -65,12 +70,17 @@ def _chunks(q: torch.Tensor, mask: torch.Tensor | None) -> list[tuple[int, int, 
 def chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The output, laid out [b, n, heads, d] (as the output projection reads it), and the log-sum-exp [b, heads, n]
-    of causal attention of q [b, heads, n, d]: mask None (keys the queries' tokens), or additive [b, 1, n, keys]
-    that keeps causality itself, as _chunks says (model/documents.py; all-gather KV's)."""
+    of attention of q [b, heads, n, d]: causal (mask None, keys the queries' tokens), or under an additive mask
+    [b, 1, n, keys] as _chunks says (model/documents.py, all-gather KV's, the ring's pairs). Queries that see no
+    key: output 0, log-sum-exp -inf (where a chunk's first one sees none)."""
     b, h, n, d = q.shape
     out = q.new_empty(b, n, h, d).transpose(1, 2)
     lse = []
     for a, e, lo, hi, m in _chunks(q, mask):
+        if lo == hi:
+            out[:, :, a:e] = 0
+            lse.append(q.new_full((b, h, e - a), -math.inf))
+            continue
         o, l = _forward(q[:, :, a:e], k[:, :, lo:hi], v[:, :, lo:hi], 0.0, m is None, attn_mask=m, scale=scale)[:2]
         out[:, :, a:e] = o
         lse.append(l)
@@ -84,25 +94,28 @@ def chunked_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     dq = q.new_empty(b, n, h, d).transpose(1, 2)
     dk = dv = None
     for a, e, lo, hi, m in reversed(_chunks(q, mask)):
+        if lo == hi:
+            dq[:, :, a:e] = 0
+            continue
         gq, gk, gv = _backward(grad[:, :, a:e], q[:, :, a:e], k[:, :, lo:hi], v[:, :, lo:hi], out[:, :, a:e],
                                lse[:, :, a:e], 0.0, m is None, attn_mask=m, scale=scale)
         dq[:, :, a:e] = gq
-        if dk is None:  # the last chunk: where it sees every key (causality alone), dk and dv start there
-            if hi - lo == k.shape[2]:
-                dk, dv = gk, gv
-                continue
+        if dk is None and hi - lo == k.shape[2]:  # the last chunk under causality alone: dk and dv start there
+            dk, dv = gk, gv
+            continue
+        if dk is None:
             dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         dk[:, :, lo:hi] += gk
         dv[:, :, lo:hi] += gv
-    return dq, dk, dv
+    return (dq, dk, dv) if dk is not None else (dq, torch.zeros_like(k), torch.zeros_like(v))
 
 
 def cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None = None,
                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU flash kernel's output and log-sum-exp, for a caller that writes its own backward (cpu_backward): in
-    chunks where attention is causal and chunks gain (a causal `mask` keeps causality itself, documents' as
-    _chunks says), else the whole kernel."""
-    if causal and chunks_gain(q, masked=mask is not None):
+    chunks where attention is causal or masked (the mask as _chunks says; causal, it keeps causality itself) and
+    chunks gain, else the whole kernel."""
+    if (causal or mask is not None) and chunks_gain(q, masked=mask is not None):
         return chunked_forward(q, k, v, mask, scale)
     return _forward(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
 
@@ -110,7 +123,7 @@ def cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 def cpu_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, causal: bool, mask: torch.Tensor | None = None, scale: float | None = None):
     """dq, dk, dv of cpu_forward."""
-    if causal and chunks_gain(q, masked=mask is not None):
+    if (causal or mask is not None) and chunks_gain(q, masked=mask is not None):
         return chunked_backward(grad, q, k, v, out, lse, mask, scale)
     return _backward(grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
 

@@ -252,7 +252,8 @@ def _flash_backward(dout, delta, q, k, v, out, lse, causal: bool, scale: float, 
 
 
 def _cpu_forward(q, k, v, causal: bool, scale: float, mask=None):
-    """A diagonal pair (causal) long enough runs in chunks of queries (model/causal.py cpu_forward)."""
+    """A diagonal pair (causal) or a masked one long enough runs in chunks of queries (model/causal.py cpu_forward):
+    a masked pair's chunks reach only the keys of the documents that cross into it."""
     g = q.shape[2]
     out, lse = cpu_forward(_flat(q, g), _flat(k, g), _flat(v, g), causal, mask, scale)
     return out.unflatten(1, (-1, g)), lse.unflatten(1, (-1, g)), None

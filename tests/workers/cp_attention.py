@@ -23,9 +23,10 @@ ctx = ParallelContext.initialize(ParallelConfig(cp=size))
 comm = Comm(ctx, Tracer(False, ctx.rank))
 g = torch.Generator().manual_seed(0)
 # documents: row 0 ends one in the first chunk, a one-token one at the start of the third and two at the start of
-# the last but one; row 1 is one document. Ulysses' whole sequence and all-gather KV's local queries are long enough
-# for the CPU's chunks of queries (of 64: under zigzag one spans both of a rank's chunks of 80)
-b, s, d = 2, 160 * size, 16
+# the last but one; row 1 is one document. Each mode reaches the CPU's chunks of queries (of 64): Ulysses' whole
+# sequence, all-gather KV's local queries (under zigzag one chunk spans both of a rank's chunks of 160), the ring's
+# pairs of chunks
+b, s, d = 2, 320 * size, 16
 chunk = s // (2 * size)
 tokens = torch.ones(b, s, dtype=torch.long)
 tokens[0, [3, 2 * chunk, s - 2 * chunk, s - 2 * chunk + 1]] = 0
