@@ -1,6 +1,6 @@
 """Causal attention in chunks of queries on a CPU (model/causal.py) against SDPA's whole kernel: gradients against
-finite differences in fp64, output and gradients in fp32 (causal, and within documents), the same bytes saved for
-backward, and SDPA where chunks would not gain."""
+finite differences in fp64, output and gradients in fp32 (causal, and within documents), a ring's masked pair of
+chunks, the same bytes saved for backward, and SDPA where chunks would not gain."""
 import math
 
 import pytest

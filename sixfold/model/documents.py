@@ -34,9 +34,9 @@ def additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def within_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Attention of q [b, hq, S, d] over k, v [b, hkv, S, d] within documents, `mask` additive [b, 1, S, S]. On a
-    CPU the flash kernel takes the causal flag beside the mask and skips the tiles above the diagonal, which SDPA
-    given a mask computes (1.4 times causal attention's time at 2048 tokens); in fp32 and fp64 in chunks of queries,
-    each over its documents' keys (model/causal.py); elsewhere SDPA with the mask."""
+    CPU in fp32 and fp64 in chunks of queries, each over its documents' keys (model/causal.py); in 16 bits the
+    CPU's flash kernel with the causal flag beside the mask, which skips the tiles above the diagonal that SDPA
+    given a mask computes (1.4 times causal attention's time at 2048 tokens); elsewhere SDPA with the mask."""
     if chunks_gain(q, masked=True):
         return ChunkedCausal.apply(q, k, v, mask)
     if q.device.type == "cpu":

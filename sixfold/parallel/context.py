@@ -111,7 +111,7 @@ class ContextParallel:
     def _allgather(self, q, k, v, mask):
         # [2, b, hkv, cp*local, d]: the ranks' chunks gathered in rank order, then put in the order of their positions
         keys = _GatherKV.apply(torch.stack([k, v]), self)[:, :, :, self._rank_order(q.shape[2], q.device).argsort()]
-        # attention saves q: a copy of its own (in q's layout, which its output takes, and the output projection
+        # attention saves q: a copy of its own (in q's layout, which SDPA's output takes, and the output projection
         # reads without a copy), or q's storage, the heads' buffer, would keep the local k and v too
         q = q.clone()
         mask = self._causal_mask(q) if mask is None else mask
