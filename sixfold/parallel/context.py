@@ -133,41 +133,59 @@ class ContextParallel:
         if k.shape[1] % self.size:  # fewer kv heads than cp: each rank receives the one its queries need
             k, v = (t.repeat_interleave(self.size // t.shape[1], dim=1) for t in (k, v))
         order = self._rank_order(q.shape[2], q.device).argsort()
-        q, k, v = (_AllToAll.apply(t, self, _heads_to_tokens, _tokens_to_heads)[:, :, order] for t in (q, k, v))
+        q, k, v = (t[:, :, order] for t in _ToTokens.apply(self, q, k, v))
         out = causal_attention(q, k, v) if mask is None else within_documents(q, k, v, mask)
-        return _AllToAll.apply(out[:, :, order.argsort()], self, _tokens_to_heads, _heads_to_tokens)
+        return _ToHeads.apply(out[:, :, order.argsort()], self)
 
 
-def _heads_to_tokens(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
-    """[b, h, local, d] -> [b, h/cp, cp*local, d]: my head group, every rank's tokens (in rank order)."""
-    b, h, n, d = x.shape
-    send = x.view(b, cp.size, h // cp.size, n, d).transpose(0, 1).contiguous()
+def _heads_to_tokens(xs: list[torch.Tensor], cp: ContextParallel) -> torch.Tensor:
+    """Tensors [b, h, local, d] (h of each a multiple of cp) -> [b, sum(h)/cp, cp*local, d]: my group of each one's
+    heads, one after another, with every rank's tokens (in rank order); one all-to-all for them all."""
+    b, _, n, d = xs[0].shape
+    send = torch.cat([x.view(b, cp.size, x.shape[1] // cp.size, n, d).transpose(0, 1) for x in xs], 2)
     out = torch.empty_like(send)
     cp.comm.all_to_all(out, send, "cp", label="ulysses")
-    return out.permute(1, 2, 0, 3, 4).reshape(b, h // cp.size, cp.size * n, d)
+    return out.permute(1, 2, 0, 3, 4).reshape(b, send.shape[2], cp.size * n, d)
 
 
 def _tokens_to_heads(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
-    """The inverse: [b, h/cp, cp*local, d] -> [b, h, local, d]."""
+    """The inverse for one tensor: [b, hg, cp*local, d] -> [b, cp, hg, local, d], rank r's group of heads at r."""
     b, hg, total, d = x.shape
     n = total // cp.size
     send = x.view(b, hg, cp.size, n, d).permute(2, 0, 1, 3, 4).contiguous()
     out = torch.empty_like(send)
     cp.comm.all_to_all(out, send, "cp", label="ulysses")
-    return out.transpose(0, 1).reshape(b, cp.size * hg, n, d)
+    return out.transpose(0, 1)
 
 
-class _AllToAll(torch.autograd.Function):
-    """Forward: one of the Ulysses all-to-alls; backward: the other, its inverse."""
+class _ToTokens(torch.autograd.Function):
+    """Forward: q, k and v from (my tokens, all heads) to (all tokens, my heads) in one all-to-all; backward: their
+    gradients back in one."""
 
     @staticmethod
-    def forward(ctx, x, cp, there, back):
-        ctx.cp, ctx.back = cp, back
-        return there(x, cp)
+    def forward(ctx, cp, *xs):
+        ctx.cp, ctx.heads = cp, [x.shape[1] // cp.size for x in xs]
+        return _heads_to_tokens(list(xs), cp).split(ctx.heads, 1)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        back = _tokens_to_heads(torch.cat(grads, 1), ctx.cp)  # [b, cp, sum of the groups, local, d]
+        b, _, _, n, d = back.shape
+        return None, *(g.reshape(b, -1, n, d) for g in back.split(ctx.heads, 2))
+
+
+class _ToHeads(torch.autograd.Function):
+    """Forward: the output from (all tokens, my heads) back to (my tokens, all heads); backward: the inverse."""
+
+    @staticmethod
+    def forward(ctx, x, cp):
+        ctx.cp = cp
+        back = _tokens_to_heads(x, cp)
+        return back.reshape(back.shape[0], -1, *back.shape[3:])
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.back(grad, ctx.cp), None, None, None
+        return _heads_to_tokens([grad], ctx.cp), None
 
 
 class _GatherKV(torch.autograd.Function):
