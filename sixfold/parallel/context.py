@@ -6,7 +6,7 @@ rank does the same causal-attention work) or cp contiguous ones. Three ways to a
              partial outputs merge exactly through their log-sum-exp; fully masked chunk pairs are
              skipped; in backward dK/dV travel the ring back to their owners;
   allgather  keys and values all-gathered (their gradients reduce-scattered), local queries;
-  ulysses    all-to-all from (my tokens, all heads) to (all tokens, my heads) and back.
+  ulysses    all-to-all from (my tokens, all heads) to (all tokens, my heads), q, k and v in one, and back.
 With document masking (model/documents.py) each way takes its mask from `document_mask`, made once per forward;
 the ring also skips the chunk pairs in which no query sees a key, and masks only those where causality is not exact.
 """
