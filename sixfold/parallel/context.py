@@ -148,11 +148,12 @@ def _heads_to_tokens(xs: list[torch.Tensor], cp: ContextParallel) -> torch.Tenso
     return out.permute(1, 2, 0, 3, 4).reshape(b, send.shape[2], cp.size * n, d)
 
 
-def _tokens_to_heads(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
-    """The inverse for one tensor: [b, hg, cp*local, d] -> [b, cp, hg, local, d], rank r's group of heads at r."""
-    b, hg, total, d = x.shape
+def _tokens_to_heads(xs: list[torch.Tensor], cp: ContextParallel) -> torch.Tensor:
+    """The inverse: tensors [b, hg, cp*local, d] -> [b, cp, sum(hg), local, d], rank r's groups of heads at r, one
+    after another."""
+    b, _, total, d = xs[0].shape
     n = total // cp.size
-    send = x.view(b, hg, cp.size, n, d).permute(2, 0, 1, 3, 4).contiguous()
+    send = torch.cat([x.view(b, x.shape[1], cp.size, n, d).permute(2, 0, 1, 3, 4) for x in xs], 2)
     out = torch.empty_like(send)
     cp.comm.all_to_all(out, send, "cp", label="ulysses")
     return out.transpose(0, 1)
@@ -169,7 +170,7 @@ class _ToTokens(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        back = _tokens_to_heads(torch.cat(grads, 1), ctx.cp)  # [b, cp, sum of the groups, local, d]
+        back = _tokens_to_heads(list(grads), ctx.cp)  # [b, cp, sum of the groups, local, d]
         b, _, _, n, d = back.shape
         return None, *(g.reshape(b, -1, n, d) for g in back.split(ctx.heads, 2))
 
@@ -180,7 +181,7 @@ class _ToHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cp):
         ctx.cp = cp
-        back = _tokens_to_heads(x, cp)
+        back = _tokens_to_heads([x], cp)
         return back.reshape(back.shape[0], -1, *back.shape[3:])
 
     @staticmethod
