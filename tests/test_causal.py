@@ -11,7 +11,7 @@ from torch import nn
 from sixfold.activations import SavedTensors
 from sixfold.model.causal import (CHUNK, LONGEST, ChunkedCausal, _backward, _forward, causal_attention, cpu_backward,
                                   cpu_forward)
-from sixfold.model.documents import additive, visible, within_documents
+from sixfold.model.documents import additive, document_ids, visible, within_documents
 
 
 def _heads(b: int, s: int, hq: int, hkv: int, d: int, dtype: torch.dtype) -> torch.Tensor:
@@ -24,12 +24,12 @@ def _split(x: torch.Tensor, hq: int, hkv: int):
 
 
 def _document_mask(ends: list[list[int]], s: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask [b, 1, s, s] of rows whose documents end at the given positions."""
-    closes = torch.zeros(len(ends), s, dtype=torch.long)
+    """The additive mask [b, 1, s, s] of rows whose documents end at the given positions (an end of text, 0)."""
+    tokens = torch.ones(len(ends), s, dtype=torch.long)
     for row, at in enumerate(ends):
-        closes[row, at] = 1
+        tokens[row, at] = 0
     whole = torch.arange(s)
-    return additive(visible(closes.cumsum(1) - closes, whole, whole), dtype)
+    return additive(visible(document_ids(tokens, 0), whole, whole), dtype)
 
 
 @pytest.mark.parametrize("ends", [None, [[CHUNK + 10]]])
