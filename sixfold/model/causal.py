@@ -112,12 +112,17 @@ def chunked_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     return (dq, dk, dv) if dk is not None else (dq, torch.zeros_like(k), torch.zeros_like(v))
 
 
+def _in_chunks(q: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> bool:
+    """Whether cpu_forward and cpu_backward run in chunks: attention causal or masked (the mask as _chunks says;
+    causal, it keeps causality itself), where chunks gain."""
+    return (causal or mask is not None) and chunks_gain(q, masked=mask is not None)
+
+
 def cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None = None,
                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU flash kernel's output and log-sum-exp, for a caller that writes its own backward (cpu_backward): in
-    chunks where attention is causal or masked (the mask as _chunks says; causal, it keeps causality itself) and
-    chunks gain, else the whole kernel."""
-    if (causal or mask is not None) and chunks_gain(q, masked=mask is not None):
+    chunks where _in_chunks says, else the whole kernel."""
+    if _in_chunks(q, causal, mask):
         return chunked_forward(q, k, v, mask, scale)
     return _forward(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
 
@@ -125,7 +130,7 @@ def cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 def cpu_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, causal: bool, mask: torch.Tensor | None = None, scale: float | None = None):
     """dq, dk, dv of cpu_forward."""
-    if (causal or mask is not None) and chunks_gain(q, masked=mask is not None):
+    if _in_chunks(q, causal, mask):
         return chunked_backward(grad, q, k, v, out, lse, mask, scale)
     return _backward(grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
 
