@@ -11,7 +11,8 @@ from torch import nn
 from sixfold.activations import SavedTensors
 from sixfold.model.causal import (CHUNK, LONGEST, ChunkedCausal, _backward, _forward, causal_attention, cpu_backward,
                                   cpu_forward)
-from sixfold.model.documents import additive, document_ids, visible, within_documents
+from sixfold.model.documents import document_ids, within_documents
+from sixfold.model.visible import Visible
 
 
 def _heads(b: int, s: int, hq: int, hkv: int, d: int, dtype: torch.dtype) -> torch.Tensor:
@@ -23,13 +24,13 @@ def _split(x: torch.Tensor, hq: int, hkv: int):
     return x.transpose(1, 2).split([hq, hkv, hkv], 1)
 
 
-def _document_mask(ends: list[list[int]], s: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask [b, 1, s, s] of rows whose documents end at the given positions (an end of text, 0)."""
+def _document_mask(ends: list[list[int]], s: int, dtype: torch.dtype) -> Visible:
+    """What the queries of rows whose documents end at the given positions (an end of text, 0) see."""
     tokens = torch.ones(len(ends), s, dtype=torch.long)
     for row, at in enumerate(ends):
         tokens[row, at] = 0
     whole = torch.arange(s)
-    return additive(visible(document_ids(tokens, 0), whole, whole), dtype)
+    return Visible(document_ids(tokens, 0), whole, whole, dtype)
 
 
 @pytest.mark.parametrize("ends", [None, [[CHUNK + 10]]])
@@ -70,8 +71,8 @@ def test_within_documents_equals_sdpa_given_the_mask(s):
     """Chunks at any length within documents; the keys of the chunks from the third on start past 0."""
     torch.manual_seed(0)
     mask = _document_mask([[30, 100, 190], [64, 65]], s, torch.float32)
-    _assert_equal_to_round_off(lambda q, k, v: within_documents(q, k, v, mask),
-                               lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+    _assert_equal_to_round_off(lambda q, k, v: within_documents(q, k, v, mask), lambda q, k, v:
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), enable_gqa=True),
                                _heads(2, s, 4, 2, 16, torch.float32), 4, 2)
 
 
@@ -81,17 +82,17 @@ def test_a_masked_pair_of_chunks_equals_the_whole_kernel_on_the_queries_that_see
     torch.manual_seed(0)
     q, k, v, grad = (torch.randn(2, 4, 256, 8, dtype=torch.float64) for _ in range(4))
     ids = (torch.arange(512) >= 200).long() + (torch.arange(512) > 300).long() + (torch.arange(512) > 400).long()
-    mask = additive(visible(ids.expand(2, -1), torch.arange(256, 512), torch.arange(256)), torch.float64)
+    mask = Visible(ids.expand(2, -1), torch.arange(256, 512), torch.arange(256), torch.float64)
     seeing = slice(0, 45)
     out, lse = cpu_forward(q, k, v, False, mask)
-    whole_out, whole_lse = _forward(q, k, v, 0.0, False, attn_mask=mask)[:2]
+    whole_out, whole_lse = _forward(q, k, v, 0.0, False, attn_mask=mask.dense())[:2]
     assert torch.allclose(out[:, :, seeing], whole_out[:, :, seeing], rtol=0, atol=1e-12)
     assert torch.allclose(lse[:, :, seeing], whole_lse[:, :, seeing], rtol=0, atol=1e-12)
     assert (out[:, :, CHUNK:] == 0).all() and (lse[:, :, CHUNK:] == -math.inf).all()
     lse = lse.clone()
     lse[:, :, 45:] = 0.0  # (a ring merges in the log-sum-exp of pairs where these queries see keys)
     ours = cpu_backward(grad, q, k, v, out, lse, False, mask)
-    whole = _backward(grad, q, k, v, out, lse, 0.0, False, attn_mask=mask)
+    whole = _backward(grad, q, k, v, out, lse, 0.0, False, attn_mask=mask.dense())
     for a, b in zip(ours, whole):
         assert torch.allclose(a, b, rtol=0, atol=1e-12)
 

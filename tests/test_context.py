@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from sixfold.config import load_config
 from sixfold.parallel import context
-from sixfold.model.documents import document_ids, visible
+from sixfold.model.documents import document_ids
+from sixfold.model.visible import Visible
 from sixfold.parallel.context import ContextParallel, _Ring, _pairs, ring_masks
 from helpers import TINY, torchrun
 
@@ -33,7 +34,7 @@ def relative_errors(attend, dtype, device, heads: int, kv_heads: int, seq: int =
     out.backward(dout.to(dtype))
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
     whole = torch.arange(seq, device=device)
-    mask = None if ids is None else visible(ids, whole, whole)
+    mask = None if ids is None else Visible(ids, whole, whole, torch.float64).dense() == 0
     expected = F.scaled_dot_product_attention(*ref, attn_mask=mask, is_causal=ids is None,
                                               enable_gqa=heads != kv_heads)
     expected.backward(dout.double())
@@ -101,14 +102,15 @@ def test_the_ring_keeps_exactly_the_chunk_pairs_in_which_a_query_sees_a_key(zigz
                 masks = ring_masks(cp, ids, torch.float64)
                 for a in cp.chunks:
                     for c in range(a + 1):
-                        seen = visible(ids, span + a * n, span + c * n)
+                        seen = Visible(ids, span + a * n, span + c * n, torch.float64).dense() == 0
                         if not seen.any():
                             assert (a, c) not in masks
                         elif (seen == (usual.tril() if a == c else usual)).all():
                             assert masks[a, c] == (None, None)
                         else:
                             mask, empty = masks[a, c]
-                            assert torch.equal(mask == 0, seen) and torch.equal(empty, ~seen.any(-1)[:, :, None])
+                            assert torch.equal(mask.dense() == 0, seen)
+                            assert torch.equal(empty, ~seen.any(-1)[:, :, None])
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
@@ -142,7 +144,8 @@ def test_the_ring_within_documents_on_a_gpu():
 
     def fused(q, k, v):
         whole = torch.arange(256, device="cuda")
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(ids, whole, whole), enable_gqa=True)
+        seen = Visible(ids, whole, whole, torch.float64).dense() == 0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=seen, enable_gqa=True)
 
     ours, theirs = (relative_errors(f, torch.bfloat16, "cuda", 8, 2, ids=ids) for f in (attend, fused))
     assert all(a < 2 * b for a, b in zip(ours, theirs)), (ours, theirs)

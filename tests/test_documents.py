@@ -87,6 +87,7 @@ def test_a_compiled_block_keeps_the_rings_masks_out_of_its_guards():
     model, eager = Llama(load_config(TINY).model), Llama(load_config(TINY).model)
     init_weights(model, 0)
     init_weights(eager, 0)
+    torch._dynamo.reset()  # what other tests compiled of the same block code
     model.compile_blocks(backend="eager")
     x = torch.randn(64, model.cfg.dim)
     patterns, base = set(), model.tokens(2, 32, x.device)
@@ -99,3 +100,21 @@ def test_a_compiled_block_keeps_the_rings_masks_out_of_its_guards():
             t = replace(base, context=True, mask=masks)
             assert torch.allclose(model.layers["0"](x, t), eager.layers["0"](x, t), atol=1e-6, rtol=0)
     assert len(patterns) >= 4
+
+
+def test_a_compiled_block_takes_the_whole_mask_made_outside_it():
+    """On one rank attention runs inside the compiled block: the model makes the whole mask before it (eager makes
+    masks as attention asks), and every pattern of documents runs without compiling again."""
+    model, eager = Llama(load_config(TINY).model), Llama(load_config(TINY).model)
+    init_weights(model, 0)
+    init_weights(eager, 0)
+    torch._dynamo.reset()  # what other tests compiled of the same block code
+    model.compile_blocks(backend="eager")
+    x = torch.randn(64, model.cfg.dim)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for ends in ([], [5], [15, 16], [3, 30]):
+            tokens = torch.ones(2, 32, dtype=torch.long)
+            tokens[0, ends] = 0
+            t, t_eager = (m.tokens(2, 32, x.device, documents=document_ids(tokens, 0)) for m in (model, eager))
+            assert t.mask._dense is not None and t_eager.mask._dense is None
+            assert torch.allclose(model.layers["0"](x, t), eager.layers["0"](x, t_eager), atol=1e-6, rtol=0)

@@ -38,6 +38,8 @@ LAYOUTS = {
     "cp2-allgather": ["parallel.cp=2", "parallel.cp_mode=allgather"],
     "cp2-allgather-documents": ["parallel.cp=2", "parallel.cp_mode=allgather", "data.document_mask=true"],
     "cp2-allgather-seq256": ["parallel.cp=2", "parallel.cp_mode=allgather", "train.seq_len=256"],  # in chunks
+    "cp2-allgather-documents-seq256": ["parallel.cp=2", "parallel.cp_mode=allgather", "data.document_mask=true",
+                                       "train.seq_len=256"],  # chunks' masks made from the ids: no whole mask
     "dp2-documents-bf16": ["parallel.dp_replicate=2", "data.document_mask=true", "train.precision=bf16"],
     "cp2-ulysses-tp2": ["parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.tp=2"],
     "pp2-1f1b": ["parallel.pp=2", "train.micro_batches=4"],

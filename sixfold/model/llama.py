@@ -20,6 +20,7 @@ from .documents import within_documents
 from .fused import attention_heads, norm_again, rms_norm, swiglu_again
 from .head_loss import chunked_head_loss
 from .moe import MoE
+from .visible import Visible
 from ..parallel.context import ContextParallel
 from ..parallel.expert import ExpertParallel
 from ..parallel.pipeline.stages import Stage, whole
@@ -90,7 +91,7 @@ class Tokens:
     sequence_tp: bool  # activations between sub-layers split over tp
     context: bool  # the sequence is split over cp: attention goes through the cp strategy
     cache: KVCache | None = None
-    mask: torch.Tensor | dict | None = None  # keeps each token to its document (ContextParallel.document_mask)
+    mask: Visible | dict | None = None  # keeps each token to its document (ContextParallel.document_mask)
 
 
 class Attention(nn.Module):
@@ -130,7 +131,7 @@ class Attention(nn.Module):
         """Attention over the cp group."""
         return self.cp.attention(q, k, v, t.mask)
 
-    def _local_attention(self, q, k, v, cache: KVCache | None, mask: torch.Tensor | None) -> torch.Tensor:
+    def _local_attention(self, q, k, v, cache: KVCache | None, mask: Visible | None) -> torch.Tensor:
         if mask is not None:
             return within_documents(q, k, v, mask)
         s, causal = q.shape[2], True
@@ -226,6 +227,7 @@ class Llama(nn.Module):
             if head and not cfg.tie_embeddings else None
         # the tied embedding is held for one use only (lookup or head): its gradient is summed over the pp ends
         self.tied_across_stages = cfg.tie_embeddings and lookup != head
+        self.compiled = False  # compile_blocks
 
     @property
     def device(self) -> torch.device:
@@ -254,7 +256,8 @@ class Llama(nn.Module):
         if documents is None or not self.layers:
             return t
         dtype = next(self.parameters()).dtype
-        return replace(t, mask=self.cp.document_mask(documents, t.shape[1], dtype, t.cos.device))
+        dense = self.compiled and self.cp.size == 1  # local attention inside a compiled block takes the whole mask
+        return replace(t, mask=self.cp.document_mask(documents, t.shape[1], dtype, t.cos.device, dense))
 
     def run(self, stage: Stage, x: torch.Tensor, t: Tokens) -> torch.Tensor:
         """One stage's forward: token ids [b, s] into the first stage, the hidden state [tokens, dim] into the
@@ -271,6 +274,7 @@ class Llama(nn.Module):
         attention (its collectives; the ring's chunk pairs follow the documents, and a compiled block would guard
         on them and compile again for each pattern), and so do the linear layers' collectives under tp."""
         outside_compile()
+        self.compiled = True
         for block in self.layers.values():
             if isinstance(block.mlp, MoE):
                 block.mlp.forward = torch.compiler.disable(block.mlp.forward)

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from ..comm import Comm
 from ..model.causal import ChunkedCausal, causal_attention, chunks_gain, cpu_backward, cpu_forward
-from ..model.documents import additive, visible, within_documents
+from ..model.documents import within_documents
+from ..model.visible import Visible
 from ..staging import to_device
 
 MODES = ("ring", "allgather", "ulysses")
@@ -33,7 +34,7 @@ class ContextParallel:
         self.size = comm.ctx.size("cp") if comm is not None else 1
         self.rank = comm.ctx.rank_in("cp") if comm is not None else 0
         self.n_chunks = 2 * self.size if zigzag else self.size
-        self._mask: tuple[tuple, torch.Tensor] | None = None  # all-gather KV's last mask and what it was for
+        self._mask: tuple[tuple, Visible] | None = None  # all-gather KV's last causal mask and what it was for
 
     def chunks_of(self, rank: int) -> list[int]:
         return [rank, 2 * self.size - 1 - rank] if self.zigzag else [rank]
@@ -71,18 +72,18 @@ class ContextParallel:
             return self._allgather(q, k, v, mask)
         return self._ulysses(q, k, v, mask)
 
-    def document_mask(self, ids: torch.Tensor, local_len: int, dtype: torch.dtype, device=None):
+    def document_mask(self, ids: torch.Tensor, local_len: int, dtype: torch.dtype, device=None, dense: bool = False):
         """What this rank's attention needs to keep each token to its document, from the document ids [b, S] of the
-        whole sequences (best on the CPU; the masks are made on `device`): the additive mask of its queries over the
-        keys they meet, in the order of their positions ([b, 1, S, S] on one rank and under Ulysses, [b, 1, S/cp, S]
-        under all-gather KV); for the ring, per chunk pair (mine, theirs) in which a query sees a key, what ring_masks
-        says."""
+        whole sequences (best on the CPU; the masks are made on `device`): which keys its queries see, in the order of
+        their positions (model/visible.py: all of them on one rank and under Ulysses, its own over all under
+        all-gather KV); for the ring, per chunk pair (mine, theirs) in which a query sees a key, what ring_masks
+        says. `dense`: each whole mask made now (for a compiled block)."""
         if self.size > 1 and self.mode == "ring":
             return ring_masks(self, ids, dtype, device)
         ids = to_device(ids, device)
         whole = torch.arange(ids.shape[1], device=ids.device)
         mine = whole if self.size == 1 or self.mode == "ulysses" else self.positions(local_len, ids.device)
-        return additive(visible(ids, mine, whole), dtype)
+        return Visible(ids, mine, whole, dtype, dense)
 
     def comm_bytes(self, batch: int, heads: int, kv_heads: int, local: int, head_dim: int,
                    itemsize: int = 4, forward_only: bool = False) -> dict[str, int]:
@@ -117,15 +118,17 @@ class ContextParallel:
         mask = self._causal_mask(q) if mask is None else mask
         if chunks_gain(q, masked=True):  # the local queries' positions rise: each chunk reaches a range of keys
             return ChunkedCausal.apply(q, keys[0], keys[1], mask)
-        return F.scaled_dot_product_attention(q, keys[0], keys[1], attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(q, keys[0], keys[1], attn_mask=mask.dense(),
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
-    def _causal_mask(self, q):
-        """Additive causal mask [local, cp*local] of the local queries over the gathered keys, one tensor for every
-        layer: attention saves it for backward (a bool mask would be converted, and saved, once per layer)."""
+    def _causal_mask(self, q) -> Visible:
+        """The local queries' causal view of the gathered keys, one for every layer: its whole mask, where made,
+        is one tensor that attention saves for backward (a bool mask would be converted, and saved, once per
+        layer)."""
         n, key = q.shape[2], (q.shape[2], q.device, q.dtype)
         if self._mask is None or self._mask[0] != key:
-            hidden = self.positions(n, q.device)[:, None] < torch.arange(self.size * n, device=q.device)[None, :]
-            self._mask = key, torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill(hidden, -math.inf)
+            whole = torch.arange(self.size * n, device=q.device)
+            self._mask = key, Visible(None, self.positions(n, q.device), whole, q.dtype)
         return self._mask[1]
 
     # Ulysses ---------------------------------------------------------------------------------------
@@ -213,7 +216,7 @@ class _GatherKV(torch.autograd.Function):
 # Per chunk pair, a kernel pair: forward gives the block's output and log-sum-exp; backward, given the merged
 # output and log-sum-exp of the query chunk, gives the block's exact share of dq, dk and dv. On a CPU: its
 # flash-attention kernels; on a GPU in 16-bit floats: its flash-attention kernels unless a document mask is given
-# (they take none); otherwise blockwise math in at least fp32. A mask is additive [b, 1, n, m].
+# (they take none); otherwise blockwise math in at least fp32. A mask is a Visible (model/visible.py).
 # Queries come grouped [b, hkv, g, n, d] (g query heads per kv head), keys and values [b, hkv, m, d]. Outputs and
 # gradients are summed in at least fp32.
 
@@ -222,7 +225,7 @@ def _scores(q, k, causal: bool, scale: float, mask):
     s = torch.einsum("bhgnd,bhmd->bhgnm", q, k) * scale
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s if mask is None else s + mask[:, :, None]
+    return s if mask is None else s + mask.dense()[:, :, None]
 
 
 def _wide(*ts):
@@ -301,10 +304,10 @@ def _pairs(cp: ContextParallel, owner: int):
 
 
 def ring_masks(cp: ContextParallel, ids: torch.Tensor, dtype: torch.dtype, device=None) -> dict:
-    """Per chunk pair (mine, theirs) of global chunk indices in which a query sees a key: (additive mask
-    [b, 1, n, n] on `device`, queries that see no key [b, 1, 1, n]), or (None, None) where causality alone is exact.
-    Which pairs those are follows from the documents of each chunk's first and last token (a row's ids never
-    fall): given `ids` on the CPU, deciding it does not wait for the device."""
+    """Per chunk pair (mine, theirs) of global chunk indices in which a query sees a key: (which keys its queries
+    see, model/visible.py, on `device`; the queries that see no key [b, 1, 1, n]), or (None, None) where causality
+    alone is exact. Which pairs those are follows from the documents of each chunk's first and last token (a row's
+    ids never fall): given `ids` on the CPU, deciding it does not wait for the device."""
     n = ids.shape[1] // cp.n_chunks
     first, last = ids[:, ::n].cpu(), ids[:, n - 1::n].cpu()  # [b, chunks]
     ids = to_device(ids, device)
@@ -317,8 +320,8 @@ def ring_masks(cp: ContextParallel, ids: torch.Tensor, dtype: torch.dtype, devic
             if (first[:, c] == last[:, a]).all():
                 masks[a, c] = None, None  # one document in each row holds both chunks
                 continue
-            seen = visible(ids, span + a * n, span + c * n)
-            masks[a, c] = additive(seen, dtype), ~seen.any(-1)[:, :, None]
+            seen = Visible(ids, span + a * n, span + c * n, dtype)
+            masks[a, c] = seen, seen.blind()
     return masks
 
 

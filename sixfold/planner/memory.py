@@ -37,6 +37,7 @@ weight gradient, or a W's.
 """
 from __future__ import annotations
 
+from ..model.causal import CHUNK
 from ..model.moe import MoE
 from ..parallel.pipeline.delivery import held_sends
 from ..parallel.sharding import REDUCING
@@ -189,21 +190,29 @@ def _shared(rank: Rank) -> int:
 
 def document_masks(rank: Rank) -> int:
     """Bytes of one micro-batch's document masks (data.document_mask), made once for every layer of the rank
-    (ContextParallel.document_mask): additive, in the compute dtype, over its b sequences of S tokens: [b, 1, S, S] on
-    one rank and under Ulysses, [b, 1, S/cp, S] under all-gather KV; under the ring at most one [b, 1, n, n] and
-    a flag per query [b, n] for each chunk pair it computes, with n = S / chunks (a pair that needs no mask has
-    none), on the cp rank that computes the most pairs."""
+    (ContextParallel.document_mask): whole masks, additive in the compute dtype, over its b sequences of S tokens:
+    [b, 1, S, S] on one rank and under Ulysses, [b, 1, S/cp, S] under all-gather KV; under the ring at most one
+    [b, 1, n, n] and a flag per query [b, n] for each chunk pair it computes, with n = S / chunks (a pair that needs
+    no mask has none), on the cp rank that computes the most pairs. Where attention runs in chunks of queries (a
+    CPU in fp32, model/causal.py) no whole mask is made: each chunk's is made from the documents' ids."""
     if not rank.cfg.data.document_mask or not rank.blocks:
         return 0
     cp, seq, b = rank.model.cp, rank.cfg.train.seq_len, rank.compute_bytes
     rows = rank.micro_tokens * cp.size // seq
     if cp.size == 1 or cp.mode == "ulysses":
-        return b * rows * seq * seq
+        return b * rows * seq * seq if _whole_masks(rank, seq) else 0
     if cp.mode == "allgather":
-        return b * rows * seq // cp.size * seq
+        return b * rows * seq // cp.size * seq if _whole_masks(rank, seq // cp.size) else 0
     n = seq // cp.n_chunks
     pairs = max(sum(a + 1 for a in cp.chunks_of(r)) for r in range(cp.size))  # contiguous: the last rank's
-    return pairs * rows * n * (b * n + 1)
+    return pairs * rows * n * (b * n * _whole_masks(rank, n) + 1)
+
+
+def _whole_masks(rank: Rank, queries: int) -> bool:
+    """Whether attention over `queries` queries within documents takes whole masks: unless it runs in chunks (a CPU
+    in fp32, eager: chunks_gain)."""
+    eager = not rank.cfg.train.compile or rank.model.cp.size > 1  # context-parallel attention stays eager
+    return not (rank.cpu and rank.compute_bytes == 4 and eager and queries >= 2 * CHUNK)
 
 
 def _stage_activations(rank: Rank, stage) -> int:

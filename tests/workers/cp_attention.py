@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from sixfold.comm import Comm
 from sixfold.config import ParallelConfig
 from sixfold.mesh import ParallelContext
-from sixfold.model.documents import document_ids, visible
+from sixfold.model.documents import document_ids
+from sixfold.model.visible import Visible
 from sixfold.parallel.context import MODES, ContextParallel
 from sixfold.trace import Tracer
 
@@ -35,7 +36,7 @@ whole = torch.arange(s)
 for (hq, hkv), documents in itertools.product(((4, 4), (4, 2), (4, 1)), (False, True)):
     q, k, v, dout = (torch.randn(b, h, s, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv, hq))
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    seen = visible(ids, whole, whole) if documents else None
+    seen = Visible(ids, whole, whole, torch.float64).dense() == 0 if documents else None
     out = F.scaled_dot_product_attention(*ref, attn_mask=seen, is_causal=not documents, enable_gqa=hkv != hq)
     out.backward(dout)
     for mode in MODES:

@@ -1,0 +1,77 @@
+"""Which keys each query of an attention sees, kept as positions (and document ids) rather than a mask [n, m]:
+masks are made from them for a block of queries and keys at a time, or once for all."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+PATTERN_ROWS = 64  # the most queries in a block that a view of the causal pattern serves (model/causal.py's chunks)
+
+
+class Visible:
+    """Which keys each query sees: those not later than it and, given document ids, of its own document.
+
+    ids [b, S] (or None: causality alone) of the whole sequences; q_pos and k_pos the positions of the queries and
+    keys, each rising. A query's keys are then one range [start, end), whose ends do not fall from one query to the
+    next, and once a query sees none no later one does (what model/causal.py's chunks rely on). `dense`: make the
+    whole mask now (where attention would make it inside a compiled block)."""
+
+    def __init__(self, ids: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype,
+                 dense: bool = False):
+        self.q_pos, self.k_pos, self.dtype = q_pos, k_pos, dtype
+        self.q_ids, self.k_ids = (None, None) if ids is None else (ids[:, q_pos], ids[:, k_pos])
+        self._pattern = None
+        self._dense = self.block(0, len(q_pos), 0, len(k_pos)) if dense else None
+
+    def seen(self, a: int, e: int, lo: int, hi: int) -> torch.Tensor:
+        """bool [b, 1, e - a, hi - lo]: queries a to e over keys lo to hi."""
+        seen = self.k_pos[lo:hi] <= self.q_pos[a:e, None]
+        if self.q_ids is None:
+            return seen[None, None]
+        return (seen & (self.q_ids[:, a:e, None] == self.k_ids[:, None, lo:hi]))[:, None]
+
+    def block(self, a: int, e: int, lo: int, hi: int) -> torch.Tensor:
+        """The additive mask [b, 1, e - a, hi - lo] of queries a to e over keys lo to hi. By causality alone, for a
+        chunk of consecutive positions over consecutive keys, a view [e - a, hi - lo] of one pattern made once (the
+        CPU kernel takes a mask of two dimensions faster than one broadcast over the batch)."""
+        m = len(self.k_pos)
+        if self.q_ids is None and e - a <= PATTERN_ROWS and _consecutive(self.q_pos, a, e) and \
+                _consecutive(self.k_pos, lo, hi):
+            start = m + int(self.k_pos[lo] - self.q_pos[a])  # row i hides column c of the pattern where c - m > i
+            if 0 <= start and start + hi - lo <= 2 * m:
+                return self._causal_pattern()[:e - a, start:start + hi - lo]
+        return torch.where(self.seen(a, e, lo, hi), torch.zeros((), dtype=self.dtype, device=self.k_pos.device),
+                           -math.inf)
+
+    def _causal_pattern(self) -> torch.Tensor:
+        if self._pattern is None:
+            m, device = len(self.k_pos), self.k_pos.device
+            rows = torch.arange(PATTERN_ROWS, device=device)[:, None]
+            hidden = torch.arange(2 * m, device=device)[None, :] > rows + m
+            self._pattern = torch.zeros(hidden.shape, dtype=self.dtype, device=device).masked_fill_(hidden, -math.inf)
+        return self._pattern
+
+    def dense(self) -> torch.Tensor:
+        """The additive mask [b, 1, n, m] of every query over every key, made once."""
+        if self._dense is None:
+            self._dense = self.block(0, len(self.q_pos), 0, len(self.k_pos))
+        return self._dense
+
+    def ranges(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query's keys [start, end) in each row, [b, n] each (end <= start: it sees none)."""
+        end = torch.searchsorted(self.k_pos, self.q_pos, right=True)[None]
+        if self.q_ids is None:
+            return torch.zeros_like(end), end
+        start = torch.searchsorted(self.k_ids, self.q_ids)
+        return start, torch.minimum(torch.searchsorted(self.k_ids, self.q_ids, right=True), end)
+
+    def blind(self) -> torch.Tensor:
+        """bool [b, 1, 1, n]: the queries that see no key."""
+        start, end = self.ranges()
+        return (end <= start)[:, None, None]
+
+
+def _consecutive(pos: torch.Tensor, a: int, e: int) -> bool:
+    return int(pos[e - 1] - pos[a]) == e - a - 1
