@@ -22,7 +22,8 @@ from sixfold.parallel.context import MODES
 
 SEQUENCES = 4
 NOTES = {"ring": "keeps only its own keys and values",
-         "allgather": "keeps every rank's keys and values, per layer, and one [local, seq] mask",
+         "allgather": "keeps every rank's keys and values, per layer (and one [local, seq] mask under 128 local "
+                      "tokens)",
          "ulysses": "attention's output (1/cp of the heads) and the projection's input (1/cp of the tokens) "
                     "are two copies"}
 

@@ -1,6 +1,7 @@
 """Causal attention in chunks of queries on a CPU (model/causal.py) against SDPA's whole kernel: gradients against
 finite differences in fp64, output and gradients in fp32 (causal, and within documents), a ring's masked pair of
-chunks, the same bytes saved for backward, and SDPA where chunks would not gain."""
+chunks, the same bytes saved for backward, SDPA where chunks would not gain, and each chunk's mask (model/visible.py)
+against the whole mask."""
 import math
 
 import pytest
@@ -114,3 +115,24 @@ def test_saves_what_the_whole_kernel_saves():
 def test_chunks_only_where_they_gain(s, dtype, chunked):
     out = causal_attention(*_split(_heads(1, s, 2, 2, 8, dtype), 2, 2))
     assert (type(out.grad_fn).__name__ == "ChunkedCausalBackward") == chunked
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_each_chunks_mask_is_its_part_of_the_whole_mask(documents):
+    """Visible's blocks (views of one pattern by causality alone over consecutive positions) equal the slices of its
+    whole mask, which has a storage of its own; each query's range of keys is where its row of the whole mask is
+    0. Queries at zigzag-like positions (two runs) over keys at every position."""
+    ids = document_ids((torch.rand(2, 320, generator=torch.Generator().manual_seed(0)) < 0.03).long(), 1)
+    q_pos, k_pos = torch.cat([torch.arange(40, 120), torch.arange(200, 280)]), torch.arange(320)
+    mask = Visible(ids if documents else None, q_pos, k_pos, torch.float32)
+    whole = mask.dense()
+    assert whole.untyped_storage().nbytes() == whole.numel() * 4
+    expected = k_pos <= q_pos[:, None]
+    if documents:
+        expected = (expected & (ids[:, q_pos, None] == ids[:, None, k_pos]))[:, None]
+    assert torch.equal(whole == 0, expected)
+    for a, e, lo, hi in [(0, 64, 0, 120), (64, 128, 30, 250), (100, 160, 0, 320), (150, 160, 190, 280)]:
+        assert torch.equal(mask.block(a, e, lo, hi), whole[..., a:e, lo:hi])
+    start, end = mask.ranges()
+    cols = torch.arange(320)
+    assert torch.equal((cols >= start[..., None]) & (cols < end[..., None]), (whole == 0).reshape(-1, 160, 320))

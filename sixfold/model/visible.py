@@ -23,27 +23,30 @@ class Visible:
         self.q_pos, self.k_pos, self.dtype = q_pos, k_pos, dtype
         self.q_ids, self.k_ids = (None, None) if ids is None else (ids[:, q_pos], ids[:, k_pos])
         self._pattern = None
-        self._dense = self.block(0, len(q_pos), 0, len(k_pos)) if dense else None
+        self._dense = self._additive(self.seen(0, len(q_pos), 0, len(k_pos))) if dense else None
 
     def seen(self, a: int, e: int, lo: int, hi: int) -> torch.Tensor:
-        """bool [b, 1, e - a, hi - lo]: queries a to e over keys lo to hi."""
+        """bool [b, 1, e - a, hi - lo]: queries a to e over keys lo to hi ([e - a, hi - lo] by causality alone: the
+        same in every row, and the CPU kernel takes a mask of two dimensions faster than one broadcast over the
+        batch)."""
         seen = self.k_pos[lo:hi] <= self.q_pos[a:e, None]
         if self.q_ids is None:
-            return seen[None, None]
+            return seen
         return (seen & (self.q_ids[:, a:e, None] == self.k_ids[:, None, lo:hi]))[:, None]
 
     def block(self, a: int, e: int, lo: int, hi: int) -> torch.Tensor:
-        """The additive mask [b, 1, e - a, hi - lo] of queries a to e over keys lo to hi. By causality alone, for a
-        chunk of consecutive positions over consecutive keys, a view [e - a, hi - lo] of one pattern made once (the
-        CPU kernel takes a mask of two dimensions faster than one broadcast over the batch)."""
+        """The additive mask of queries a to e over keys lo to hi, shaped as `seen`. By causality alone, for a chunk
+        of consecutive positions over consecutive keys, a view of one pattern made once."""
         m = len(self.k_pos)
         if self.q_ids is None and e - a <= PATTERN_ROWS and _consecutive(self.q_pos, a, e) and \
                 _consecutive(self.k_pos, lo, hi):
             start = m + int(self.k_pos[lo] - self.q_pos[a])  # row i hides column c of the pattern where c - m > i
             if 0 <= start and start + hi - lo <= 2 * m:
                 return self._causal_pattern()[:e - a, start:start + hi - lo]
-        return torch.where(self.seen(a, e, lo, hi), torch.zeros((), dtype=self.dtype, device=self.k_pos.device),
-                           -math.inf)
+        return self._additive(self.seen(a, e, lo, hi))
+
+    def _additive(self, seen: torch.Tensor) -> torch.Tensor:
+        return torch.where(seen, torch.zeros((), dtype=self.dtype, device=seen.device), -math.inf)
 
     def _causal_pattern(self) -> torch.Tensor:
         if self._pattern is None:
@@ -54,9 +57,10 @@ class Visible:
         return self._pattern
 
     def dense(self) -> torch.Tensor:
-        """The additive mask [b, 1, n, m] of every query over every key, made once."""
+        """The additive mask of every query over every key, made once (a tensor of its own, not a view of the
+        pattern: attention saves it)."""
         if self._dense is None:
-            self._dense = self.block(0, len(self.q_pos), 0, len(self.k_pos))
+            self._dense = self._additive(self.seen(0, len(self.q_pos), 0, len(self.k_pos)))
         return self._dense
 
     def ranges(self) -> tuple[torch.Tensor, torch.Tensor]:
