@@ -81,15 +81,20 @@ def test_the_mask_changes_what_a_run_computes(corpus, tmp_path):
     assert losses[True][0][0] != losses[False][0][0] and losses[True][-1][1] != losses[False][-1][1], losses
 
 
-def test_a_compiled_block_keeps_the_rings_masks_out_of_its_guards():
-    """train.compile keeps context-parallel attention eager: a block compiled once runs every pattern of documents
-    (which ring chunk pairs are skipped, masked or left to causality) without compiling again, as eager does."""
+def _compiled_and_eager():
+    """The test model with compiled blocks, the same model eager, and an input to a block."""
     model, eager = Llama(load_config(TINY).model), Llama(load_config(TINY).model)
     init_weights(model, 0)
     init_weights(eager, 0)
     torch._dynamo.reset()  # what other tests compiled of the same block code
     model.compile_blocks(backend="eager")
-    x = torch.randn(64, model.cfg.dim)
+    return model, eager, torch.randn(64, model.cfg.dim)
+
+
+def test_a_compiled_block_keeps_the_rings_masks_out_of_its_guards():
+    """train.compile keeps context-parallel attention eager: a block compiled once runs every pattern of documents
+    (which ring chunk pairs are skipped, masked or left to causality) without compiling again, as eager does."""
+    model, eager, x = _compiled_and_eager()
     patterns, base = set(), model.tokens(2, 32, x.device)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for ends in ([], [5], [15, 16], [20], [3, 30], [16, 17, 18]):
@@ -105,12 +110,7 @@ def test_a_compiled_block_keeps_the_rings_masks_out_of_its_guards():
 def test_a_compiled_block_takes_the_whole_mask_made_outside_it():
     """On one rank attention runs inside the compiled block: the model makes the whole mask before it (eager makes
     masks as attention asks), and every pattern of documents runs without compiling again."""
-    model, eager = Llama(load_config(TINY).model), Llama(load_config(TINY).model)
-    init_weights(model, 0)
-    init_weights(eager, 0)
-    torch._dynamo.reset()  # what other tests compiled of the same block code
-    model.compile_blocks(backend="eager")
-    x = torch.randn(64, model.cfg.dim)
+    model, eager, x = _compiled_and_eager()
     with torch._dynamo.config.patch(error_on_recompile=True):
         for ends in ([], [5], [15, 16], [3, 30]):
             tokens = torch.ones(2, 32, dtype=torch.long)
