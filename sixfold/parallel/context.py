@@ -59,9 +59,10 @@ class ContextParallel:
         """Global positions of this rank's tokens."""
         return self.positions_of(self.rank, local_len, device)
 
-    def _rank_order(self, local_len: int, device) -> torch.Tensor:
-        """Global positions of every rank's tokens, rank after rank (the order gathers deliver them in)."""
-        return torch.cat([self.positions_of(r, local_len, device) for r in range(self.size)])
+    def _in_position_order(self, local_len: int, device) -> torch.Tensor:
+        """Indices that put every rank's tokens, as gathers deliver them (rank after rank), in the order of their
+        positions."""
+        return torch.cat([self.positions_of(r, local_len, device) for r in range(self.size)]).argsort()
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
         """Causal attention of local queries over the whole sequence; q [b, hq, local, d], k/v [b, hkv, local, d].
@@ -111,7 +112,7 @@ class ContextParallel:
     # all-gather KV --------------------------------------------------------------------------------
     def _allgather(self, q, k, v, mask):
         # [2, b, hkv, cp*local, d]: the ranks' chunks gathered in rank order, then put in the order of their positions
-        keys = _GatherKV.apply(torch.stack([k, v]), self)[:, :, :, self._rank_order(q.shape[2], q.device).argsort()]
+        keys = _GatherKV.apply(torch.stack([k, v]), self)[:, :, :, self._in_position_order(q.shape[2], q.device)]
         # attention saves q: a copy of its own (in q's layout, which SDPA's output takes, and the output projection
         # reads without a copy), or q's storage, the heads' buffer, would keep the local k and v too
         q = q.clone()
@@ -135,7 +136,7 @@ class ContextParallel:
     def _ulysses(self, q, k, v, mask):
         if k.shape[1] % self.size:  # fewer kv heads than cp: each rank receives the one its queries need
             k, v = (t.repeat_interleave(self.size // t.shape[1], dim=1) for t in (k, v))
-        order = self._rank_order(q.shape[2], q.device).argsort()
+        order = self._in_position_order(q.shape[2], q.device)
         q, k, v = (t[:, :, order] for t in _ToTokens.apply(self, q, k, v))
         out = causal_attention(q, k, v) if mask is None else within_documents(q, k, v, mask)
         return _ToHeads.apply(out[:, :, order.argsort()], self)
