@@ -61,7 +61,8 @@ def corpus(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", [
     ["parallel.pp=2", "parallel.tp=2", "parallel.cp=2", "train.micro_batches=2"],
-    ["parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3"],
+    ["parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3",
+     "train.seq_len=256", "data.val_fraction=0.2"],  # attention in chunks, each making its mask from the ids
     ["parallel.cp=2", "parallel.cp_mode=allgather", "parallel.cp_zigzag=false", "parallel.dp_replicate=2"],
 ], ids=["pp2-cp2-ring-tp2", "cp2-ulysses-tp2-zero3", "cp2-allgather-contiguous-dp2"])
 def test_training_within_documents_keeps_parity(corpus, tmp_path, layout):
