@@ -15,14 +15,16 @@ bench/common.py's.
 from __future__ import annotations
 
 import functools
+import importlib
 
-# both sides load these before their memory mark, so that neither counts the libraries (as in bench/pp.py)
-import torch.distributed.fsdp  # noqa: F401
-import torch.distributed.pipelining  # noqa: F401
 from torch.distributed.tensor.parallel import loss_parallel
 
 from common import ROWS_PER_RANK, Bench, Pipe, main, pipeline_worker, torch_worker
 from composed import build
+
+# both sides load these before their memory mark, so that neither counts the libraries (as in bench/pp.py)
+for _library in ("torch.distributed.fsdp", "torch.distributed.pipelining"):
+    importlib.import_module(_library)
 
 LAYOUTS = {1: {}, 4: {"dp_shard": 2, "tp": 2}, 8: {"pp": 2, "dp_shard": 2, "tp": 2}}  # world size -> layout
 PIPELINE = ["parallel.pp_schedule=1f1b", "train.micro_batches=4"]

@@ -2,6 +2,7 @@
 machine, the sixfold commit, and the tables in docs/benchmarks.md (shared by `sixfold bench` and bench/)."""
 from __future__ import annotations
 
+import importlib
 import os
 import platform
 import resource
@@ -29,7 +30,7 @@ def mark_memory() -> int:
     """Reset this process's peak RSS to its current RSS and return that RSS (kB). The libraries torch loads on first
     use (torch._dynamo and sympy, some 70 MB: by torch.optim, a checkpointed block's or a pipeline stage's first
     backward) are loaded first, so that a peak counts the training's memory, not library code."""
-    import torch._dynamo  # noqa: F401
+    importlib.import_module("torch._dynamo")
 
     Path("/proc/self/clear_refs").write_text("5")
     return _status_kb("VmRSS")
