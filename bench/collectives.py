@@ -57,7 +57,8 @@ def report(results: dict[int, list[dict]], args) -> str:
              f"Machine: {machine()}  ", f"sixfold: {revision()}  ",
              f"{args.blocks} alternating blocks of {args.repeats} calls per side and size; OMP_NUM_THREADS=1 per "
              "rank. Times are ms per call (median of the blocks' means).", "",
-             "| ranks, input per rank | torch reduce_scatter_tensor ms | sixfold ms | time ratio | relative difference |",
+             "| ranks, input per rank | torch reduce_scatter_tensor ms | sixfold ms | time ratio | "
+             "relative difference |",
              "|---|---|---|---|---|"]
     for world, rows in results.items():
         for r in rows:

@@ -97,7 +97,8 @@ def main() -> None:
             else:
                 base = base or (statistics.median(step), saved)
                 rows.append(f"| {seq} | {name(world, mode)} | {spread(step, 3)} | "
-                            f"{statistics.median(step) / base[0]:.2f} | {saved / 2 ** 20:.1f} | {saved / base[1]:.3f} |")
+                            f"{statistics.median(step) / base[0]:.2f} | {saved / 2 ** 20:.1f} | "
+                            f"{saved / base[1]:.3f} |")
             print(rows[-1], flush=True)
     body = "\n".join([
         f"Command: `python bench/cp.py {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}  ", f"sixfold: {rev}  ",

@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from common import (QUIET, ROOT, WARMUP, Pipe, add_write, leave, machine, paired, pipeline_worker, revision, save_result,
-                    sixfold_worker, spread, torchrun, wait_quiet, write_doc)
+from common import (QUIET, ROOT, WARMUP, Pipe, add_write, leave, machine, paired, pipeline_worker, revision,
+                    save_result, sixfold_worker, spread, torchrun, wait_quiet, write_doc)
 
 MODEL = ["model.vocab_size=320", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8"]
 # schedule -> (stages per rank, torch's class or None)
@@ -321,7 +321,8 @@ def main() -> None:
     notes = [note for _, note in rows if note]
     bubble += [row for row, _ in rows] + ([""] + notes if notes else [])
     versus = ["| schedule | pp | sixfold s/step | torch s/step | time ratio | paired | sixfold peak MB | "
-              "torch peak MB | memory ratio | step-1 loss sixfold / torch |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "torch peak MB | memory ratio | step-1 loss sixfold / torch |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for (name, pp), theirs in torch_runs.items():
         ours = runs[name, pp]
         st = [[step_time(r[0]) for r in side] for side in (ours, theirs)]

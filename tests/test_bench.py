@@ -134,7 +134,8 @@ def test_max_seq_on_cpu_needs_a_budget(capsys):
      "tokens, fewer than a sequence of the first length to probe, 8192 (--min 8192), and one more: lower --min, or "
      "give more text (or a larger data.max_bytes)"),
     *[(["bench", *flags, TINY, "data.tokenizer=bpe", "checkpoint.resume=auto"],  # a job never resumes: no BPE trained
-       "data.bpe_vocab_size=2048 is more than model.vocab_size=320") for flags in ([], ["--max-seq", "--budget-gb", "1"])],
+       "data.bpe_vocab_size=2048 is more than model.vocab_size=320")
+      for flags in ([], ["--max-seq", "--budget-gb", "1"])],
 ])
 def test_bad_input_is_refused_before_any_job(capsys, monkeypatch, argv, message):
     from sixfold import bench

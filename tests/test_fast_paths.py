@@ -78,7 +78,8 @@ def test_compiled_blocks_train_as_eager(tmp_path, model):
 
 def test_compiled_blocks_still_defer_weight_gradients():
     # pipeline B's queue their weight gradients (W, or an early send's); a compiled block must too
-    model = Trainer(load_config(TINY, ["train.compile=true", "log.run_dir=/tmp/unused"]), ParallelContext.single()).model
+    cfg = load_config(TINY, ["train.compile=true", "log.run_dir=/tmp/unused"])
+    model = Trainer(cfg, ParallelContext.single()).model
     wg, block = model.tp.weight_grads, model.layers["0"]
     wg.used = True
     x = torch.randn(64, model.cfg.dim, requires_grad=True)

@@ -151,7 +151,8 @@ def test_schedules_decay_over_their_last_steps(schedule, decay_steps, after_warm
 @pytest.mark.parametrize("override, message", [
     ("train.schedule=wsd", r"train.schedule='wsd': choose cosine, linear or constant"),
     ("train.decay_steps=-1", r"train.decay_steps=-1 must be 0 \(decay over every step after warmup\) or more"),
-    ("train.decay_steps=3 train.schedule=constant", r"train.decay_steps=3 decays, and train.schedule=constant does not"),
+    ("train.decay_steps=3 train.schedule=constant",
+     r"train.decay_steps=3 decays, and train.schedule=constant does not"),
 ])
 def test_a_schedule_sixfold_does_not_have_is_refused(override, message):
     with pytest.raises(ConfigError, match=message):

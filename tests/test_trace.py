@@ -274,7 +274,8 @@ def test_receives_are_posted_a_compute_ahead_on_gloo(run):
     for rank in range(PP * TP):
         for step in range(1, STEPS + 1):
             mine = [e for e in events if e["pid"] == rank and e["args"]["step"] == step]
-            computes = sorted((e for e in mine if e["cat"] == "compute" and e["name"][0] in "FB"), key=lambda e: e["ts"])
+            computes = sorted((e for e in mine if e["cat"] == "compute" and e["name"][0] in "FB"),
+                              key=lambda e: e["ts"])
             order = {(e["name"][0], e["args"]["stage"], e["args"]["mb"]): i for i, e in enumerate(computes)}
             for e in mine:
                 label = e["name"].split()[-1]

@@ -98,9 +98,10 @@ def test_a_sample_longer_than_the_model_holds_is_said(tmp_path):
         check_inputs(cfg, load_data(data_settings(cfg)))
 
 
-@pytest.mark.parametrize("layout", [["parallel.dp_replicate=2"], ["parallel.dp_shard=2", "parallel.zero=3"],
-                                    ["parallel.pp=2", "parallel.pp_schedule=zb-v", "parallel.pp_virtual_stages=2"],
-                                    ["parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3", "checkpoint.async_save=true"]])
+@pytest.mark.parametrize("layout", [
+    ["parallel.dp_replicate=2"], ["parallel.dp_shard=2", "parallel.zero=3"],
+    ["parallel.pp=2", "parallel.pp_schedule=zb-v", "parallel.pp_virtual_stages=2"],
+    ["parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3", "checkpoint.async_save=true"]])
 def test_resume_is_bit_exact(tmp_path, layout):
     """Resuming from step 3 in the same layout gives exactly the losses of the uninterrupted run (the last
     layout saves in the background)."""
@@ -176,7 +177,8 @@ def test_bad_checkpoints(tmp_path):
     ckpt = run / "checkpoints" / "step_0000002"
     mismatch = _train(tmp_path / "b", "train.steps=3", "model.dim=128", "model.ffn_dim=352",
                       f"checkpoint.resume={ckpt}")
-    assert mismatch.returncode == 2 and "embed.weight has shape (320, 64), the model expects (320, 128)" in mismatch.stderr
+    assert mismatch.returncode == 2
+    assert "embed.weight has shape (320, 64), the model expects (320, 128)" in mismatch.stderr
     fresh = _train(tmp_path / "fresh", "train.steps=1", "checkpoint.resume=auto")
     assert fresh.returncode == 0 and len(read_metrics(tmp_path / "fresh")) == 1
     missing = _train(tmp_path / "c", f"checkpoint.resume={tmp_path / 'nowhere'}")
@@ -693,8 +695,8 @@ def test_a_signal_after_the_last_step_ends_the_run(tmp_path, monkeypatch):
     monkeypatch.setattr(generate, "pick", lambda *a: (drawn.append(os.kill(os.getpid(), signal.SIGINT)), pick(*a))[1])
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores it)
     try:
-        with pytest.raises(Stopped, match="stopped by SIGINT at the run's end \\(the sample cut short\\), its checkpoint "
-                                          ".*step_0000002 and its summaries written") as e:
+        with pytest.raises(Stopped, match="stopped by SIGINT at the run's end \\(the sample cut short\\), its "
+                                          "checkpoint .*step_0000002 and its summaries written") as e:
             train(load_config(TINY, [f"log.run_dir={tmp_path / 'again'}", "train.steps=2", "log.sample_tokens=30"]))
     finally:
         signal.signal(signal.SIGINT, before)
@@ -702,7 +704,8 @@ def test_a_signal_after_the_last_step_ends_the_run(tmp_path, monkeypatch):
     monkeypatch.setattr(generate, "pick", pick)
     written = ledger.write
     monkeypatch.setattr(ledger, "write", lambda *a: (os.kill(os.getpid(), signal.SIGTERM), written(*a))[1])
-    with pytest.raises(Stopped, match="stopped by SIGTERM at the run's end, its checkpoint .* and its summaries written"):
+    with pytest.raises(Stopped,
+                       match="stopped by SIGTERM at the run's end, its checkpoint .* and its summaries written"):
         train(load_config(TINY, [f"log.run_dir={tmp_path / 'third'}", "train.steps=2"]))
     assert ledger.read(tmp_path / "third")["layout"]
 
@@ -955,7 +958,8 @@ def test_a_hung_rank_ends_the_run_with_the_checkpoint_to_go_on_from(tmp_path):
     os.kill(frozen, signal.SIGSTOP)
     said = []
     try:
-        for line in job.stderr:  # until the other rank's error (torchrun would wait on the frozen one before killing it)
+        # until the other rank's error (torchrun would wait on the frozen one before killing it)
+        for line in job.stderr:
             said.append(line)
             if "sixfold error" in line:
                 break

@@ -33,8 +33,8 @@ cfg = load_config("configs/tiny.yaml", ["model.n_layers=6", "model.tie_embedding
 ctx = ParallelContext.initialize(ParallelConfig(pp=pp))
 rank = ctx.rank_in("pp")
 g = torch.Generator().manual_seed(5)
-micro = [(torch.randint(0, cfg.vocab_size, (2, 16), generator=g), torch.randint(0, cfg.vocab_size, (2, 16), generator=g),
-          None) for _ in range(m)]
+micro = [(torch.randint(0, cfg.vocab_size, (2, 16), generator=g),
+          torch.randint(0, cfg.vocab_size, (2, 16), generator=g), None) for _ in range(m)]
 scale = sum(y.numel() for _, y, _ in micro)
 
 reference = Llama(cfg)
@@ -74,5 +74,6 @@ for (name, v), together in itertools.product(CASES, (False, True)):
     hidden = 2 * 16 * cfg.dim * 4
     sends = sum(a.kind in (schedules.SEND_F, schedules.SEND_B) for a in schedule.ranks[rank])
     assert comm.ledger.total["pp", "send_recv"] == sends * hidden, (name, dict(comm.ledger.total))
-    print(f"rank {rank} {name}{' together' * together}: in flight {pipeline.peak_in_flight}, sent {sends} OK", flush=True)
+    print(f"rank {rank} {name}{' together' * together}: in flight {pipeline.peak_in_flight}, sent {sends} OK",
+          flush=True)
 ctx.close()
