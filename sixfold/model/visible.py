@@ -6,7 +6,6 @@ import math
 
 import torch
 
-
 PATTERN_ROWS = 64  # the most queries in a block that a view of the causal pattern serves (model/causal.py's chunks)
 
 
@@ -78,4 +77,5 @@ class Visible:
 
 
 def _consecutive(pos: torch.Tensor, a: int, e: int) -> bool:
+    """Whether the rising positions a to e follow one another."""
     return int(pos[e - 1] - pos[a]) == e - a - 1
