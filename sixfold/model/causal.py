@@ -28,11 +28,17 @@ _backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def chunks_gain(q: torch.Tensor, masked: bool = False) -> bool:
-    """Whether attention of q [b, h, n, d] runs in chunks: on a CPU in fp32 or fp64 from 2 chunks' length, to
-    LONGEST unless a mask bounds each chunk's keys (on a GPU the kernels skip the upper half themselves; in 16 bits
-    the chunks' key gradients would be summed after rounding; under torch.compile the compiler chooses)."""
-    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and \
-        2 * CHUNK <= q.shape[2] and (masked or q.shape[2] <= LONGEST) and not torch.compiler.is_compiling()
+    """Whether attention of q [b, h, n, d] runs in chunks: where in_chunks says, unless under torch.compile (the
+    compiler chooses)."""
+    return in_chunks(q.device.type, q.dtype, q.shape[2], masked) and not torch.compiler.is_compiling()
+
+
+def in_chunks(device: str, dtype: torch.dtype, n: int, masked: bool) -> bool:
+    """Whether eager attention of n queries runs in chunks (the planner asks it too): on a CPU in fp32 or fp64 from 2
+    chunks' length, to LONGEST unless a mask bounds each chunk's keys (on a GPU the kernels skip the upper half
+    themselves; in 16 bits the chunks' key gradients would be summed after rounding)."""
+    return device == "cpu" and dtype in (torch.float32, torch.float64) and 2 * CHUNK <= n and \
+        (masked or n <= LONGEST)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,9 @@ weight gradient, or a W's.
 """
 from __future__ import annotations
 
-from ..model.causal import CHUNK
+import torch
+
+from ..model.causal import in_chunks
 from ..model.moe import MoE
 from ..parallel.pipeline.delivery import held_sends
 from ..parallel.sharding import REDUCING
@@ -209,10 +211,11 @@ def document_masks(rank: Rank) -> int:
 
 
 def _whole_masks(rank: Rank, queries: int) -> bool:
-    """Whether attention over `queries` queries within documents takes whole masks: unless it runs in chunks (a CPU
-    in fp32, eager: chunks_gain)."""
-    eager = not rank.cfg.train.compile or rank.model.cp.size > 1  # context-parallel attention stays eager
-    return not (rank.cpu and rank.compute_bytes == 4 and eager and queries >= 2 * CHUNK)
+    """Whether attention over `queries` queries within documents takes whole masks: unless it runs in chunks
+    (model/causal.py), which a compiled block on one rank does not (context-parallel attention stays eager)."""
+    eager = not rank.cfg.train.compile or rank.model.cp.size > 1
+    dtype = torch.bfloat16 if rank.compute_bytes == 2 else torch.float32
+    return not (eager and in_chunks("cpu" if rank.cpu else "cuda", dtype, queries, masked=True))
 
 
 def _stage_activations(rank: Rank, stage) -> int:
