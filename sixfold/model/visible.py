@@ -21,7 +21,7 @@ class Visible:
                  dense: bool = False):
         self.q_pos, self.k_pos, self.dtype = q_pos, k_pos, dtype
         self.q_ids, self.k_ids = (None, None) if ids is None else (ids[:, q_pos], ids[:, k_pos])
-        self._pattern = None
+        self._pattern = self._ranges = None
         self._dense = self._additive(self.seen(0, len(q_pos), 0, len(k_pos))) if dense else None
 
     def seen(self, a: int, e: int, lo: int, hi: int) -> torch.Tensor:
@@ -63,12 +63,16 @@ class Visible:
         return self._dense
 
     def ranges(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each query's keys [start, end) in each row, [b, n] each (end <= start: it sees none)."""
-        end = torch.searchsorted(self.k_pos, self.q_pos, right=True)[None]
-        if self.q_ids is None:
-            return torch.zeros_like(end), end
-        start = torch.searchsorted(self.k_ids, self.q_ids)
-        return start, torch.minimum(torch.searchsorted(self.k_ids, self.q_ids, right=True), end)
+        """Each query's keys [start, end) in each row, [b, n] each (end <= start: it sees none), worked out once for
+        every layer's forward and backward."""
+        if self._ranges is None:
+            end = torch.searchsorted(self.k_pos, self.q_pos, right=True)[None]
+            if self.q_ids is None:
+                self._ranges = torch.zeros_like(end), end
+            else:
+                start = torch.searchsorted(self.k_ids, self.q_ids)
+                self._ranges = start, torch.minimum(torch.searchsorted(self.k_ids, self.q_ids, right=True), end)
+        return self._ranges
 
     def blind(self) -> torch.Tensor:
         """bool [b, 1, 1, n]: the queries that see no key."""
