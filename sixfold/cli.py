@@ -272,10 +272,22 @@ def _version() -> str:
         return "(not installed)"
 
 
+class Command(argparse.ArgumentParser):
+    """A parser that keeps the option strings it was given (argparse lists them only in private fields)."""
+
+    def __init__(self, *args, **kwargs):
+        self.options: list[str] = []  # before argparse's own add_argument of --help
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *names, **kwargs):
+        self.options += [n for n in names if n.startswith("-")]
+        return super().add_argument(*names, **kwargs)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sixfold", description="Train LLaMA-style models over a 6-D device mesh.")
     p.add_argument("--version", action="version", version=f"sixfold {_version()}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Command)
     p.commands = sub.choices  # name -> the command's own parser
     t = sub.add_parser("train", help="train a model: sixfold train CONFIG [key=value ...] [--nproc N]")
     t.add_argument("config", nargs="*", help="a YAML file, then section.key=value overrides")
@@ -371,13 +383,13 @@ def joined(argv: list[str]) -> list[str]:
     return out
 
 
-def _unrecognized(command: argparse.ArgumentParser, extra: list[str]) -> NoReturn:
+def _unrecognized(command: Command, extra: list[str]) -> NoReturn:
     """The command's usage and what it does not take: each unknown option with the nearest it has, or the config
     key of its name."""
     flags = [a.split("=")[0] for a in extra if a.startswith("-")]
     if not flags:
         command.error(f"unrecognized arguments: {' '.join(extra)} (overrides are section.key=value)")
-    options = [s for action in command._actions for s in action.option_strings]
+    options = command.options
     keys = [f"{section}.{key}" for section, values in Config().to_dict().items() for key in values]
     said = []
     for flag in flags:
