@@ -50,8 +50,9 @@ def _end_with_parent():
 
 
 def _run(cmd: list[str], env: dict[str, str], capture: bool, stops: bool) -> subprocess.CompletedProcess:
-    """Run a job in its own session and pass SIGTERM, SIGINT (Ctrl-C) or SIGHUP on to it; torchrun sends the same
-    signal to its ranks: training ones finish the step, write a checkpoint and end (stop.py). Without this a scheduler's
+    """Run a job in its own session and pass SIGTERM, SIGINT (Ctrl-C) or SIGHUP on to it, the first one only (torchrun,
+    given another while it stops its ranks, gives up waiting for them and leaves them running unseen); torchrun sends
+    it to its ranks: training ones finish the step, write a checkpoint and end (stop.py). Without this a scheduler's
     SIGTERM to this launcher alone would leave the job running; if the launcher is killed outright, the job gets
     SIGTERM all the same (_end_with_parent). A job run for its results (`stops`: a bench, check or matrix job)
     ends this process too once it has stopped: Stopped, its temporary files removed on the way out."""
@@ -62,7 +63,12 @@ def _run(cmd: list[str], env: dict[str, str], capture: bool, stops: bool) -> sub
 
     def forward(signum, frame) -> None:
         heard.append(signal.Signals(signum).name)
-        job.send_signal(signum)
+        if len(heard) == 1:
+            job.send_signal(signum)
+        elif len(heard) == 2:
+            print(f"sixfold: stopping on {heard[0]} already: the ranks finish the step under way and write their "
+                  "checkpoint, and torchrun kills any that is still running after its grace time (30 s by default)",
+                  file=sys.stderr, flush=True)
 
     previous = take(forward)
     try:

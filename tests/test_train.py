@@ -724,17 +724,41 @@ def _launch(run: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     return job
 
 
-def test_ctrl_c_to_the_launcher_stops_its_ranks_after_a_step_with_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("presses", [1, 3])
+def test_ctrl_c_to_the_launcher_stops_its_ranks_after_a_step_with_a_checkpoint(tmp_path, presses):
     """`sixfold train --nproc 2` passes SIGINT (or SIGTERM) on to torchrun, which sends it to the ranks: they end
-    as under a scheduler's preemption instead of running on or dying mid-step."""
+    as under a scheduler's preemption instead of running on or dying mid-step. Pressed again, the launcher says it
+    is stopping already (once) and passes nothing more on."""
     run = tmp_path / "run"
     job = _launch(run)
-    job.send_signal(signal.SIGINT)
+    for _ in range(presses):  # apart: a signal sent while the same one is pending is merged with it
+        job.send_signal(signal.SIGINT)
+        time.sleep(0.1)
     out, err = job.communicate(timeout=300)
     last = read_metrics(run)[-1]["step"]
     assert job.returncode == 128 + signal.SIGINT and last < 30 and "Traceback" not in err, err[-3000:]
     assert err.count(f"stopped by SIGINT after step {last} of 30; checkpoint ") == 1, err[-3000:]
+    assert err.count("sixfold: stopping on SIGINT already") == (presses > 1), err[-3000:]
     assert (run / "checkpoints" / "latest").read_text() == f"step_{last:07d}"
+
+
+def test_the_launcher_passes_on_the_first_signal_only(tmp_path):
+    """torchrun given a second signal while it stops its ranks gives up waiting for them and leaves them running
+    unseen, so the launcher passes on only the first: a job that counts the SIGINTs it hears hears one of three."""
+    ready = tmp_path / "ready"
+    counter = ("import signal, sys, time\nheard = []\nsignal.signal(signal.SIGINT, lambda *a: heard.append(1))\n"
+               "open(sys.argv[1], 'w').close()\ntime.sleep(3)\nsys.exit(len(heard))\n")
+    launcher = ("import os, sys\nfrom sixfold.launch import _run\n"
+                f"sys.exit(_run([sys.executable, '-c', {counter!r}, {str(ready)!r}], dict(os.environ), False, False)"
+                ".returncode)")
+    job = subprocess.Popen([sys.executable, "-c", launcher], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    while job.poll() is None and not ready.exists():
+        time.sleep(0.02)
+    for _ in range(3):  # apart, as in the test above
+        job.send_signal(signal.SIGINT)
+        time.sleep(0.1)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 1 and err.count("sixfold: stopping on SIGINT already") == 1, err
 
 
 def test_a_closed_terminal_stops_the_run_after_a_step_with_a_checkpoint(tmp_path):
