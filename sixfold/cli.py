@@ -162,9 +162,14 @@ def cmd_trace(args, argv) -> int:
                           f"log.trace=true for the timeline)")
     for path in written:
         print(f"wrote {path}")
-    for name, source in ((PICTURES[0], "trace.json"), (PICTURES[2], "comm_ledger.json")):
-        if (run / name).is_file() and run / name not in written:  # left by an earlier run in this directory
+    for name, source, how in ((PICTURES[0], "trace.json", "train with log.trace=true"),
+                              (PICTURES[2], "comm_ledger.json", "a run writes it as it ends")):
+        if run / name in written:
+            continue
+        if (run / name).is_file():  # left by an earlier run in this directory
             print(f"kept {run / name}, not redrawn: the run has no {source} (or no events in it) to draw it from")
+        else:
+            print(f"no {name}: the run has no {source} (or no events in it) to draw it from ({how})")
     if (run / "trace.json").is_file():
         from .trace import overlap_table, read_chrome_trace
         print(overlap_table(read_chrome_trace(run / "trace.json")))

@@ -86,7 +86,16 @@ def test_pictures_are_drawn_and_redrawn(run, capsys):
     finally:
         (run_dir / "ledger.json").rename(ledger)
     assert f"kept {mesh}, not redrawn: the run has no comm_ledger.json" in capsys.readouterr().out
-    assert main(["trace", str(run_dir)]) == 0 and mesh.stat().st_size > 10_000
+    timeline = run_dir / "timeline.png"
+    trace.rename(run_dir / "events.json")  # a run trained without log.trace: its missing picture is said too
+    timeline.unlink()
+    try:
+        assert main(["trace", str(run_dir)]) == 0
+    finally:
+        (run_dir / "events.json").rename(trace)
+    assert "no timeline.png: the run has no trace.json (or no events in it) to draw it from (train with " \
+           "log.trace=true)" in capsys.readouterr().out
+    assert main(["trace", str(run_dir)]) == 0 and mesh.stat().st_size > 10_000 and timeline.is_file()
 
 
 def test_an_earlier_launchs_summaries_are_not_drawn_under_a_later_layout(run, tmp_path, capsys):
