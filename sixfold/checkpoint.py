@@ -81,7 +81,9 @@ def find_checkpoint(path: str | Path) -> Path:
                 return old
         done = complete_in(holder)
         hint = f"; the newest complete one is {done[-1]}: give that path instead (to train on from it: " \
-               f"checkpoint.resume={done[-1]})" if done else ""
+               f"checkpoint.resume={done[-1]})" if done else \
+            f"; {holder} holds no complete checkpoint to read instead: to train, start anew (without " \
+            f"checkpoint.resume) or give another log.run_dir"
         raise CheckpointError(f"{latest} points to {found}, which holds no {META}{hint}")
     done = complete_in(holder)
     if done:

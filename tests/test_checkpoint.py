@@ -274,6 +274,12 @@ def test_a_run_directory_with_no_checkpoint_yet_is_named_so(tmp_path):
     (run / "config.yaml").write_text("train:\n  steps: 3\n")  # a user's config beside other files: not a run
     with pytest.raises(CheckpointError, match="is neither a checkpoint"):
         find_checkpoint(run)
+    (run / "checkpoints" / "step_0000002").mkdir(parents=True)  # latest left pointing at a checkpoint removed by hand
+    (run / "checkpoints" / "latest").write_text("step_0000002")
+    with pytest.raises(CheckpointError, match="step_0000002, which holds no meta.json; .*checkpoints holds no complete "
+                                              "checkpoint to read instead: to train, start anew \\(without "
+                                              "checkpoint.resume\\) or give another log.run_dir"):
+        find_checkpoint(run)
 
 
 def test_a_run_that_starts_over_moves_the_earlier_runs_checkpoints_aside(tmp_path):
