@@ -205,7 +205,10 @@ def read_meta(path: str | Path) -> dict:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path / META} is unreadable: {e}{_elsewhere(path)}") from None
     digest = path / META_SHA256
-    if digest.is_file() and digest.read_text().strip() != hashlib.sha256(text).hexdigest():
+    if not digest.is_file():
+        warnings.warn(f"{path / META} is read unchecked: {path} has no {META_SHA256}, which sixfold writes beside it "
+                      f"(a checkpoint from before it did, or one whose {META_SHA256} was removed)")
+    elif digest.read_text().strip() != hashlib.sha256(text).hexdigest():
         raise CheckpointError(f"{path / META} is corrupt: its sha256 does not match {META_SHA256}{_elsewhere(path)}")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__

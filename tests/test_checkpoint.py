@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from sixfold import cli, config
 from sixfold.checkpoint import (Checkpoint, CheckpointError, complete_steps, find_checkpoint, mark_latest, publish,
-                                start_staging, write_tensors)
+                                read_meta, start_staging, write_tensors)
 from sixfold.config import RUN_CONFIG_HEAD, ConfigError, load_config
 from sixfold.data import BPETokenizer, DataError, load_data
 from sixfold.logs import read_metrics
@@ -185,6 +185,16 @@ BAD = {
     "meta.json without the optimizer's index": (lambda p: _meta(p, lambda m: m["index"].update(optim={})), [],
                                                 "index holds no optimizer state"),
 }
+
+
+def test_a_meta_json_without_its_checksum_is_read_with_a_warning(saved, tmp_path):
+    """A checkpoint from before meta.sha256 was written, or whose meta.sha256 was removed: its meta.json cannot be
+    checked, which is said (an edit to it would otherwise go unseen)."""
+    bare = tmp_path / "bare"
+    shutil.copytree(saved, bare)
+    (bare / "meta.sha256").unlink()
+    with pytest.warns(UserWarning, match=f"{bare}/meta.json is read unchecked: {bare} has no meta.sha256"):
+        assert read_meta(bare)["step"] == 2
 
 
 @pytest.mark.parametrize("case", list(BAD))
