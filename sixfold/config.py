@@ -691,7 +691,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if getattr(m, key) < 1:
             raise ConfigError(f"model.{key}={getattr(m, key)} must be at least 1")
     if m.dim % m.n_heads:
-        raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
+        even = [d for d in divisors(m.dim) if m.dim // d % 2 == 0]  # an even head dimension, for RoPE
+        heads = f", or model.n_heads to one of {_listed(even)}" if even else ""
+        raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}: set model.dim to "
+                          f"{_multiples(m.dim, 2 * m.n_heads)}{heads}")
     if m.head_dim % 2:
         raise ConfigError(f"head dimension {m.head_dim} (model.dim/model.n_heads) must be even for RoPE: change "
                           f"model.dim or model.n_heads")

@@ -125,7 +125,9 @@ def test_bad_values(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model.n_heads=3"], "model.dim=64 is not divisible by model.n_heads=3"),
+    (["model.n_heads=3"], "model.dim=64 is not divisible by model.n_heads=3: set model.dim to 60 or 66, or "
+                          "model.n_heads to one of 1, 2, 4, 8, 16, 32"),
+    (["model.dim=65"], "model.dim=65 is not divisible by model.n_heads=4: set model.dim to 64 or 72$"),
     (["model.n_kv_heads=3"], "model.n_heads=4 is not divisible by model.n_kv_heads=3: set model.n_kv_heads to one "
                              "of 1, 2, 4"),
     (["parallel.dp_replicate=3"], "train.global_batch=8 must be divisible by data-parallel size .*: set "
