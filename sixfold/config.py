@@ -373,8 +373,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
             raise ConfigError(f"config file {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections")
-        for k, v in data.items():
-            _set(cfg, [str(k)], v)
+        try:
+            for k, v in data.items():
+                _set(cfg, [str(k)], v)
+        except ConfigError as e:  # which file says it (an override is named by its key alone)
+            raise ConfigError(f"config file {p}: {e}") from None
         given |= _model_keys(["model"], data.get("model"))
     for item in overrides:
         if "=" not in item or not item.split("=", 1)[0].strip():

@@ -27,11 +27,15 @@ def test_text_overrides_are_taken_as_written_and_home_is_expanded_in_paths():
     assert (spaced.log.run_dir, spaced.log.sample_prompt) == ("runs/a", "def ")
 
 
-def test_unknown_key_names_nearest():
+def test_unknown_key_names_nearest(tmp_path):
     with pytest.raises(ConfigError, match=r"parallel\.dp_shrd.*dp_shard"):
         load_config(None, ["parallel.dp_shrd=2"])
     with pytest.raises(ConfigError, match="unknown config key 'trian'.*train"):
         load_config(None, ["trian.lr=1"])
+    (tmp_path / "run.yaml").write_text("trian:\n  lr: 1\n")  # from a file: the file is named
+    with pytest.raises(ConfigError, match=f"^config file {tmp_path / 'run.yaml'}: unknown config key 'trian'; did "
+                                          "you mean 'train'\\?"):
+        load_config(tmp_path / "run.yaml")
     with pytest.raises(ConfigError, match="'parallel.dp'; did you mean 'parallel.dp_replicate' or 'parallel.dp_shard'"):
         load_config(None, ["parallel.dp=2"])
     with pytest.raises(ConfigError, match="unknown config key 'steps'; did you mean 'train.steps'\\?"):
