@@ -81,7 +81,7 @@ class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; end-of-text is 256."""
     name = "byte"
     vocab_size = 257
-    eot = 256
+    eot, eot_token = 256, EOT
     start, start_token = (), None  # no token before a text
     cut = ANYWHERE
 
@@ -100,6 +100,17 @@ class ByteTokenizer:
         """BPETokenizer.encode_prompted's (tokens, how many are the prompt's), in bytes."""
         return [(np.frombuffer(text.encode("utf-8"), np.uint8), len(text[:k].encode("utf-8"))) for text, k in docs]
 
+    def to_json(self) -> str:
+        """These ids as an HF `tokenizers` file (for transformers' AutoTokenizer): byte-level BPE with no merges,
+        each byte its own token, id the byte's value."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        vocab = {char: b for b, char in enumerate(_byte_chars())} | {self.eot_token: self.eot}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([self.eot_token])
+        return tok.to_str()
+
     def decode(self, ids) -> str:
         out, buf = [], bytearray()
         for i in map(int, ids):
@@ -109,6 +120,15 @@ class ByteTokenizer:
             out.append(buf.decode("utf-8", errors="replace") + (EOT if i == self.eot else "\ufffd"))
             buf.clear()
         return "".join(out) + buf.decode("utf-8", errors="replace")
+
+
+def _byte_chars() -> list[str]:
+    """The character byte-level BPE spells each byte with (by value): printable Latin-1 bytes as themselves, the
+    others as the characters from U+0100 on, in order."""
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+             *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    hidden = iter(range(256, 512))
+    return [chr(b) if b in shown else chr(next(hidden)) for b in range(256)]
 
 
 class BPETokenizer:

@@ -561,6 +561,20 @@ def test_a_bpe_model_exports_a_tokenizer_that_transformers_reads_with_its_eos(tm
     assert tok.decode(tok("def f(x):")["input_ids"]) == "def f(x):"
 
 
+def test_a_byte_model_exports_a_tokenizer_that_transformers_reads_as_bytes(tmp_path):
+    """A model trained on bytes (data.tokenizer=byte) exports them as a tokenizer.json of byte-level BPE with no
+    merges: transformers' ids are the text's UTF-8 bytes and its end of text is 256, the config's eos."""
+    from transformers import AutoTokenizer
+    cfg = Config(model=ModelConfig(max_seq_len=128))
+    write_checkpoint(tmp_path / "ckpt", {"model": Llama(cfg.model).state_dict()}, {"step": 1, "config": cfg.to_dict()})
+    export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "def f(x):\n    return 'héllo ✓'"
+    assert tok(text)["input_ids"] == list(text.encode("utf-8")) and tok.decode(list(text.encode("utf-8"))) == text
+    eos = json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"]
+    assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == eos == 256
+
+
 def test_a_refused_export_writes_nothing(tmp_path):
     cfg = Config(model=ModelConfig(moe_experts=4, moe_every=2))
     write_checkpoint(tmp_path / "ckpt", {"model": Llama(cfg.model).state_dict()}, {"step": 1, "config": cfg.to_dict()})

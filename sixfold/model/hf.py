@@ -369,8 +369,8 @@ SHARD_BYTES = 5 * 10**9  # transformers' own default for save_pretrained
 
 def export_hf(path: str | Path, out_dir: str | Path, dtype: str = "fp32", shard_bytes: int = SHARD_BYTES) -> Path:
     """Write a sixfold checkpoint as a LlamaForCausalLM or MixtralForCausalLM directory (config.json, the
-    weights in `dtype` as model.safetensors or, above shard_bytes, shards with their index, and tokenizer.json when
-    it was trained with a BPE tokenizer) at out_dir (a new directory)."""
+    weights in `dtype` as model.safetensors or, above shard_bytes, shards with their index, and the tokenizer it was
+    trained with as tokenizer.json: its BPE, or bytes as byte-level BPE with no merges) at out_dir (a new directory)."""
     if dtype not in DTYPES:
         raise CheckpointError(f"cannot export as {dtype!r}: choose one of {', '.join(DTYPES)}")
     from ..data import DataError
@@ -419,11 +419,10 @@ def special_ids(carried: dict[str, bytes]) -> dict:
 
 def _write_hf(out_dir: Path, model: Llama, hf: dict, tok, carried: dict[str, bytes], cfg: Config, dtype: str,
               shard_bytes: int) -> None:
-    from ..data import BPETokenizer
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
-    if isinstance(tok, BPETokenizer):  # AutoTokenizer reads the pair, with the end-of-text token as its eos
+    if tok is not None:  # AutoTokenizer reads the pair, with the end-of-text token as its eos
         (out_dir / "tokenizer.json").write_text(tok.to_json())
-    if isinstance(tok, BPETokenizer) and "tokenizer_config.json" not in carried:
+    if tok is not None and "tokenizer_config.json" not in carried:
         (out_dir / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eot_token,
              **({"bos_token": tok.start_token} if tok.start_token else {}),
