@@ -27,6 +27,10 @@ def collective(name: str, ranks, hint: str = "", roll_call=None):
         raise CommError(name, tuple(ranks), e, hint, roll_call.absent(name, ranks) if roll_call else "") from None
 
 
+class TrainingError(RuntimeError):
+    """Training cannot go on (non-finite losses, memory, a full disk); the message says what to change."""
+
+
 class PeerStopped(RuntimeError):
     """A rank stopped while the ranks ran a step in turn, because another failed, died or did not answer."""
 
