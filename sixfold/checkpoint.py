@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import META, RUN_CONFIG_HEAD, Config, checkpoint_over
+from .config import META, Config, checkpoint_over, run_directory
 
 FORMAT = "sixfold-checkpoint-2"
 META_SHA256 = "meta.sha256"  # meta.json's own checksum (checkpoints written before it have none)
@@ -101,21 +101,6 @@ def find_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"{path} is a run directory with no checkpoint yet: a run writes one every "
                               f"checkpoint.every steps and at its end (unless checkpoint.save_final=false)")
     raise CheckpointError(f"{path} is neither a checkpoint (no {META}) nor a run directory with checkpoints")
-
-
-def run_directory(path: Path) -> bool:
-    """Whether `path` is a sixfold run's directory: its config.yaml opens with RUN_CONFIG_HEAD, or, from before
-    that line, metrics.jsonl lies beside it."""
-    config = path / "config.yaml"
-    if not config.is_file():
-        return False
-    if (path / "metrics.jsonl").is_file():
-        return True
-    try:
-        with open(config, "rb") as f:
-            return f.read(len(RUN_CONFIG_HEAD)) == RUN_CONFIG_HEAD.encode()
-    except OSError:  # then corpus, and refused as unreadable when it is read
-        return False
 
 
 def step_of(path: Path) -> int | None:

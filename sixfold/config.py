@@ -538,19 +538,25 @@ def make_run_dir(cfg: Config) -> Path:
             raise ConfigError(f"{checkpoints} cannot be written ({e.strerror or e}), and this run writes its "
                               f"checkpoints there: make it writable, or set log.run_dir to another directory") from None
     own = directory / "config.yaml"
-    if own.is_file() and not _run_config(directory):
+    if own.is_file() and not run_directory(directory):
         raise ConfigError(f"{own} was not written by a sixfold run, and this run would replace it with its resolved "
                           f"config: set log.run_dir to another directory, or move that file away")
     return directory
 
 
-def _run_config(directory: Path) -> bool:
-    """Whether the directory's config.yaml is a run's: it opens with RUN_CONFIG_HEAD, or (a run from before that
-    line) metrics.jsonl or checkpoints lie beside it."""
-    with open(directory / "config.yaml", "rb") as f:
-        head = f.read(len(RUN_CONFIG_HEAD))
-    return head == RUN_CONFIG_HEAD.encode() or (directory / "metrics.jsonl").is_file() or \
-        (directory / "checkpoints").is_dir()
+def run_directory(path: Path) -> bool:
+    """Whether `path` is a sixfold run's directory: it holds a config.yaml that opens with RUN_CONFIG_HEAD, or, from
+    before that line, that has metrics.jsonl or checkpoints/ beside it."""
+    config = path / "config.yaml"
+    if not config.is_file():
+        return False
+    if (path / "metrics.jsonl").is_file() or (path / "checkpoints").is_dir():
+        return True
+    try:
+        with open(config, "rb") as f:
+            return f.read(len(RUN_CONFIG_HEAD)) == RUN_CONFIG_HEAD.encode()
+    except OSError:  # unreadable: not taken for a run's
+        return False
 
 
 def _probe(directory: Path) -> None:

@@ -16,8 +16,8 @@ import warnings
 from array import array
 from pathlib import Path
 
-from sixfold.checkpoint import META, META_SHA256, run_directory
-from sixfold.config import DataConfig, checkpoint_over
+from sixfold.checkpoint import META, META_SHA256
+from sixfold.config import DataConfig, checkpoint_over, run_directory
 
 SPLIT_SLACK = 4  # the held-out documents hold at most this many times data.val_fraction of the text
 STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__"}
@@ -40,8 +40,8 @@ def _docs_hash(docs) -> str:
 
 
 def _sixfold_output(d: Path) -> bool:
-    """Whether directory d is one sixfold writes: a run directory (its config.yaml opens with RUN_CONFIG_HEAD, or,
-    from before that line, metrics.jsonl lies beside it; or it holds checkpoints/latest) or a checkpoint (meta.json
+    """Whether directory d is one sixfold writes: a run directory (config.run_directory, or one that holds
+    checkpoints/latest) or a checkpoint (meta.json
     with meta.sha256)."""
     return run_directory(d) or (d / "checkpoints" / "latest").is_file() or \
         ((d / META).is_file() and (d / META_SHA256).is_file())
