@@ -258,7 +258,7 @@ class Trainer:
                     "optimizer_steps": self.optim.step_count, "layout": self.cfg.parallel.describe(),
                     "data": self._data_identity()}
             tok = self.data.tokenizer
-            blobs = {"tokenizer.json": tok.to_json().encode(), **self.carried} if hasattr(tok, "to_json") else {}
+            blobs = {"tokenizer.json": tok.to_json().encode(), **self.carried} if isinstance(tok, BPETokenizer) else {}
         return self.saver.save(self.step, train_state.pieces(self.sharded, self.optim), meta, blobs)
 
     def load(self, where: str) -> None:
@@ -334,18 +334,24 @@ class Trainer:
                     lr = (f"; the learning rate of step {self.step + 1} is {now:.3g} ({before:.3g} in the checkpoint's "
                           f"run)") if now != before else ""
                 warnings.warn(f"resuming {checkpoint.path} with {named}: the learning-rate schedule and AdamW go "
-                              f"on with the new values from step {self.step}{lr}")
+                              f"on with the new values from step {self.step + 1}{lr}")
             weights = {k: v for k, v in train_state.differences(meta, self.cfg).items() if k in train_state.OBJECTIVE}
             if weights and self.ctx.is_main:
                 named = ", ".join(f"model.{k}={shown(b)} (the checkpoint's run: {shown(a)})"
                                   for k, (a, b) in weights.items())
                 warnings.warn(f"resuming {checkpoint.path} with {named}: the run trains on the new objective from "
-                              f"step {self.step}")
+                              f"step {self.step + 1}")
+            mask = train_state.differences(meta, self.cfg, "data").get("document_mask")
+            if mask and self.ctx.is_main:
+                warnings.warn(f"resuming {checkpoint.path} with data.document_mask={shown(mask[1])} (the checkpoint's "
+                              f"run: {shown(mask[0])}): from step {self.step + 1} a token attends to "
+                              f"{'its own document only' if mask[1] else 'every earlier token'}; set "
+                              f"data.document_mask={shown(mask[0])} to resume it exactly")
             micro = diffs.get("micro_batches")
             if micro and self.cfg.model.moe_experts and self.cfg.model.moe_aux_weight and self.ctx.is_main:
                 warnings.warn(f"resuming {checkpoint.path} with train.micro_batches={micro[1]} (the checkpoint's run: "
                               f"{micro[0]}): an MoE layer's load-balancing loss is taken per micro-batch, so from step "
-                              f"{self.step} the run trains on another objective; set train.micro_batches={micro[0]} "
+                              f"{self.step + 1} the run trains on another objective; set train.micro_batches={micro[0]} "
                               f"to go on as it would have")
         elif self.ctx.is_main:  # weights only (an imported model): other settings are allowed, but said
             changed = train_state.function_changes(meta, self.cfg)

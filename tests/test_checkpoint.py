@@ -525,7 +525,7 @@ def test_resuming_on_other_text_of_the_same_length_or_with_other_settings_warns(
     said = [str(w.message) for w in caught]
     assert any("the training data differ from the checkpoint's (as many tokens, but other ones)" in m for m in said)
     assert any("with train.steps=2 (the checkpoint's run: 1), train.lr=0.001 (the checkpoint's run: 0.003): the "
-               "learning-rate schedule and AdamW go on with the new values from step 1; the learning rate of step 2 "
+               "learning-rate schedule and AdamW go on with the new values from step 2; the learning rate of step 2 "
                "is 0.001 (the checkpoint's run ended at step 1, at 0.0015)" in m for m in said), said
 
 
@@ -561,19 +561,31 @@ def test_resuming_an_moe_model_with_other_micro_batches_or_loss_weights_warns(tm
     run = tmp_path / "run"
     train(load_config(TINY, [f"log.run_dir={run}", "model.moe_experts=4", "train.steps=1"]))
     with pytest.warns(UserWarning, match="with train.micro_batches=2 \\(the checkpoint's run: 1\\): an MoE layer's "
-                                         "load-balancing loss is taken per micro-batch, so from step 1 the run trains "
+                                         "load-balancing loss is taken per micro-batch, so from step 2 the run trains "
                                          "on another objective; set train.micro_batches=1"):
         train(load_config(TINY, [f"log.run_dir={run}", "model.moe_experts=4", "train.steps=2", "train.micro_batches=2",
                                  "checkpoint.resume=auto"]))
     with pytest.warns(UserWarning, match="with model.moe_aux_weight=0.1 \\(the checkpoint's run: 0.01\\), "
                                          "model.moe_z_weight=0.0 \\(the checkpoint's run: 0.001\\): the run trains "
-                                         "on the new objective from step 2"):  # as the guide advises, if shares drift
+                                         "on the new objective from step 3"):  # as the guide advises, if shares drift
         train(load_config(TINY, [f"log.run_dir={run}", "model.moe_experts=4", "train.steps=3", "train.micro_batches=2",
                                  "model.moe_aux_weight=0.1", "model.moe_z_weight=0", "checkpoint.resume=auto"]))
 
 
+def test_resuming_with_another_document_mask_warns(tmp_path):
+    """The attention changes from the next step: allowed (as a longer context is), but said."""
+    run = tmp_path / "run"
+    train(load_config(TINY, [f"log.run_dir={run}", "train.steps=1"]))
+    with pytest.warns(UserWarning, match="with data.document_mask=true \\(the checkpoint's run: false\\): from step 2 a "
+                                         "token attends to its own document only; set data.document_mask=false"):
+        train(load_config(TINY, [f"log.run_dir={run}", "train.steps=2", "data.document_mask=true",
+                                 "checkpoint.resume=auto"]))
+
+
 def test_resuming_with_another_tokenizer_is_refused(saved, tmp_path):
-    """Its ids would mean other text to the model; the checkpoint names the tokenizer it was trained with."""
+    """Its ids would mean other text to the model; the checkpoint names the tokenizer it was trained with. A byte-level
+    run's holds no tokenizer.json (data.tokenizer=bpe would read that)."""
+    assert "tokenizer.json" not in Checkpoint(saved).meta["files"]
     cfg = load_config(TINY, [f"checkpoint.resume={saved}", f"log.run_dir={tmp_path / 'run'}", "data.tokenizer=bpe",
                              "data.bpe_vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}"])
     with pytest.raises(DataError, match="trained with the tokenizer 'byte' and this run's data.* settings give 'bpe-"):
