@@ -18,6 +18,7 @@ from .config import (PICTURES, Config, ConfigError, check_available, check_tenso
 from .console import gone, mute
 from .launch import end, run_torchrun, under_torchrun
 from .run_lock import check_free
+from .stop import Interrupted, interrupting, put_back
 
 SAID_WITHIN_S = 30  # how long a rank waits for its machine's first to say an error all of them raised
 
@@ -422,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "overrides of the defaults")
     warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
     rank = f" (rank {os.environ['RANK']})" if os.environ.get("RANK") else ""
+    # (a rank's signals are torchrun's: it sends SIGTERM to stop the others when one fails, whose error is the line)
+    previous = {} if under_torchrun() else interrupting()
     try:
         code = _run(args, argv, rank)
         try:
@@ -436,9 +439,13 @@ def main(argv: list[str] | None = None) -> int:
         for stream in lost:
             mute(stream)
         return 128 + signal.SIGPIPE
-    except KeyboardInterrupt:  # SIGINT outside the training steps (starting up, or after the last step)
-        _tell(f"sixfold{rank}: interrupted by SIGINT outside the training steps; nothing was saved for it")
-        return 128 + signal.SIGINT
+    except (KeyboardInterrupt, Interrupted) as e:  # outside the training steps (starting up, or after the last step)
+        name = getattr(e, "signal_name", "SIGINT")
+        said = " outside the training steps; nothing was saved for it" if args.command == "train" else ""
+        _tell(f"sixfold{rank}: interrupted by {name}{said}")
+        return 128 + signal.Signals[name]
+    finally:
+        put_back(previous)
 
 
 def _run(args, argv: list[str], rank: str) -> int:

@@ -26,7 +26,7 @@ from .config import Config, ConfigError, ParallelConfig
 from .launch import run_torchrun
 from .logs import read_metrics
 from .slices import Reader
-from .stop import Stopped
+from .stop import Interrupted, Stopped
 from .train import train
 
 LOSS_RTOL = 1e-5
@@ -164,7 +164,7 @@ def runs_dir(workdir: str | None, command: str):
     root.mkdir(parents=True, exist_ok=True)
     try:
         yield root
-    except (Stopped, KeyboardInterrupt, ConfigError):  # nothing to look into
+    except (Stopped, KeyboardInterrupt, Interrupted, ConfigError):  # nothing to look into
         if workdir is None:
             shutil.rmtree(root, ignore_errors=True)
         raise

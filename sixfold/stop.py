@@ -13,18 +13,36 @@ SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGH
 SIGNAL_NAMES = tuple(s.name for s in SIGNALS)
 
 
-def take(handler) -> dict:
-    """`handler` for each of the SIGNALS this process does not ignore, from the main thread (elsewhere none): the
+def take(handler, signals: tuple = SIGNALS) -> dict:
+    """`handler` for each of `signals` this process does not ignore, from the main thread (elsewhere none): the
     handlers before, for put_back."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {sig: signal.signal(sig, handler) for sig in SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
+    return {sig: signal.signal(sig, handler) for sig in signals if signal.getsignal(sig) is not signal.SIG_IGN}
 
 
 def put_back(previous: dict) -> None:
     """The handlers take() replaced; None (a handler not set from Python, which cannot be put back): the default."""
     for sig, handler in previous.items():
         signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP outside the training steps, raised as Ctrl-C raises KeyboardInterrupt: the process unwinds
+    (its temporary files removed) and ends with one line, where the signal's default ended it at once and unsaid."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+def interrupting() -> dict:
+    """SIGTERM and SIGHUP raise Interrupted (StopSignal takes them over during training): the handlers before, for
+    put_back."""
+    def interrupt(signum, frame) -> None:
+        raise Interrupted(signal.Signals(signum).name)
+
+    return take(interrupt, tuple(s for s in SIGNALS if s != signal.SIGINT))
 
 
 class Stopped(RuntimeError):

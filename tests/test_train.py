@@ -938,7 +938,24 @@ def test_ctrl_c_outside_the_training_steps_is_one_line(monkeypatch, capsys):
         raise KeyboardInterrupt
     monkeypatch.setattr(cli, "cmd_trace", interrupted)
     assert cli.main(["trace", "anywhere"]) == 128 + signal.SIGINT
-    assert "sixfold: interrupted by SIGINT outside the training steps" in capsys.readouterr().err
+    assert capsys.readouterr().err == "sixfold: interrupted by SIGINT\n"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_before_the_first_step_is_one_line_too(sig, monkeypatch, capsys):
+    """As Ctrl-C is (their default had ended the process at once, with nothing said and no clean-up); the handlers
+    are put back as the command ends."""
+    from sixfold import cli
+    before = signal.getsignal(sig)
+
+    def signalled(args, argv):
+        os.kill(os.getpid(), sig)
+        time.sleep(30)  # (ended by the signal's exception at once)
+    monkeypatch.setattr(cli, "cmd_train", signalled)
+    assert cli.main(["train", TINY]) == 128 + sig
+    assert capsys.readouterr().err == f"sixfold: interrupted by {sig.name} outside the training steps; nothing was " \
+                                      f"saved for it\n"
+    assert signal.getsignal(sig) is before
 
 
 
