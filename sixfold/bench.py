@@ -53,7 +53,7 @@ def workload_config(path: str | None, overrides: list[str], steps: int) -> Confi
         raise ConfigError(f"{steps_set}: sixfold bench runs --steps N steps (default 10); give --steps instead")
     batch = ROWS_PER_RANK * load_config(path, overrides, check=False).parallel.dp
     try:
-        cfg = load_config(path, [f"train.global_batch={batch}", *overrides, f"train.steps={steps}", NO_RESUME])
+        cfg = load_config(path, [f"train.global_batch={batch}", *overrides, f"train.steps={steps}", *NO_RESUME])
     except ConfigError as e:
         if "train.global_batch" not in str(e) or override(overrides, "train.global_batch"):
             raise

@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import META, Config, checkpoint_over, run_directory
+from .config import META, CheckpointConfig, Config, checkpoint_over, run_directory
 
 FORMAT = "sixfold-checkpoint-2"
 META_SHA256 = "meta.sha256"  # meta.json's own checksum (checkpoints written before it have none)
@@ -49,12 +49,12 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def resume_source(resume: str, run_dir: str) -> str:
-    """The checkpoint or run directory checkpoint.resume names ("" if none): "auto" is the run directory, when it
-    has a checkpoint."""
-    if resume == "auto":
-        return run_dir if has_checkpoint(run_dir) else ""
-    return resume
+def resume_source(settings: CheckpointConfig, run_dir: str) -> str:
+    """The checkpoint or run directory a run starts from ("" if none): checkpoint.resume, where "auto" is the run
+    directory when it has a checkpoint; else checkpoint.init."""
+    if settings.resume == "auto":
+        return run_dir if has_checkpoint(run_dir) else settings.init
+    return settings.resume or settings.init
 
 
 def find_checkpoint(path: str | Path) -> Path:

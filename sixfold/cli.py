@@ -114,9 +114,9 @@ def cmd_check(args, argv) -> int:
         raise ConfigError("sixfold check compares fp32 runs to round-off; set train.grad_reduce=fp32 (or check "
                           "bf16 training, train.precision=bf16, which is held to learn like fp32)")
     args.steps = args.steps or (5 if cfg.train.precision == "fp32" else LEARN_STEPS)
-    if cfg.checkpoint.resume:
+    if given := [f"checkpoint.{k}={v}" for k in ("resume", "init") if (v := getattr(cfg.checkpoint, k))]:
         raise ConfigError(f"sixfold check starts the layout and the single process from the same initial weights: "
-                          f"checkpoint.resume={cfg.checkpoint.resume} would not be used; leave it out")
+                          f"{' and '.join(given)} would not be used; leave {'them' if given[1:] else 'it'} out")
     overrides = _split(args.config)[1]
     if override(overrides, "train.steps"):
         raise ConfigError(f"sixfold check runs --steps steps (now {args.steps}), not train.steps: give --steps "

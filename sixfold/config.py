@@ -178,6 +178,7 @@ class CheckpointConfig:
     every: int = 0
     keep: int = 2
     resume: str = ""  # a checkpoint or run directory, or "auto": this run directory's latest, if any
+    init: str = ""  # the checkpoint to start from where resume finds none (resume=auto: a requeued job's first start)
     save_final: bool = True
     async_save: bool = False  # write in a background thread from a CPU copy while training goes on
 
@@ -209,7 +210,8 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-PATHS = ("data.source", "data.tokenizer", "data.cache_dir", "checkpoint.resume", "log.run_dir")  # "~" expanded
+# "~" expanded
+PATHS = ("data.source", "data.tokenizer", "data.cache_dir", "checkpoint.resume", "checkpoint.init", "log.run_dir")
 
 
 def _fields(obj) -> dict[str, dataclasses.Field]:
@@ -391,7 +393,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
             raise ConfigError(f"override '{item}': the value is not valid YAML") from None
         _set(cfg, path, value)
         given |= _model_keys(path, value)
-    if fill and cfg.checkpoint.resume:
+    if fill and (cfg.checkpoint.resume or cfg.checkpoint.init):
         _model_from_checkpoint(cfg, given)
     if check:
         validate(cfg)
@@ -411,7 +413,7 @@ def _model_from_checkpoint(cfg: Config, given: set[str]) -> None:
     is left to be refused where it is loaded."""
     missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in given and f.name not in RUNTIME]
     from .checkpoint import Checkpoint, CheckpointError, resume_source
-    resume = resume_source(cfg.checkpoint.resume, cfg.log.run_dir)
+    resume = resume_source(cfg.checkpoint, cfg.log.run_dir)
     if not (missing and resume):
         return
     try:
@@ -822,6 +824,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for key, zero in (("every", "no periodic ones"), ("keep", "keep all")):
         if getattr(cfg.checkpoint, key) < 0:
             raise ConfigError(f"checkpoint.{key}={getattr(cfg.checkpoint, key)} must be 0 ({zero}) or more")
+    if cfg.checkpoint.init and cfg.checkpoint.resume not in ("", "auto"):
+        raise ConfigError(f"checkpoint.init={cfg.checkpoint.init} is where a run starts when checkpoint.resume finds "
+                          f"no checkpoint, and checkpoint.resume={cfg.checkpoint.resume} names one: leave one of them "
+                          f"out (checkpoint.resume=auto goes on from this run's own, else from checkpoint.init)")
     if cfg.log.sample_tokens < 0 or (cfg.log.sample_tokens and not cfg.log.sample_prompt):
         raise ConfigError(f"log.sample_tokens={cfg.log.sample_tokens} must be 0 (no sample) or more, with a "
                           f"non-empty log.sample_prompt to start from")
@@ -833,7 +839,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not cfg.data.cache_dir.strip():
         raise ConfigError("data.cache_dir is empty: set it to the directory that keeps the tokenized corpus "
                           "(by default ~/.cache/sixfold)")
-    if not cfg.checkpoint.resume:  # (a checkpoint may hold its tokenizer: then no BPE is trained, see data_settings)
+    if not (cfg.checkpoint.resume or cfg.checkpoint.init):  # (a checkpoint may hold its tokenizer: see data_settings)
         check_bpe_size(cfg)
     for key in ("precision", "grad_reduce"):
         if getattr(t, key) not in DTYPES:

@@ -83,7 +83,7 @@ def max_seq(path: str, overrides: list[str], budget_gb: float | None, lo: int | 
     from .data import load_data
     from .train import check_inputs
 
-    cfg = load_config(path, [*overrides, NO_RESUME])
+    cfg = load_config(path, [*overrides, *NO_RESUME])
     check_available(cfg)
     cuda = torch.cuda.is_available()
     if not cuda and budget_gb is None:

@@ -53,7 +53,8 @@ def _warm_up(cfg: Config, data: TokenData) -> None:
     with tempfile.TemporaryDirectory() as where, contextlib.redirect_stdout(io.StringIO()):
         run(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=1),
                                 log=dataclasses.replace(cfg.log, run_dir=where),
-                                checkpoint=dataclasses.replace(cfg.checkpoint, save_final=False, every=0, resume="")),
+                                checkpoint=dataclasses.replace(cfg.checkpoint, save_final=False, every=0, resume="",
+                                                                init="")),
             ParallelContext.single(), data)
 
 

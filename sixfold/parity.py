@@ -41,7 +41,7 @@ class ParityError(RuntimeError):
 
 
 QUIET = {"log": {"progress": False, "tensorboard": False, "sample_tokens": 0, "trace": False},
-         "checkpoint": {"every": 0, "save_final": True, "resume": ""}}
+         "checkpoint": {"every": 0, "save_final": True, "resume": "", "init": ""}}
 
 
 @dataclass

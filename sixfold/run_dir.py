@@ -20,9 +20,8 @@ from .run_lock import RunLock
 
 
 def resume_path(cfg: Config) -> str:
-    """The checkpoint or run directory the run resumes from ("" if none): checkpoint.resume=auto is the run
-    directory, when it has a checkpoint."""
-    return ckpt.resume_source(cfg.checkpoint.resume, cfg.log.run_dir)
+    """The checkpoint or run directory the run starts from ("" if none; see checkpoint.resume_source)."""
+    return ckpt.resume_source(cfg.checkpoint, cfg.log.run_dir)
 
 
 def resumes_here(cfg: Config) -> bool:
@@ -72,8 +71,7 @@ def _prepare_run_dir(cfg: Config, step: int) -> None:
             if had_metrics:
                 metrics.rename(aside / metrics.name)
         if aside:  # with checkpoints, its metrics.jsonl goes by start_metrics below
-            resume = cfg.checkpoint.resume
-            how = "starts over" if resume in ("", "auto") else f"goes on from {resume}"
+            how = f"goes on from {resume}" if (resume := resume_path(cfg)) else "starts over"
             for path in summaries:
                 path.rename(aside / path.name)
             if config.is_file():  # the settings of what is set aside (and for `sixfold trace ASIDE`)

@@ -350,9 +350,9 @@ class Trainer:
             micro = diffs.get("micro_batches")
             if micro and self.cfg.model.moe_experts and self.cfg.model.moe_aux_weight and self.ctx.is_main:
                 warnings.warn(f"resuming {checkpoint.path} with train.micro_batches={micro[1]} (the checkpoint's run: "
-                              f"{micro[0]}): an MoE layer's load-balancing loss is taken per micro-batch, so from step "
-                              f"{self.step + 1} the run trains on another objective; set train.micro_batches={micro[0]} "
-                              f"to go on as it would have")
+                              f"{micro[0]}): an MoE layer's load-balancing loss is taken per micro-batch, so from "
+                              f"step {self.step + 1} the run trains on another objective; set "
+                              f"train.micro_batches={micro[0]} to go on as it would have")
         elif self.ctx.is_main:  # weights only (an imported model): other settings are allowed, but said
             changed = train_state.function_changes(meta, self.cfg)
             if changed:
@@ -721,6 +721,9 @@ def run(cfg: Config, ctx: ParallelContext, data: TokenData | None = None) -> lis
             said = [f"data: {trainer.data.summary}"] if trainer.data.read else []
             if trainer.started_from:
                 said.append(f"from checkpoint {trainer.started_from}: step {trainer.step} of {cfg.train.steps}")
+            elif cfg.checkpoint.resume == "auto":
+                said.append(f"checkpoint.resume=auto: {cfg.log.run_dir} holds no checkpoint yet; the run starts from "
+                            f"new weights")
             if said:
                 console(functools.partial(print, flush=True), "\n".join(said))
         start_run_dir(cfg, ctx, trainer.step)

@@ -572,12 +572,27 @@ def test_resuming_an_moe_model_with_other_micro_batches_or_loss_weights_warns(tm
                                  "model.moe_aux_weight=0.1", "model.moe_z_weight=0", "checkpoint.resume=auto"]))
 
 
+def test_checkpoint_init_starts_a_run_that_auto_then_goes_on_with(tmp_path):
+    """A job script that stays the same when the job is requeued: checkpoint.resume=auto goes on from the run's own
+    checkpoint where there is one, else from checkpoint.init (a fine-tuning's imported model)."""
+    train(load_config(TINY, [f"log.run_dir={tmp_path / 'base'}", "train.steps=2"]))
+    init = [f"checkpoint.init={tmp_path / 'base'}", "train.steps=4", "train.schedule=constant"]  # (as steps=3 has it)
+    whole = train(load_config(TINY, [f"log.run_dir={tmp_path / 'whole'}", *init]))
+    job = [f"log.run_dir={tmp_path / 'job'}", "checkpoint.resume=auto", *init]
+    first = train(load_config(TINY, [*job, "train.steps=3"]))
+    again = train(load_config(TINY, job))
+    assert [[m["step"] for m in run] for run in (whole, first, again)] == [[3, 4], [3], [4]]
+    assert [m["loss"] for m in first + again] == [m["loss"] for m in whole]
+    with pytest.raises(ConfigError, match=f"checkpoint.resume={tmp_path / 'base'} names one: leave one of them out"):
+        load_config(TINY, [f"checkpoint.resume={tmp_path / 'base'}", *init])
+
+
 def test_resuming_with_another_document_mask_warns(tmp_path):
     """The attention changes from the next step: allowed (as a longer context is), but said."""
     run = tmp_path / "run"
     train(load_config(TINY, [f"log.run_dir={run}", "train.steps=1"]))
-    with pytest.warns(UserWarning, match="with data.document_mask=true \\(the checkpoint's run: false\\): from step 2 a "
-                                         "token attends to its own document only; set data.document_mask=false"):
+    with pytest.warns(UserWarning, match="with data.document_mask=true \\(the checkpoint's run: false\\): from step "
+                                         "2 a token attends to its own document only; set data.document_mask=false"):
         train(load_config(TINY, [f"log.run_dir={run}", "train.steps=2", "data.document_mask=true",
                                  "checkpoint.resume=auto"]))
 

@@ -391,6 +391,7 @@ def test_check_removes_its_temporary_runs_when_parity_holds(tmp_path, monkeypatc
     assert out.startswith("parity OK: single process, 1 steps") and len(out.splitlines()) == 1, out  # no runs' paths
     assert not list(tmp_path.iterdir())
     for argv, said in ((["checkpoint.resume=auto"], "checkpoint.resume=auto would not be used; leave it out"),
+                       (["checkpoint.init=x"], "checkpoint.init=x would not be used; leave it out"),
                        ([], "sixfold check would compare the run with itself; give the layout to check"),
                        (["train.grad_reduce=bf16", "parallel.dp_shard=2"], "set train.grad_reduce=fp32"),
                        (["train.steps=2"], "runs --steps steps (now 5), not train.steps: give --steps instead"),
