@@ -16,9 +16,9 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Genera
         return int(logits.argmax())
     # in float64, where any positive temperature is a number (in fp32, 1e-300 is 0): a tiny one tends to greedy
     logits = (logits.double() - logits.max()) / temperature
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_k > 0:  # exactly k: of tokens tied with the k-th, those topk takes (a threshold would keep them all)
+        top = torch.topk(logits, min(top_k, logits.numel()))
+        logits = torch.full_like(logits, float("-inf")).index_copy_(0, top.indices, top.values)
     return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
 
 

@@ -62,9 +62,10 @@ class ParityResult:
 
     def line(self) -> str:
         weight_tol = "not checked" if math.isinf(self.weight_tol) else f"tol {self.weight_tol:.0e}"
+        worst = f"worst {self.worst_param}" if self.worst_param else "all equal"
         return (f"parity {'OK' if self.ok else 'FAILED'}: {self.layout}, {self.steps} steps, "
                 f"{self.loss_of} loss rel diff {self.loss_rel:.2e} (tol {self.loss_tol:.0e}), max weight rms-rel diff "
-                f"{self.weight_rel:.2e} ({weight_tol}, worst {self.worst_param})"
+                f"{self.weight_rel:.2e} ({weight_tol}, {worst})"
                 + (f"; both runs are in {self.kept}" if self.kept else ""))
 
 
@@ -122,7 +123,7 @@ def _weight_diff(layout_dir: Path, reference_dir: Path) -> tuple[float, str]:
         scale = float(ref.double().pow(2).mean().sqrt()) or 1.0
         diff = float((wa[name].double() - ref.double()).pow(2).mean().sqrt()) / scale
         diff = math.inf if math.isnan(diff) else diff
-        if diff >= weight_rel:
+        if diff > weight_rel:  # (none where every parameter is equal)
             worst, weight_rel = name, diff
     return weight_rel, worst
 

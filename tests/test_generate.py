@@ -4,7 +4,7 @@ import torch
 
 from sixfold.config import ModelConfig
 from sixfold.data import BPETokenizer, ByteTokenizer
-from sixfold.generate import continued, generate, sample_text
+from sixfold.generate import continued, generate, pick, sample_text
 from sixfold.model.llama import Llama, init_weights
 
 PROMPT = [5, 17, 200, 3, 64]
@@ -43,6 +43,13 @@ def test_sampling_is_seeded():
     for bad in (float("nan"), float("inf"), -1.0):
         with pytest.raises(ValueError, match="must be 0 \\(greedy\\) or a positive number"):
             generate(model, PROMPT, 1, temperature=bad)
+
+
+def test_top_k_keeps_k_tokens_when_logits_tie():
+    """Of tokens tied with the k-th most likely, only k are drawn from: top-k 1 is one token, as greedy is."""
+    g, tied = torch.Generator().manual_seed(0), torch.tensor([0.0, 2.0, 2.0, 2.0, -1.0])
+    assert len({pick(tied, 1.0, 1, g) for _ in range(50)}) == 1
+    assert len({pick(tied, 1.0, 2, g) for _ in range(50)}) == 2
 
 
 def test_stops_at_eot():
