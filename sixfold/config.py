@@ -210,7 +210,7 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-# "~" expanded
+# settings that are paths: "~" in them is expanded
 PATHS = ("data.source", "data.tokenizer", "data.cache_dir", "checkpoint.resume", "checkpoint.init", "log.run_dir")
 
 

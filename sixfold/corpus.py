@@ -41,8 +41,7 @@ def _docs_hash(docs) -> str:
 
 def _sixfold_output(d: Path) -> bool:
     """Whether directory d is one sixfold writes: a run directory (config.run_directory, or one that holds
-    checkpoints/latest) or a checkpoint (meta.json
-    with meta.sha256)."""
+    checkpoints/latest) or a checkpoint (meta.json with meta.sha256)."""
     return run_directory(d) or (d / "checkpoints" / "latest").is_file() or \
         ((d / META).is_file() and (d / META_SHA256).is_file())
 
