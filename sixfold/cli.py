@@ -441,8 +441,10 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGPIPE
     except (KeyboardInterrupt, Interrupted) as e:  # outside the training steps (starting up, or after the last step)
         name = getattr(e, "signal_name", "SIGINT")
-        said = " outside the training steps; nothing was saved for it" if args.command == "train" else ""
-        _tell(f"sixfold{rank}: interrupted by {name}{said}")
+        said = " outside the training steps: as the run started (nothing saved) or as it ended (all written)" \
+            if args.command == "train" else ""
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # torchrun passes it to every rank: said once a machine
+            _tell(f"sixfold: interrupted by {name}{said}")
         return 128 + signal.Signals[name]
     finally:
         put_back(previous)

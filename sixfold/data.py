@@ -424,8 +424,9 @@ def _load_bin(cfg: DataConfig, root: Path, files) -> TokenData:
                             shutil.copyfileobj(f, out, 1 << 24)
     tokens = np.memmap(path, dtype, mode="r")
     cut = len(tokens) - _val_count(len(tokens), cfg.val_fraction)
-    return TokenData(tokens[:cut], tokens[cut:], tok,
-                     read=f"{len(files):,} token files in {root}, their last tokens held out")
+    n = len(files)
+    return TokenData(tokens[:cut], tokens[cut:], tok, read=f"{n:,} token file{'s' * (n > 1)} in {root}, "
+                                                          f"{'their' if n > 1 else 'its'} last tokens held out")
 
 
 def _index_path(cfg: DataConfig, root: Path, files) -> Path:

@@ -954,8 +954,8 @@ def test_sigterm_or_sighup_before_the_first_step_is_one_line_too(sig, monkeypatc
         time.sleep(30)  # (ended by the signal's exception at once)
     monkeypatch.setattr(cli, "cmd_train", signalled)
     assert cli.main(["train", TINY]) == 128 + sig
-    assert capsys.readouterr().err == f"sixfold: interrupted by {sig.name} outside the training steps; nothing was " \
-                                      f"saved for it\n"
+    assert capsys.readouterr().err == f"sixfold: interrupted by {sig.name} outside the training steps: as the run " \
+                                      f"started (nothing saved) or as it ended (all written)\n"
     assert signal.getsignal(sig) is before
 
 
