@@ -18,14 +18,14 @@ from pathlib import Path
 
 import yaml
 
-from .config import Config, load_config
+from .config import FRESH_START, Config, load_config
 from .launch import run_ranks
 from .measure import mark_memory, others_while, peak_mb
 
-NO_RESUME = ("checkpoint.resume=", "checkpoint.init=")  # a job starts afresh: checked as such (a BPE it would train)
+NO_RESUME = tuple(f"checkpoint.{k}=" for k in FRESH_START)  # a job starts afresh: checked as such (a BPE it trains)
 OOM_EXIT = 3  # a rank out of CUDA memory exits with it, so that torchrun stops the ranks waiting for it
 QUIET = {"log": {"progress": False, "tensorboard": False, "trace": False, "sample_tokens": 0},
-         "checkpoint": {"every": 0, "save_final": False, "resume": "", "init": ""}, "train": {"eval_every": 0}}
+         "checkpoint": {"every": 0, "save_final": False, **FRESH_START}, "train": {"eval_every": 0}}
 
 
 class BenchError(RuntimeError):

@@ -13,12 +13,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
-from .config import (PICTURES, Config, ConfigError, check_available, check_tensorboard, check_text, check_world_size,
-                     load_config, make_run_dir, override, validate, writable_dir)
+from .config import (FRESH_START, PICTURES, Config, ConfigError, check_available, check_tensorboard, check_text,
+                     check_world_size, load_config, make_run_dir, override, validate, writable_dir)
 from .console import gone, mute
 from .launch import end, run_torchrun, under_torchrun
 from .run_lock import check_free
-from .stop import Interrupted, interrupting, put_back
+from .stop import interrupting, put_back
 
 SAID_WITHIN_S = 30  # how long a rank waits for its machine's first to say an error all of them raised
 
@@ -114,7 +114,7 @@ def cmd_check(args, argv) -> int:
         raise ConfigError("sixfold check compares fp32 runs to round-off; set train.grad_reduce=fp32 (or check "
                           "bf16 training, train.precision=bf16, which is held to learn like fp32)")
     args.steps = args.steps or (5 if cfg.train.precision == "fp32" else LEARN_STEPS)
-    if given := [f"checkpoint.{k}={v}" for k in ("resume", "init") if (v := getattr(cfg.checkpoint, k))]:
+    if given := [f"checkpoint.{k}={v}" for k in FRESH_START if (v := getattr(cfg.checkpoint, k))]:
         raise ConfigError(f"sixfold check starts the layout and the single process from the same initial weights: "
                           f"{' and '.join(given)} would not be used; leave {'them' if given[1:] else 'it'} out")
     overrides = _split(args.config)[1]
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         for stream in lost:
             mute(stream)
         return 128 + signal.SIGPIPE
-    except (KeyboardInterrupt, Interrupted) as e:  # outside the training steps (starting up, or after the last step)
+    except KeyboardInterrupt as e:  # outside the training steps (starting up, or after the last step); Interrupted too
         name = getattr(e, "signal_name", "SIGINT")
         said = " outside the training steps: as the run started (nothing saved) or as it ended (all written)" \
             if args.command == "train" else ""

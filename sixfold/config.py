@@ -182,6 +182,13 @@ class CheckpointConfig:
     save_final: bool = True
     async_save: bool = False  # write in a background thread from a CPU copy while training goes on
 
+    def names_checkpoint(self) -> bool:
+        """Whether the run may start from a checkpoint (resume or init is set)."""
+        return bool(self.resume or self.init)
+
+
+FRESH_START = {"resume": "", "init": ""}  # the checkpoint.* settings of a run that starts from new weights
+
 
 @dataclass
 class LogConfig:
@@ -393,7 +400,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
             raise ConfigError(f"override '{item}': the value is not valid YAML") from None
         _set(cfg, path, value)
         given |= _model_keys(path, value)
-    if fill and (cfg.checkpoint.resume or cfg.checkpoint.init):
+    if fill and cfg.checkpoint.names_checkpoint():
         _model_from_checkpoint(cfg, given)
     if check:
         validate(cfg)
@@ -839,7 +846,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not cfg.data.cache_dir.strip():
         raise ConfigError("data.cache_dir is empty: set it to the directory that keeps the tokenized corpus "
                           "(by default ~/.cache/sixfold)")
-    if not (cfg.checkpoint.resume or cfg.checkpoint.init):  # (a checkpoint may hold its tokenizer: see data_settings)
+    if not cfg.checkpoint.names_checkpoint():  # (a checkpoint may hold its tokenizer: see data_settings)
         check_bpe_size(cfg)
     for key in ("precision", "grad_reduce"):
         if getattr(t, key) not in DTYPES:

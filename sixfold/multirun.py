@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .config import Config, config_from_dict
+from .config import FRESH_START, Config, config_from_dict
 from .data import TokenData, load_data
 from .join import join_job, leave_job
 from .mesh import Groups, ParallelContext, ParallelDims
@@ -53,8 +53,8 @@ def _warm_up(cfg: Config, data: TokenData) -> None:
     with tempfile.TemporaryDirectory() as where, contextlib.redirect_stdout(io.StringIO()):
         run(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=1),
                                 log=dataclasses.replace(cfg.log, run_dir=where),
-                                checkpoint=dataclasses.replace(cfg.checkpoint, save_final=False, every=0, resume="",
-                                                                init="")),
+                                checkpoint=dataclasses.replace(cfg.checkpoint, save_final=False, every=0,
+                                                                **FRESH_START)),
             ParallelContext.single(), data)
 
 

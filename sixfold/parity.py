@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import Checkpoint
-from .config import Config, ConfigError, ParallelConfig
+from .config import FRESH_START, Config, ConfigError, ParallelConfig
 from .launch import run_torchrun
 from .logs import read_metrics
 from .slices import Reader
-from .stop import Interrupted, Stopped
+from .stop import Stopped
 from .train import train
 
 LOSS_RTOL = 1e-5
@@ -41,7 +41,7 @@ class ParityError(RuntimeError):
 
 
 QUIET = {"log": {"progress": False, "tensorboard": False, "sample_tokens": 0, "trace": False},
-         "checkpoint": {"every": 0, "save_final": True, "resume": "", "init": ""}}
+         "checkpoint": {"every": 0, "save_final": True, **FRESH_START}}
 
 
 @dataclass
@@ -165,7 +165,7 @@ def runs_dir(workdir: str | None, command: str):
     root.mkdir(parents=True, exist_ok=True)
     try:
         yield root
-    except (Stopped, KeyboardInterrupt, Interrupted, ConfigError):  # nothing to look into
+    except (Stopped, KeyboardInterrupt, ConfigError):  # nothing to look into (Interrupted is a KeyboardInterrupt)
         if workdir is None:
             shutil.rmtree(root, ignore_errors=True)
         raise

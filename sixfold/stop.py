@@ -27,9 +27,10 @@ def put_back(previous: dict) -> None:
         signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
-class Interrupted(BaseException):
-    """SIGTERM or SIGHUP outside the training steps, raised as Ctrl-C raises KeyboardInterrupt: the process unwinds
-    (its temporary files removed) and ends with one line, where the signal's default ended it at once and unsaid."""
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP outside the training steps, raised as Ctrl-C's KeyboardInterrupt is (and handled where it is):
+    the process unwinds (its temporary files removed) and ends with one line, where the signal's default ended it at
+    once and unsaid."""
 
     def __init__(self, signal_name: str):
         super().__init__(signal_name)
