@@ -13,7 +13,8 @@ transformers not (hf:1 compiles the model), so the default rows set compiled bes
 
 MFU = FLOPs per step / step time / the GPU's dense bf16 peak (989 TFLOP/s for H100 SXM and H200), with 6 FLOPs
 per matmul parameter per token (the tied head counted once, the embedding lookup not at all) and causal
-attention's 6 * seq * dim per token per layer (half the full square).
+attention's 6 * seq * dim per token per layer (half the full square). A second MFU counts attention's full square (12 *
+seq * dim), as torchtitan's and PaLM's formulas do, for comparison with numbers reported that way.
 """
 from __future__ import annotations
 
@@ -231,23 +232,26 @@ def name_of_device() -> str:
     return torch.cuda.get_device_name() if device() == "cuda" else "cpu"
 
 
-def mfu(r: dict, device: str) -> tuple[float, float]:
+def mfu(r: dict, device: str) -> tuple[float, float, float]:
+    """tokens/s, MFU, and MFU with attention's full square counted."""
     from sixfold.planner.devices import DEVICES
-    from sixfold.planner.timing import model_flops_per_token
+    from sixfold.planner.timing import attention_flops, model_flops_per_token
     peak = next((d.peak_flops for k, d in DEVICES.items() if k in device.lower()), DEVICES["h100"].peak_flops)
-    step = statistics.median(r["times"])
-    tokens_s = r["tokens"] / step
-    return tokens_s, tokens_s * model_flops_per_token(model_config(r["config"], r["seq"]), r["seq"]) / peak
+    tokens_s = r["tokens"] / statistics.median(r["times"])
+    cfg = model_config(r["config"], r["seq"])
+    flops = model_flops_per_token(cfg, r["seq"])
+    square = flops + attention_flops(r["seq"], cfg.dim) * cfg.n_layers
+    return tokens_s, tokens_s * flops / peak, tokens_s * square / peak
 
 
 def line(r: dict, device: str) -> str:
     label = f"{r['side']}{' compiled' if r['compile'] else ''}"
     if r.get("oom"):
-        return f"| {label} | {r['seq']} | {r['tokens']:,} | out of memory | | | | | |"
-    tokens_s, util = mfu(r, device)
+        return f"| {label} | {r['seq']} | {r['tokens']:,} | out of memory | | | | | | |"
+    tokens_s, util, square = mfu(r, device)
     back = f"{r['back_to_back'] * 1000:.0f}" if "back_to_back" in r else "-"
     return (f"| {label} | {r['seq']} | {r['tokens']:,} ({r['micro']}) | {statistics.median(r['times']) * 1000:.0f} | "
-            f"{back} | {tokens_s:,.0f} | {util:.1%} | "
+            f"{back} | {tokens_s:,.0f} | {util:.1%} | {square:.1%} | "
             f"{r['peak_gb']:.1f} | {r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
 
 
@@ -260,8 +264,8 @@ def report(path: str, write: bool) -> None:
         f"Device: {data['device']}, torch {data['torch']}, MFU against 989 TFLOP/s dense bf16  ",
         "",
         "| side | seq | tokens/step (micro-batches) | ms/step (median) | ms/step back to back | tokens/s | MFU | "
-        "peak GB | loss first -> last step |",
-        "|---|---|---|---|---|---|---|---|---|", *rows])
+        "MFU, full square | peak GB | loss first -> last step |",
+        "|---|---|---|---|---|---|---|---|---|---|", *rows])
     print(body)
     sys.path.insert(0, str(ROOT / "bench"))
     from common import write_doc
