@@ -43,6 +43,7 @@ from .run_dir import check_same_config, claim_run_dir, resume_path, same_resume,
 from .staging import to_device
 from .stop import SIGNAL_NAMES, StopSignal, Stopped
 from .trace import Tracer, overlap_table, write_chrome_trace
+from .utilization import Utilization
 
 TRACE_STEPS = 3
 
@@ -65,6 +66,7 @@ class Trainer:
         self.run_dir = Path(cfg.log.run_dir)
         self.tracer = Tracer(False, ctx.rank)
         self.comm = Comm(ctx, self.tracer)
+        self.utilization = Utilization(cfg, ctx.device, ctx.world_size)
         self.data = data if data is not None else self._load_data()
         if ctx.world_size > 1:
             self._check_same_data_everywhere()
@@ -188,9 +190,11 @@ class Trainer:
                           f"; step skipped, weights unchanged")
         elapsed = time.perf_counter() - start
         expert_load = self._expert_load()
+        tokens_per_s = t.global_batch * t.seq_len / elapsed
+        mfu = self.utilization.mfu(tokens_per_s)
         return {"step": self.step, "loss": math.nan if empty else loss_value, "grad_norm": grad_norm, "lr": lr,
-                "skipped": skip,
-                "tokens_per_s": t.global_batch * t.seq_len / elapsed, "step_s": elapsed,
+                "skipped": skip, "tokens_per_s": tokens_per_s, "step_s": elapsed, **({"mfu": mfu} if mfu else {}),
+                "peak_mem_gb": self.utilization.peak_memory_gb(),
                 "comm_bytes": self.comm.ledger.end_step(self.step), **expert_load}
 
     def _eval_due(self, step: int) -> bool:

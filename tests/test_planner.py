@@ -10,14 +10,16 @@ import re
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from sixfold import cli
+from sixfold import cli, utilization
 from sixfold.config import load_config
 from sixfold.planner import plan as plan_module
 from sixfold.planner.devices import DEVICES
 from sixfold.planner.memory import activations, persistent, step
 from sixfold.planner.plan import PP_SCHEDULES, Plan, _fewest_micro_batches, layouts, plan, search
 from sixfold.planner.report import ranking
+from sixfold.planner.timing import model_flops_per_token
 from sixfold.planner.rank import build_rank
 from sixfold.planner.traffic import step_bytes
 from helpers import TINY, torchrun
@@ -111,6 +113,17 @@ def test_the_ranking_keeps_its_columns_under_a_long_layout():
     head, *rows = ranking(plans, long, ("h100", 8, 1)).splitlines()[1:4]
     assert len(long.parallel.describe()) > 48
     assert all(len(row) == len(head) and row.endswith("40.0%") for row in rows), [head, *rows]
+
+
+def test_the_log_lines_mfu_counts_as_the_plan_does(monkeypatch):
+    cfg = load_config("configs/llama3-1b.yaml", ["train.precision=bf16"])
+    cpu = utilization.Utilization(cfg, torch.device("cpu"), 8)
+    assert utilization.peak_flops(torch.device("cpu"), "bf16") is None and cpu.mfu(1e5) is None
+    assert cpu.peak_memory_gb() > 0.01
+    monkeypatch.setattr(utilization, "peak_flops", lambda device, precision: DEVICES["h100"].peak_flops)
+    known = utilization.Utilization(cfg, torch.device("cpu"), 8)
+    flops = model_flops_per_token(cfg.model, cfg.train.seq_len)
+    assert known.mfu(1e5) == pytest.approx(1e5 * flops / (8 * 989e12))
 
 
 def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):

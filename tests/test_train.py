@@ -48,10 +48,11 @@ def test_run_outputs(tmp_path):
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert all(k in metrics[0] for k in ("loss", "grad_norm", "lr", "tokens_per_s", "elapsed_s"))
+    assert "mfu" not in metrics[0] and 0.05 < metrics[0]["peak_mem_gb"] <= metrics[-1]["peak_mem_gb"] < 4  # a CPU's
     assert "val_loss" in metrics[1] and "val_loss" in metrics[3]
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert (run / "config.yaml").is_file() and "dp_shard: 2" in (run / "config.yaml").read_text()
-    assert "step     4 | loss" in proc.stderr + proc.stdout
+    assert "step     4 | loss" in proc.stderr + proc.stdout and "GB | elapsed" in proc.stderr + proc.stdout
     assert "sample:\ndef " in proc.stdout + proc.stderr
     trace = json.loads((run / "trace.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
