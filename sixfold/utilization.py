@@ -13,10 +13,13 @@ from .planner.timing import model_flops_per_token
 
 
 def peak_flops(device: torch.device, precision: str) -> float | None:
-    """The dense peak of one device for train.precision, or None where it is not known (a CPU, another GPU)."""
+    """The dense peak of one device for train.precision, or None where it is not known: a CPU, another GPU, or the
+    PCIe and NVL cards of H100 and H200, slower than the SXM ones the planner knows."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device).lower()
+    if "a100" not in name and ("pcie" in name or "nvl" in name):
+        return None
     return next((peak(d, precision) for key, d in DEVICES.items() if key in name), None)
 
 
