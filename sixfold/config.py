@@ -232,6 +232,10 @@ ALIASES = {"batch_size": "global_batch", "learning_rate": "lr", "gradient_accumu
            "num_key_value_heads": "n_kv_heads", "intermediate_size": "ffn_dim", "max_position_embeddings":
            "max_seq_len", "tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
            "context_parallel_size": "cp", "expert_model_parallel_size": "ep", "max_grad_norm": "grad_clip"}
+# where ours means something else than theirs
+ALIAS_NOTES = {"batch_size": "the sequences of a step over all ranks together, not per device",
+               "gradient_accumulation_steps": "the parts train.global_batch is cut into; the step's batch stays "
+                                              "train.global_batch, not multiplied"}
 
 
 def _unknown(key: str, obj, where: str, root) -> ConfigError:
@@ -248,6 +252,8 @@ def _unknown(key: str, obj, where: str, root) -> ConfigError:
                for k in _fields(getattr(obj, c)) if len(key) > 1 and k.startswith(key))
     named = " or ".join(f"'{c}'" for c in near)
     hint = f"; did you mean {named}?" if near else f"; valid keys: {', '.join(sorted(choices))}"
+    if ALIASES.get(key) in choices and key in ALIAS_NOTES:
+        hint += f" (here: {ALIAS_NOTES[key]})"
     return ConfigError(f"unknown config key '{where}{key}'{hint}")
 
 
@@ -816,7 +822,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"train.eval_batches={t.eval_batches} at least 1 when it is set")
     if not 1 <= p.timeout_s <= MAX_TIMEOUT_S:  # NaN too
         raise ConfigError(f"parallel.timeout_s={p.timeout_s} must be a number of seconds from 1 to {MAX_TIMEOUT_S}")
-    if t.min_lr > t.lr:
+    if t.min_lr > t.lr and t.schedule != "constant":  # (a constant schedule never reaches min_lr)
         raise ConfigError(f"train.min_lr={t.min_lr:g}, where the schedule ends, is above train.lr={t.lr:g}, where it "
                           f"starts: set train.min_lr to at most {t.lr:g}")
     adam = {"beta1": 0 <= t.beta1 < 1, "beta2": 0 <= t.beta2 < 1, "eps": 0 < t.eps < 1,

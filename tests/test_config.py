@@ -42,6 +42,8 @@ def test_unknown_key_names_nearest(tmp_path):
         load_config(None, ["steps=10"])  # its section left out
     with pytest.raises(ConfigError, match="unknown config key 'train.batch_size'; did you mean 'train.global_batch'"):
         load_config(None, ["train.batch_size=16"])  # another framework's name
+    with pytest.raises(ConfigError, match="'train.micro_batches'\\? \\(here: the parts train.global_batch is cut into"):
+        load_config(None, ["train.gradient_accumulation_steps=4"])  # theirs multiplies the batch, ours cuts it
     for key, meant in (("train.tp", "parallel.tp"), ("model.precision", "train.precision"),
                        ("train.resume", "checkpoint.resume")):  # a key of another section
         with pytest.raises(ConfigError, match=f"unknown config key '{key}'; did you mean '{meant}'\\?"):
@@ -197,6 +199,11 @@ def test_bad_values(tmp_path):
 def test_impossible_layouts(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_min_lr_is_not_checked_for_a_constant_schedule():
+    """A constant schedule never reaches min_lr: an lr below min_lr's default is allowed with it."""
+    assert load_config(None, ["train.lr=5e-5", "train.schedule=constant"]).train.lr == 5e-5
 
 
 def test_world_size_mismatch():
