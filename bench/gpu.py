@@ -67,7 +67,8 @@ def timed(step, steps: int, warmup: int) -> tuple[list[float], float]:
     return times, (time.perf_counter() - start) / steps
 
 
-def sixfold_side(args) -> dict:
+def sixfold_side(args, result: dict):
+    """The step of sixfold's trainer; each step's MFU as its log line gives it goes into result["logged_mfu"]."""
     from sixfold.config import load_config
     from sixfold.mesh import ParallelContext
     from sixfold.train import Trainer
@@ -80,10 +81,17 @@ def sixfold_side(args) -> dict:
         "data.max_bytes=50000000", f"train.steps={args.warmup + args.steps}", "log.progress=false",
         "log.tensorboard=false", "checkpoint.save_final=false", f"log.run_dir={tempfile.mkdtemp()}", *args.set])
     trainer = Trainer(cfg, ParallelContext.single())
-    return lambda: trainer.train_step()["loss"]
+    logged = result.setdefault("logged_mfu", [])
+
+    def step():
+        metrics = trainer.train_step()
+        logged.append(metrics.get("mfu"))
+        return metrics["loss"]
+
+    return step
 
 
-def hf_side(args) -> dict:
+def hf_side(args):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -123,7 +131,7 @@ def worker(args) -> None:
     result = {"side": args.worker, "seq": args.seq, "tokens": args.micro * args.tokens, "micro": args.micro,
               "compile": args.compile, "config": args.config, "set": args.set}
     try:
-        step = sixfold_side(args) if args.worker == "sixfold" else hf_side(args)
+        step = sixfold_side(args, result) if args.worker == "sixfold" else hf_side(args)
         result["tree"] = str(Path(sys.modules["sixfold"].__file__).resolve().parent.parent)
         losses = []
         result["times"], result["back_to_back"] = timed(lambda: losses.append(step()), args.steps, args.warmup)

@@ -25,4 +25,9 @@ same = next(r for r in table["results"] if (r["side"], r["seq"], r["micro"]) == 
 n = 6  # its warmup and timed steps (train.steps): the same learning rates
 print(f"first {n} losses, table's run:", " ".join(f"{x:.6f}" for x in same["losses"][:n]))
 print(f"first {n} losses, profiled run:", " ".join(f"{x:.6f}" for x in profiled["losses"][:n]))
+sys.path.insert(0, "bench")
+from gpu import mfu
+logged = same["logged_mfu"][3:13]  # its timed steps, as the trainer's log line gave them
+print("the log line gave no MFU on this device" if None in logged else f"MFU of that run: the table's "
+      f"{mfu(same, table['device'])[1]:.1%}, the log line's (median) {sorted(logged)[len(logged) // 2]:.1%}")
 PY
