@@ -533,7 +533,7 @@ def make_run_dir(cfg: Config) -> Path:
         raise ConfigError(f"log.run_dir {cfg.log.run_dir} {where} {holder}, whose contents checkpoint saves replace "
                           f"and checkpoint.keep removes (this run's with them): set log.run_dir outside any run's "
                           f"checkpoints/ folder")
-    if cfg.data.source != "stdlib" and Path(cfg.data.source).resolve() == Path(cfg.log.run_dir).resolve():
+    if cfg.data.source != "stdlib" and os.path.realpath(cfg.data.source) == os.path.realpath(cfg.log.run_dir):
         raise ConfigError(f"data.source and log.run_dir are both {cfg.data.source}: the run would write its "
                           f"metrics, config and checkpoints among its corpus and read them as text when next "
                           f"started; set log.run_dir to another directory")

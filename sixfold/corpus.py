@@ -26,6 +26,14 @@ STRAY_BYTES = 1000  # a text with up to one byte in this many (of those read) no
 STRAY = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, decoded with surrogateescape
 # the names of the files sixfold.data writes in data.cache_dir (left out of a corpus listed there)
 CACHE_FILE = re.compile(r"(bpe|tokenizer|tokens|index)-[0-9a-f]+(\.train|\.val)?\.(bin|json|sha256)(\.lock)?")
+# what marks a directory as a token cache, data.cache_dir now or in an earlier run: a stream's checksums
+CACHE_MARK = re.compile(r"tokens-[0-9a-f]{32}\.sha256")
+
+
+def _in_cache(real: str, names, cache: str | None) -> bool:
+    """Whether directory `real` (holding `names`) is a token cache: data.cache_dir's, or another run's (CACHE_MARK),
+    whose files are no corpus either."""
+    return real == cache or any(CACHE_MARK.fullmatch(n) for n in names)
 
 
 class DataError(ValueError):
@@ -44,6 +52,16 @@ def _sixfold_output(d: Path) -> bool:
     checkpoints/latest) or a checkpoint (meta.json with meta.sha256)."""
     return run_directory(d) or (d / "checkpoints" / "latest").is_file() or \
         ((d / META).is_file() and (d / META_SHA256).is_file())
+
+
+def _file_identity(p: Path):
+    """The file a name leads to, the same for each of its names: symbolic links followed, and hard links (one
+    inode) alike."""
+    try:
+        st = p.stat()
+        return st.st_dev, st.st_ino
+    except OSError:  # (refused by name when read)
+        return os.path.realpath(p)
 
 
 def _walk(root: Path, skip=(), cache: Path | None = None) -> tuple[list[tuple[str, Path]], list[str]]:
@@ -65,16 +83,16 @@ def _walk(root: Path, skip=(), cache: Path | None = None) -> tuple[list[tuple[st
         mine = [x for x in dirs if _sixfold_output(Path(d, x))]
         own += [Path(d, x) for x in mine]
         dirs[:] = [x for x in dirs if x not in mine]
-        in_cache = os.path.realpath(d) == cache
+        in_cache = _in_cache(os.path.realpath(d), names, cache)
         for n in names:
             p = Path(d, n)
             if in_cache and CACHE_FILE.fullmatch(n):
                 own.append(p)
             elif not n.startswith(".") and p.is_file():
                 out.append((p.relative_to(root).as_posix(), p))
-    once = {}  # a file that links lead to by several names, read once (else it could be in both splits)
+    once = {}  # a file that links (symbolic or hard) lead to by several names, read once (else in both splits)
     for name, p in sorted(out):
-        once.setdefault(os.path.realpath(p), (name, p))
+        once.setdefault(_file_identity(p), (name, p))
     return sorted(once.values()), sorted(p.relative_to(root).as_posix() for p in own)
 
 
@@ -101,6 +119,7 @@ def _glob(pattern: Path, cache: Path) -> tuple[Path, list[tuple[str, Path]], lis
             entries = sorted(e.name for e in os.scandir(d))
         except OSError:  # unreadable: skipped, as os.walk does
             return
+        in_cache = _in_cache(real, entries, cache)
         for name in entries:
             p = Path(d, name)
             hidden = name.startswith(".") and not head.startswith(".")
@@ -113,10 +132,10 @@ def _glob(pattern: Path, cache: Path) -> tuple[Path, list[tuple[str, Path]], lis
                     else:
                         descend(p, rest if head == "**" else tail)
                 elif not tail and p.is_file():
-                    if real == cache and CACHE_FILE.fullmatch(name):
+                    if in_cache and CACHE_FILE.fullmatch(name):
                         own.append(p)
                     else:
-                        found.setdefault(os.path.realpath(p), p)  # a file reached twice (links) read once
+                        found.setdefault(_file_identity(p), p)  # a file reached twice (links) read once
             except OSError:  # a name that cannot be looked at (/proc's): not corpus
                 continue
 
@@ -143,7 +162,7 @@ def _json_lines(path: Path) -> bool:
         with open(path, "rb") as f:
             lines = [line for line in itertools.islice(f, 1000) if line.strip()][:2]
         return len(lines) == 2 and all(isinstance(json.loads(line), dict) for line in lines)
-    except (OSError, ValueError):  # unreadable: refused as text when read; not JSON lines
+    except (OSError, ValueError, RecursionError):  # unreadable: refused as text when read; not JSON lines
         return False
 
 
@@ -161,7 +180,7 @@ def _corpus(cfg: DataConfig) -> tuple[str, Path, list[tuple[str, Path]]]:
         if not files:
             raise DataError(f"data.source={cfg.source!r} matches no files under {root}")
     else:
-        root = root.resolve()
+        root = Path(os.path.realpath(root))  # (Path.resolve raises for a loop of links before Python 3.13)
         if not root.exists():
             raise DataError(f"data.source={cfg.source!r}: {root} does not exist; give a file, a directory, a pattern "
                             "or 'stdlib'")
@@ -201,7 +220,7 @@ def _jsonl_doc(doc_id: str, n: int, line: str, fields: list[str]) -> tuple | Non
     try:
         obj = json.loads(line)
         values = [obj[f] for f in fields]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # (JSON nested deeper than Python's recursion limit)
         return None
     if not all(isinstance(v, str) for v in values):
         return None
@@ -313,7 +332,9 @@ def _read(cfg: DataConfig, files, warn: bool = True):
                     continue
                 if cfg.max_bytes:
                     raw = text.encode()
-                    text = raw[:cfg.max_bytes - taken].decode("utf-8", errors="ignore")
+                    # a prompt-and-answer document cut short would teach its end of text mid-answer: left out
+                    cut_short = prompt and len(raw) > cfg.max_bytes - taken
+                    text = "" if cut_short else raw[:cfg.max_bytes - taken].decode("utf-8", errors="ignore")
                     taken += len(raw)
                     full = taken >= cfg.max_bytes
                 if text:
@@ -379,6 +400,9 @@ class Corpus:
             warnings.warn(f"read {len(mended)} file(s) with a few bytes that are not UTF-8 (at most 1 in "
                           f"{STRAY_BYTES:,}) as U+FFFD: {', '.join(mended[:5])}{' ...' if len(mended) > 5 else ''}",
                           stacklevel=2)
+        if not keys and cfg.jsonl_prompt_field and cfg.max_bytes and taken >= cfg.max_bytes:
+            raise DataError(f"data.max_bytes={cfg.max_bytes:,} holds no whole prompt-and-answer document of "
+                            f"{root}; raise data.max_bytes (or set it to 0, all of the corpus)")
         if not keys:
             jsonl = any(_format(cfg, path) == "jsonl" for _, path in files)
             fields = f"data.jsonl_field (now {cfg.jsonl_field!r}) to the field that holds the text" + (

@@ -64,7 +64,8 @@ def _sha(*parts) -> str:
 
 @contextmanager
 def _lock(path: Path):
-    """Hold an exclusive lock beside `path` so one process builds it while the others wait."""
+    """Hold an exclusive lock beside `path` so one process builds it while the others wait; what fails to be written
+    inside (a full disk, a quota) is refused naming data.cache_dir (the corpus's own read errors are DataErrors)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         f = open(path.with_name(path.name + ".lock"), "w")
@@ -72,7 +73,11 @@ def _lock(path: Path):
         raise DataError(f"cannot write the cache in {path.parent} ({e}); set data.cache_dir") from None
     with f:
         fcntl.flock(f, fcntl.LOCK_EX)
-        yield
+        try:
+            yield
+        except OSError as e:
+            raise DataError(f"cannot write the cache in {path.parent} ({e}); free space there or set "
+                            f"data.cache_dir") from None
 
 
 # ---- tokenizers ----
@@ -416,17 +421,34 @@ def _load_bin(cfg: DataConfig, root: Path, files) -> TokenData:
     if len(files) > 1:  # concatenated once into the cache
         stats = [(i, *_stamp(p)) for i, p in files]
         path = Path(cfg.cache_dir).expanduser() / f"tokens-{_sha(CACHE_FORMAT, str(root), str(dtype), stats)[:32]}.bin"
-        with _lock(path):
-            if not path.is_file() or path.stat().st_size != sum(size for _, _, size, *_ in stats):  # or damaged
-                with written(path) as tmp, open(tmp, "wb") as out:
-                    for _, p in files:
-                        with open(p, "rb") as f:
-                            shutil.copyfileobj(f, out, 1 << 24)
+        sums = path.with_suffix(".sha256")
+        if not _whole_bin(path, sums):  # none yet, or cut short or overwritten since (a whole one: no lock, read-only)
+            with _lock(path):
+                if not _whole_bin(path, sums):
+                    with written(path) as tmp, open(tmp, "wb") as out:
+                        for _, p in files:
+                            with open(p, "rb") as f:
+                                shutil.copyfileobj(f, out, 1 << 24)
+                    with written(sums) as tmp:
+                        tmp.write_text(json.dumps({"sha256": file_sha256(path), "stamp": _stamp(path)}))
     tokens = np.memmap(path, dtype, mode="r")
+    stopped = ""
+    if cfg.max_bytes and tokens.nbytes > cfg.max_bytes:  # as of text: only the first data.max_bytes (of tokens)
+        tokens, stopped = tokens[:cfg.max_bytes // dtype.itemsize], f", data.max_bytes={cfg.max_bytes:,} reached"
     cut = len(tokens) - _val_count(len(tokens), cfg.val_fraction)
     n = len(files)
-    return TokenData(tokens[:cut], tokens[cut:], tok, read=f"{n:,} token file{'s' * (n > 1)} in {root}, "
+    return TokenData(tokens[:cut], tokens[cut:], tok, read=f"{n:,} token file{'s' * (n > 1)} in {root}{stopped}, "
                                                           f"{'their' if n > 1 else 'its'} last tokens held out")
+
+
+def _whole_bin(path: Path, sums: Path) -> bool:
+    """Whether the concatenated token files at `path` are as written: unchanged since (_stamp), or else their sha256
+    as recorded then."""
+    try:
+        recorded = json.loads(sums.read_text())
+        return path.is_file() and (recorded["stamp"] == _stamp(path) or recorded["sha256"] == file_sha256(path))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _index_path(cfg: DataConfig, root: Path, files) -> Path:

@@ -831,3 +831,78 @@ def test_the_first_pass_hashes_the_train_split_as_it_is_drawn(tmp_path, val_frac
     train = list(corpus.part(False))
     assert len(train) == len(corpus.part(False)) and len(train) + len(corpus.part(True)) == 30
     assert corpus.train_digest == (_docs_hash(train) if val_fraction < 0.99 else None)
+
+
+# ---- links, caches and limits of odd corpora ----
+
+def test_a_jsonl_line_nested_too_deeply_is_a_bad_line_not_a_traceback(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"text": "one"}\n' + "[" * 100_000 + '\n{"text": "two"}\n')
+    with pytest.warns(UserWarning, match="skipped 1 line"):
+        assert [d[1] for d in iter_documents(cfg(tmp_path, source=str(path)))] == ["one", "two"]
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "\n" + "[" * 100_000 + "\n")
+    iter_documents(cfg(tmp_path, source=str(tmp_path / "deep.json")))  # not JSON lines: text
+
+
+def test_a_loop_of_links_as_data_source_is_refused_by_name(tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(DataError, match="does not exist"):
+        load_data(cfg(tmp_path, source=str(tmp_path / "a")))
+
+
+def test_a_cache_that_cannot_be_written_is_refused_naming_data_cache_dir(tmp_path, monkeypatch):
+    write_corpus(tmp_path / "c")
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(data_module, "_write_cache", full)
+    with pytest.raises(DataError, match="cannot write the cache in .*data.cache_dir"):
+        load_data(cfg(tmp_path, source=str(tmp_path / "c")))
+
+
+def test_a_concatenated_bin_cache_overwritten_in_place_is_made_again(tmp_path):
+    root = tmp_path / "bins"
+    root.mkdir()
+    tokens = np.arange(2000, dtype=np.uint16) % 256
+    tokens[:1000].tofile(root / "a.bin")
+    tokens[1000:].tofile(root / "b.bin")
+    c = cfg(tmp_path, source=str(root), val_fraction=0)
+    first = np.asarray(load_data(c).train).copy()
+    cached = next((tmp_path / "cache").glob("tokens-*.bin"))
+    cached.write_bytes(b"\0" * cached.stat().st_size)  # same size, other tokens
+    assert np.array_equal(np.asarray(load_data(c).train), first)
+
+
+def test_max_bytes_keeps_only_whole_prompt_and_answer_documents(tmp_path):
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps({"p": f"question {i}? ", "a": f"answer {i}."}) + "\n" for i in range(10)))
+    docs = iter_documents(cfg(tmp_path, source=str(path), jsonl_prompt_field="p", jsonl_field="a", max_bytes=60))
+    assert [d[1] for d in docs] == ["question 0? answer 0.", "question 1? answer 1."]  # the third, cut, left out
+    with pytest.raises(DataError, match="raise data.max_bytes"):
+        iter_documents(cfg(tmp_path, source=str(path), jsonl_prompt_field="p", jsonl_field="a", max_bytes=10))
+
+
+def test_a_token_cache_left_in_the_corpus_by_an_earlier_cache_dir_is_not_read_as_corpus(tmp_path):
+    root = write_corpus(tmp_path / "c")
+    load_data(DataConfig(source=str(root), cache_dir=str(root / "cache")))
+    with pytest.warns(UserWarning, match="sixfold's own"):
+        data = load_data(cfg(tmp_path, source=str(root)))  # another data.cache_dir now
+    assert data.read.startswith("12 documents from 12 of 12 files")
+
+
+def test_a_file_hard_linked_under_two_names_is_read_once(tmp_path):
+    root = write_corpus(tmp_path / "c", n=40)
+    (root / "copy").mkdir()
+    for p in sorted(root.glob("*.txt")):
+        os.link(p, root / "copy" / p.name)
+    for source in (root, root / "**" / "*.txt"):
+        assert len(iter_documents(cfg(tmp_path, source=str(source)))) == 40
+
+
+def test_max_bytes_limits_token_files_too(tmp_path):
+    root = tmp_path / "bins"
+    root.mkdir()
+    (np.arange(3000, dtype=np.uint16) % 256).tofile(root / "a.bin")
+    data = load_data(cfg(tmp_path, source=str(root / "a.bin"), max_bytes=1000, val_fraction=0.01))
+    assert len(data.train) + len(data.val) == 500 and "data.max_bytes=1,000 reached" in data.read
