@@ -553,7 +553,7 @@ def load_data(cfg: DataConfig) -> TokenData:
         docs = Corpus(cfg, root, files)
     train_docs, val_docs, read = docs.part(False), docs.part(True), docs.read
     read += f", {len(val_docs):,} of them held out" if val_docs else \
-        ", their last tokens held out" if cfg.val_fraction else ""
+        f", {'its' if len(train_docs) == 1 else 'their'} last tokens held out" if cfg.val_fraction else ""
     tok = build_tokenizer(cfg, train_docs, docs.train_digest)
     if cfg.jsonl_prompt_field:
         with _recorded(said):

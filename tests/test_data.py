@@ -74,7 +74,7 @@ def test_a_corpus_of_few_documents_is_split_by_tokens(tmp_path):
         assert data.summary == said + f"{len(data.val):,} val tokens"
         assert load_data(cfg(tmp_path, source=str(root), val_fraction=val_fraction)).summary == data.summary  # cached
     data = load_data(cfg(tmp_path, source=str(root), max_bytes=100))
-    assert data.read == f"1 document from 1 of 2 files in {root}, data.max_bytes=100 reached, their last tokens " \
+    assert data.read == f"1 document from 1 of 2 files in {root}, data.max_bytes=100 reached, its last tokens " \
                         "held out"
 
 
