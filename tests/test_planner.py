@@ -340,3 +340,29 @@ def test_mfu_counts_the_model_once():
             p = plan(cfg, h100, 8, ends_only)
             work.append(p.mfu * p.step_s * cfg.parallel.world_size * h100.peak_flops)
     assert work == pytest.approx([per_token * t.global_batch * t.seq_len] * 4, rel=1e-9)
+
+
+def test_reductions_of_accumulated_gradients_overlap_the_last_backward_only():
+    """Without train.reduce_each_micro_batch the gradients of several micro-batches accumulate unreduced and their
+    reductions start in the last micro-batch's backward (train.py): only that backward hides them, not the step's."""
+    cfg = load_config("configs/llama3-8b.yaml", ["train.precision=bf16", "train.seq_len=2048", "parallel.tp=8",
+                                                 "parallel.dp_replicate=2", "train.micro_batches=4"])
+    e = plan(cfg, DEVICES["h100"], 8).stages[0].estimate
+    reduce, last = e.comm_s["loss"], e.compute_s * 2 / 3 / 4
+    assert reduce > e.compute_s * 2 / 3 > last  # the whole backward would hide them; the last one's does not
+    assert e.step_s == pytest.approx(e.compute_s + e.comm_s["tp"] + reduce - last, rel=1e-6)
+    one = copy.deepcopy(cfg)
+    one.train.micro_batches = 1  # one micro-batch: its backward is the step's
+    e1 = plan(one, DEVICES["h100"], 8).stages[0].estimate
+    assert e1.step_s == pytest.approx(e1.compute_s + e1.comm_s["tp"] + max(0, reduce - e1.compute_s * 2 / 3), rel=1e-6)
+
+
+def test_of_layouts_as_fast_the_one_that_sends_less_then_the_leaner_ranks_first():
+    """Layouts whose traffic all hides behind compute plan the same step: the one that sends less comes first (it
+    depends less on that overlap), then the one that holds less."""
+    cfg = load_config("configs/llama3-8b.yaml", check=False)
+    plans = search(cfg, 16, DEVICES["h100"], 8)
+    keys = [(p.step_s, plan_module._wire(p), p.peak) for p in plans]
+    assert keys == sorted(keys)
+    ties = [(a, b) for a, b in zip(keys, keys[1:]) if a[0] == b[0]]
+    assert any(a[1] < b[1] and a[2] > b[2] for a, b in ties)  # the one that sends less, though it holds more

@@ -220,10 +220,16 @@ def search(cfg: Config, world: int, device: Device, per_node: int, refused: dict
                           f"{cfg.model.n_heads}, pp be at most model.n_layers+2={cfg.model.n_layers + 2}, the "
                           f"data-parallel size divide train.global_batch={cfg.train.global_batch}, cp divide "
                           f"train.seq_len={cfg.train.seq_len}); choose another --gpus or change those settings")
-    fits = sorted((p for p in plans if p.fits), key=lambda p: p.step_s)
+    fits = sorted((p for p in plans if p.fits), key=lambda p: (p.step_s, _wire(p), p.peak))
     if not fits:
         raise ConfigError(_none_fits(plans, device))
     return fits
+
+
+def _wire(plan: Plan) -> float:
+    """Seconds of traffic on the wire of the slowest stage: of layouts planned as fast (their traffic hidden behind
+    compute), the one that sends less depends less on that overlap, and of those the leaner comes first."""
+    return sum(max(plan.stages, key=lambda s: s.estimate.step_s).estimate.comm_s.values())
 
 
 def _none_fits(plans: list[Plan], device: Device) -> str:

@@ -2,9 +2,12 @@
 links it crosses (NVLink inside a node, the network between nodes, ring algorithms' factors), the pipeline
 bubble from the simulator (each stage costing its FLOPs, so a lighter stage's bubble holds its wait for the
 heaviest), and the data-parallel traffic hidden behind backward compute, but for the reductions that
-train.reduce_each_micro_batch waits for at the end of each micro-batch before the last (the tail).
+train.reduce_each_micro_batch waits for at the end of each micro-batch before the last (the tail). Without it, the
+gradients of several micro-batches accumulate unreduced and their reductions start in the last micro-batch's
+backward (train.py; under pipelining at each stage's last B or W): only that backward, 1/m of the step's, hides them.
 
-    step = compute / (1 - bubble) + exposed tp, cp and pp traffic + max(0, dp traffic - backward compute) + tail
+    step = compute / (1 - bubble) + exposed tp, cp and pp traffic + tail
+           + max(0, dp traffic - backward compute, dp reductions - the last micro-batch's backward)
 """
 from __future__ import annotations
 
@@ -110,6 +113,7 @@ def estimate(rank: Rank, device: Device, per_node: int) -> Estimate:
     network's bandwidth if any group of that kind spans nodes (the step waits for the slowest)."""
     compute = flops(rank) / (peak(device, rank.cfg.train.precision) * EFFICIENCY)
     comm: dict[str, float] = {}
+    reductions = 0.0  # of the hidden groups' traffic, the gradients' reductions (not the weights' gathers)
 
     def seconds(group: str, op: str, nbytes: float) -> float:
         bw = device.inter_bw if rank.ctx.dims.crosses_nodes(group, per_node) else device.intra_bw  # any group
@@ -118,11 +122,16 @@ def estimate(rank: Rank, device: Device, per_node: int) -> Estimate:
     for key, nbytes in step_bytes(rank).items():
         group, op = key.split("/")
         comm[group] = comm.get(group, 0.0) + seconds(group, op, nbytes)
+        if group in HIDDEN and op != "all_gather":
+            reductions += seconds(group, op, nbytes)
     bubble = rank.pipeline.bubble if rank.pipeline else 0.0
     hidden = sum(v for g, v in comm.items() if g in HIDDEN)
     exposed = sum(v for g, v in comm.items() if g not in HIDDEN)
     t = rank.cfg.train  # the last REDUCING reductions of each micro-batch before the last: its first units'
     last = [u for u in rank.sharded.units if u.zero >= 2][:REDUCING] if t.reduce_each_micro_batch else []
     tail = (t.micro_batches - 1) * sum(seconds(u.group, "reduce_scatter", rank.reduce_bytes * u.padded) for u in last)
-    step = compute / (1 - bubble) + exposed + max(0.0, hidden - compute * 2 / 3) + tail
+    # reductions start in the last micro-batch's backward unless each micro-batch reduces its own
+    last_backward = compute * 2 / 3 / (1 if t.reduce_each_micro_batch else t.micro_batches)
+    late = max(0.0, hidden - compute * 2 / 3, reductions - last_backward)
+    step = compute / (1 - bubble) + exposed + late + tail
     return Estimate(compute, comm, bubble, step)
