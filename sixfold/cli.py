@@ -315,7 +315,8 @@ def parser() -> argparse.ArgumentParser:
                                      "--search: every layout ranked")
     pl.add_argument("config", nargs="*", help="a YAML file, then section.key=value overrides")
     pl.add_argument("--gpus", type=_at_least(1), required=True, help="GPUs in all (the layout's world size)")
-    pl.add_argument("--gpu", choices=["h100", "h200", "a100"], default="h100", help="their kind (default h100)")
+    pl.add_argument("--gpu", type=str.lower, choices=["h100", "h200", "a100"], default="h100",
+                    help="their kind (default h100)")
     pl.add_argument("--nodes", type=_at_least(1), default=None, help="machines the GPUs are spread over, in equal "
                     "numbers (default: machines of 8)")
     pl.add_argument("--search", action="store_true", help="rank every layout of --gpus GPUs that fits")

@@ -102,6 +102,10 @@ def test_overrides_may_follow_the_flags(capsys):
     assert capsys.readouterr().out.startswith("tp8, sequence-TP on 8 x h100")
     with pytest.raises(SystemExit):
         cli.main(["plan", "configs/llama3-8b.yaml", "--gpus", "8", "--bogus"])
+    assert cli.main(["plan", "configs/llama3-8b.yaml", "--gpus", "8", "--gpu", "H200", "parallel.tp=8"]) == 0
+    out = capsys.readouterr().out  # the kind in any case; an fp32 plan (the config's) says how to plan bf16
+    assert out.startswith("tp8, sequence-TP on 8 x h200") and out.rstrip().endswith("train.precision=bf16 plans "
+                                                                                     "mixed precision")
 
 
 def test_the_ranking_keeps_its_columns_under_a_long_layout():

@@ -53,7 +53,7 @@ def describe(p: Plan, device: str, gpus: int, nodes: int) -> str:
         lines.append(f"note: {named} groups span nodes ({gpus // nodes} GPU(s) each), so their collectives, on the "
                      f"critical path of every layer, cross the network; keep them within a node ({within} dividing "
                      f"the GPUs per node)")
-    return "\n".join(lines)
+    return "\n".join(lines + _full_fp32(cfg))
 
 
 def _leaner(cfg: Config) -> str:
@@ -89,7 +89,13 @@ def ranking(plans: list[Plan], cfg: Config, where: tuple[str, int, int], refused
     lines.append(f"({fit}" + (f", the first {top} shown: --top" if top < len(plans) else "") + ")")
     if any(_reduced_each(p.cfg) for p in plans[:top]):
         lines.append("(* with train.reduce_each_micro_batch=true)")
-    return "\n".join(lines + refusals(refused or {}))
+    return "\n".join(lines + _full_fp32(cfg) + refusals(refused or {}))
+
+
+def _full_fp32(cfg: Config) -> list[str]:
+    """A note that an fp32 plan (the configs' default) is not what GPUs train in."""
+    return ["note: planned in fp32, as the config has it, which sixfold runs without tensor cores; "
+            "train.precision=bf16 plans mixed precision"] if cfg.train.precision == "fp32" else []
 
 
 def refusals(refused: dict[str, str]) -> list[str]:
