@@ -105,8 +105,8 @@ class Comm:
         with collective(name, ranks, roll_call=self.ctx.roll_call):
             work = call(self.ctx.groups[group], async_op)
         args = {"group": group, "op": op, "bytes": nbytes, **({"async": True} if async_op else {})}
-        if not async_op:
-            self.tracer.add(name, "comm", start, now_us(), **args)
+        if not async_op:  # (ranks: when the last one had posted it, overlap() counts it as communication)
+            self.tracer.add(name, "comm", start, now_us(), ranks=list(ranks), **args)
         return Pending(work if async_op else None, self.tracer, name, start, args, ranks, self.watcher,
                        self.ctx.roll_call)
 

@@ -152,21 +152,43 @@ def _received(asyncs: list[dict], ends: dict[int, list[dict | None]]) -> dict[in
     return out
 
 
+def _measure(spans: list[tuple[float, float]], within: list[tuple[float, float]]) -> float:
+    """The time of the union of `spans` that lies in the union of `within`."""
+    out, j, cut = 0.0, 0, _union(within)
+    for a, b in _union(spans):
+        while j < len(cut) and cut[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(cut) and cut[k][0] < b:
+            out += max(0.0, min(b, cut[k][1]) - max(a, cut[k][0]))
+            k += 1
+    return out
+
+
 def overlap(events: list[dict]) -> dict[str, dict[int, tuple[float, float, float]]]:
     """Per group and rank, over the traced steps, of its asynchronous collectives: ms in flight, counted from when
     every rank taking part had posted it (from issue when the trace does not say) to completion, or to the end of
     the wait when the backend does not report completion earlier (then an upper bound; a pipeline send, waited
-    for later, ends when its receive did); the share of it hidden, not spent blocked in wait() (after completion,
-    wait() may still be summing a CPU reduce-scatter's slices: compute, not in flight); and the ms blocked in wait()
-    before the last peer posted it, which is waiting for a slower rank, not communication. Ranks on different
-    machines are compared by their clocks. Synchronous collectives are left out: the compute that calls them waits
-    for all of their time."""
-    asyncs = [e for e in events if e["cat"] == "comm" and e["args"].get("async")]
+    for later, ends when its receive did); the share of it hidden behind compute: not spent blocked in
+    communication, that is in wait() for any collective while that one was in flight (before, it waits for a slower
+    rank; after its completion, wait() may still be summing a CPU reduce-scatter's slices: compute) or in a
+    synchronous collective (from when every rank taking part had posted it: before, it waits for a slower rank, as
+    the trace tells with `ranks`); and the ms blocked in its own wait() before the last peer posted it, which is waiting
+    for a slower rank, not communication. Ranks on different machines are compared by their clocks. Synchronous
+    collectives have no row: the compute that calls them waits for all of their time."""
+    comm = [e for e in events if e["cat"] == "comm"]
+    asyncs = [e for e in comm if e["args"].get("async")]
     ends = _other_ends(asyncs)
     joined, received = _joined(asyncs, ends), _received(asyncs, ends)
     spans: dict[tuple[str, int], list] = defaultdict(list)
-    exposed: dict[tuple[str, int], float] = defaultdict(float)
+    blocked: dict[int, list] = defaultdict(list)  # rank -> when it was blocked in communication
+    unplaced: dict[tuple[str, int], float] = defaultdict(float)  # waits a trace does not place (no wait_after_us)
     peers: dict[tuple[str, int], float] = defaultdict(float)
+    syncs = [e for e in comm if not e["args"].get("async")]
+    posted = _joined([e for e in syncs if isinstance(e["args"].get("group"), str)], {})
+    for e in syncs:  # blocked in it once every rank taking part had posted it
+        since = posted.get(id(e), e["ts"])
+        blocked[e["pid"]].append((since, max(since, e["ts"] + e["dur"])))
     for e in asyncs:
         key, a = (e["args"]["group"], e["pid"]), e["args"]
         start = max(e["ts"], joined[id(e)])
@@ -174,22 +196,25 @@ def overlap(events: list[dict]) -> dict[str, dict[int, tuple[float, float, float
         spans[key].append((start, end))
         waited = a.get("waited_us", 0.0)
         if "wait_after_us" not in a:
-            exposed[key] += min(waited, end - start)
+            unplaced[key] += min(waited, end - start)
             continue
         wait_at = e["ts"] + a["wait_after_us"]
-        exposed[key] += max(0.0, min(wait_at + waited, end) - max(wait_at, start))
+        # blocked on communication from when it is in flight; before, waiting for a slower rank (counted apart)
+        blocked[e["pid"]].append((max(wait_at, start), max(wait_at, start, min(wait_at + waited, end))))
         peers[key] += max(0.0, min(wait_at + waited, start) - wait_at)
     out: dict[str, dict[int, tuple[float, float, float]]] = {}
     for (group, rank), parts in sorted(spans.items()):
         total = sum(b - a for a, b in _union(parts))
-        share = max(0.0, 1 - exposed[group, rank] / total) if total else 1.0
+        exposed = min(total, _measure(parts, blocked[rank]) + unplaced[group, rank])
+        share = max(0.0, 1 - exposed / total) if total else 1.0
         out.setdefault(group, {})[rank] = (total / 1000, share, peers[group, rank] / 1000)
     return out
 
 
 def overlap_table(events: list[dict]) -> str:
     rows = ["asynchronous communication hidden behind compute (traced steps; per rank: ms in flight once every rank "
-            "taking part had posted it, share not spent waiting; apart: ms waiting for slower ranks to post)"]
+            "taking part had posted it, share not spent blocked in communication; apart: ms waiting for slower ranks "
+            "to post)"]
     groups = overlap(events)
     if not groups:
         rows.append("  none traced")

@@ -219,6 +219,17 @@ def test_ledger_steps_match_the_formulas(run):
         assert part["phases"]["sample"]["pp/send_recv"]["calls"] > 0
         for key, t in part["total"].items():
             assert t["bytes"] == sum(p.get(key, {"bytes": 0})["bytes"] for p in part["phases"].values()), key
+    trace = read_chrome_trace(run_dir / "trace.json")
+    for rank, part in data["ranks"].items():  # the trace's collectives of a step are the ledger's, byte for byte,
+        for step in range(1, STEPS + 1):      # but for the stop check after it (traced with it, "other" there)
+            traced = {"world/all_reduce": {"bytes": -32, "calls": -1}}
+            for e in trace:
+                if e["cat"] == "comm" and e["pid"] == int(rank) and e["args"]["step"] == step:
+                    t = traced.setdefault(f"{e['args']['group']}/{e['args']['op']}", {"bytes": 0, "calls": 0})
+                    t["bytes"] += e["args"]["bytes"]
+                    t["calls"] += 1
+            assert traced.pop("world/all_reduce") == {"bytes": 0, "calls": 0}, (rank, step)
+            assert traced == ledger.step_traffic(part, step), (rank, step)
     rank0 = ledger.step_traffic(data["ranks"]["0"], 1)
     assert [m["comm_bytes"] for m in read_metrics(run_dir)] == [sum(t["bytes"] for t in rank0.values())] * STEPS
     assert f"communication ledger, 4 rank(s) summed; per step: mean over {STEPS} training step(s); total: this " \
@@ -227,7 +238,7 @@ def test_ledger_steps_match_the_formulas(run):
 
 
 def test_overlap_of_asynchronous_collectives():
-    """In flight: the union of a group's spans; hidden: the share not spent blocked in wait()."""
+    """In flight: the union of a group's spans; hidden: the share not spent blocked in its wait()."""
     def comm(rank, start, end, waited, group="fsdp", asynchronous=True):
         args = {"group": group, "waited_us": waited, "step": 1, **({"async": True} if asynchronous else {})}
         return {"pid": rank, "cat": "comm", "name": f"all_reduce {group}", "ts": start, "dur": end - start,
@@ -265,6 +276,31 @@ def test_overlap_counts_from_the_last_peer():
     # wait() goes on past the completion (summing a CPU reduce-scatter's slices): compute, not communication
     summed = [comm(r, "reduce_scatter fsdp unit 0", 0, 1000, 900, 600, "reduce_scatter") for r in (0, 1)]
     assert overlap(summed) == {"fsdp": {0: (1.0, 0.9, 0.0), 1: (1.0, 0.9, 0.0)}}
+
+
+def test_time_blocked_in_other_communication_is_not_hidden():
+    """A collective in flight while its rank is blocked in another one (waiting for it while it is in flight, or in
+    a synchronous collective) is not hidden behind compute: an HSDP all-reduce across replicas while the next
+    unit's reduce-scatter is waited for, a gradient all-reduce during a tensor-parallel all-gather. Waiting for a
+    slower rank to post the other one is not counted against it (nor as hidden)."""
+    def comm(name, start, end, wait_at=None, waited=0.0, asynchronous=True):
+        args = {"group": name.split()[1], "op": name.split()[0], "step": 1, "ranks": [0],
+                **({"async": True, "wait_after_us": wait_at - start, "waited_us": waited} if asynchronous else {})}
+        return {"pid": 0, "cat": "comm", "name": name, "ts": start, "dur": end - start, "args": args}
+    events = [comm("all_reduce dp_replicate unit 3", 0, 4000, 4000, 0),  # done before its wait
+              comm("reduce_scatter fsdp unit 2", 1000, 3000, 1000, 2000),  # blocked 1000-3000
+              comm("all_gather tp tokens", 3500, 4000, asynchronous=False)]  # blocked 3500-4000
+    assert overlap(events) == {"dp_replicate": {0: (4.0, 1 - 2500 / 4000, 0.0)}, "fsdp": {0: (2.0, 0.0, 0.0)}}
+    late = [{**e, "args": {**e["args"], "ranks": [0, 1]}} for e in events[:2]]  # rank 1 posts the reduce-scatter
+    late += [{**events[1], "pid": 1, "ts": 2000, "dur": 1000, "args": {**events[1]["args"], "ranks": [0, 1],
+                                                                        "wait_after_us": 0, "waited_us": 1000}},
+             {**events[0], "pid": 1, "ts": 0, "dur": 4000, "args": {**events[0]["args"], "ranks": [0, 1]}}]
+    assert overlap(late)["dp_replicate"][0] == (4.0, 1 - 1000 / 4000, 0.0)  # blocked 2000-3000 only
+    assert overlap(late)["fsdp"][0] == (1.0, 0.0, 1.0)
+    # in a synchronous collective, from when its last rank posted it (rank 1 at 3800)
+    checks = [{**events[2], "args": {**events[2]["args"], "ranks": [0, 1]}},
+              {**events[2], "pid": 1, "ts": 3800, "dur": 200, "args": {**events[2]["args"], "ranks": [0, 1]}}]
+    assert overlap(events[:2] + checks)["dp_replicate"][0] == (4.0, 1 - 2200 / 4000, 0.0)
 
 
 def test_run_reports_the_pipeline_messages_hidden(run):
