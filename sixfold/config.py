@@ -469,9 +469,16 @@ def config_from_dict(data: dict) -> Config:
 
 
 def load_saved_config(path: str | Path) -> Config:
-    """A run directory's config.yaml; a setting it refuses is named with the file."""
+    """A run directory's config.yaml; a setting it refuses is named with the file, and so is one that lacks a
+    section (a run writes all of them: an empty or cut file would be read as defaults, as a single process)."""
     try:
-        return _validate_saved(load_config(path, check=False, fill=False))
+        cfg = _validate_saved(load_config(path, check=False, fill=False))
+        missing = [f.name for f in dataclasses.fields(Config)
+                   if f.name not in (yaml.load(Path(path).read_text(), Loader=_ConfigLoader) or {})]
+        if missing:
+            raise ConfigError(f"it has no {', '.join(missing)} section(s), which a run writes: it was cut short or is "
+                              f"not a run's; put the run's settings back there (the config a run prints as it starts)")
+        return cfg
     except ConfigError as e:
         raise ConfigError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
 

@@ -89,9 +89,9 @@ def _is_traffic(traffic) -> bool:
 
 
 def _is_run(run) -> bool:
-    """Whether `run` is one of a rank's runs of steps: first, last, comm."""
+    """Whether `run` is one of a rank's runs of steps: first, last (not before it), comm."""
     return (isinstance(run, dict) and isinstance(run.get("first"), int) and isinstance(run.get("last"), int)
-            and _is_traffic(run.get("comm")))
+            and 1 <= run["first"] <= run["last"] and _is_traffic(run.get("comm")))
 
 
 def _part_problem(part) -> str | None:
@@ -103,7 +103,7 @@ def _part_problem(part) -> str | None:
     if not isinstance(part.get("phases"), dict) or not all(map(_is_traffic, part["phases"].values())):
         return "has no 'phases' object of traffic"
     if not isinstance(part.get("steps"), list) or not all(map(_is_run, part["steps"])):
-        return "has no 'steps' list of {first, last, comm}"
+        return "has no 'steps' list of {first, last, comm} (1 <= first <= last)"
     return None
 
 

@@ -140,6 +140,10 @@ def test_trace_command_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
     (tmp_path / "config.yaml").write_text("model: {dim: 65}\n")  # a run's config.yaml, edited wrongly
     assert main(["trace", str(tmp_path)]) == 2
     assert f"{tmp_path / 'config.yaml'}: model.dim=65 is not divisible by model.n_heads" in capsys.readouterr().err
+    for cut, lacks in (("", "model, parallel, train"), ("model: {dim: 64}\nparallel: {tp: 2}\n", "train")):
+        (tmp_path / "config.yaml").write_text(cut)  # read as defaults, it would be a single process's
+        assert main(["trace", str(tmp_path)]) == 2
+        assert f"config.yaml: it has no {lacks}, data, checkpoint, log section(s)" in capsys.readouterr().err
 
 
 def test_a_malformed_trace_is_refused_naming_the_file(tmp_path, capsys):
@@ -161,7 +165,7 @@ def test_a_malformed_trace_is_refused_naming_the_file(tmp_path, capsys):
         with pytest.raises(ValueError, match=rf"trace.json is not a trace sixfold wrote \(traceEvents\[1\] has "
                                              rf"{re.escape(problem)}\)"):
             read_chrome_trace(path)
-    (tmp_path / "config.yaml").write_text("{}\n")
+    (tmp_path / "config.yaml").write_text(RUN_CONFIG_HEAD + load_config(None).to_yaml())
     assert main(["trace", str(tmp_path)]) == 2
     assert f"{path} is not a trace sixfold wrote" in capsys.readouterr().err
 
@@ -178,11 +182,13 @@ def test_a_malformed_ledger_is_refused_naming_the_file(tmp_path, capsys):
                           ({"ranks": {"0": {}}}, "rank 0's part has no 'total' traffic"),
                           ({"ranks": {"0": {**part, "phases": {"train": {"tp": {}}}}}},
                            "rank 0's part has no 'phases' object"),
-                          ({"ranks": {"0": {**part, "steps": [{"first": 1}]}}}, "rank 0's part has no 'steps' list")):
+                          ({"ranks": {"0": {**part, "steps": [{"first": 1}]}}}, "rank 0's part has no 'steps' list"),
+                          ({"ranks": {"0": {**part, "steps": [{**part["steps"][0], "first": 3, "last": 2}]}}},
+                           "rank 0's part has no 'steps' list")):  # (its steps' means would be negative)
         (tmp_path / "comm_ledger.json").write_text(json.dumps(data))
         with pytest.raises(ValueError, match=re.escape(f"comm_ledger.json is not a ledger sixfold wrote ({problem}")):
             ledger.read(tmp_path)
-    (tmp_path / "config.yaml").write_text("{}\n")
+    (tmp_path / "config.yaml").write_text(RUN_CONFIG_HEAD + load_config(None).to_yaml())
     assert main(["trace", str(tmp_path)]) == 2
     assert f"{tmp_path / 'comm_ledger.json'} is not a ledger sixfold wrote" in capsys.readouterr().err
 
