@@ -276,6 +276,10 @@ def test_a_group_kind_pays_the_network_where_any_of_its_groups_spans_nodes(capsy
     assert cli.main(["plan", "configs/llama3-8b.yaml", "train.precision=bf16", "train.global_batch=6",
                      "parallel.tp=4", "parallel.dp_shard=3", "parallel.zero=3", "--gpus", "12", "--nodes", "2"]) == 0
     assert "note: tp=4 groups span nodes (6 GPU(s) each)" in capsys.readouterr().out
+    plans = [SimpleNamespace(cfg=cfg, peak=1e9, step_s=0.5, tokens_per_s=1e4, mfu=0.4) for cfg in (
+        load_config("configs/llama3-8b.yaml", ["parallel.dp_shard=12", "train.global_batch=12"]), cfg)]
+    assert ranking(plans, cfg, ("h100", 12, 2)).splitlines()[-1] == \
+        "(groups that span nodes, whose collectives cross the network in every layer: rows 2 (tp))"
 
 
 def test_experts_under_sequence_tp_compute_their_own_rows(capsys):

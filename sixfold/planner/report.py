@@ -45,8 +45,7 @@ def describe(p: Plan, device: str, gpus: int, nodes: int) -> str:
               f"estimated step {num(p.step_s * 1e3)} ms, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}; "
               f"{'fits' if p.fits else 'does NOT fit'} in memory" + ("" if p.fits else f": {_leaner(cfg)}, or add "
                                                                      "GPUs; --search ranks the layouts that fit")]
-    dims = ParallelDims.from_config(cfg.parallel)
-    crossing = [g for g in ("tp", "cp", "ep") if getattr(cfg.parallel, g) > 1 and dims.crosses_nodes(g, gpus // nodes)]
+    crossing = _crossing(cfg, gpus, nodes)
     if crossing:
         named = " and ".join(f"{g}={getattr(cfg.parallel, g)}" for g in crossing)
         within = " and ".join(dict.fromkeys("tp x ep" if g == "ep" else "tp x cp" for g in crossing))
@@ -54,6 +53,12 @@ def describe(p: Plan, device: str, gpus: int, nodes: int) -> str:
                      f"critical path of every layer, cross the network; keep them within a node ({within} dividing "
                      f"the GPUs per node)")
     return "\n".join(lines + _full_fp32(cfg))
+
+
+def _crossing(cfg: Config, gpus: int, nodes: int) -> list[str]:
+    """The groups of tp, cp and ep whose collectives, in every layer, would cross the network."""
+    dims = ParallelDims.from_config(cfg.parallel)
+    return [g for g in ("tp", "cp", "ep") if getattr(cfg.parallel, g) > 1 and dims.crosses_nodes(g, gpus // nodes)]
 
 
 def _leaner(cfg: Config) -> str:
@@ -89,6 +94,10 @@ def ranking(plans: list[Plan], cfg: Config, where: tuple[str, int, int], refused
     lines.append(f"({fit}" + (f", the first {top} shown: --top" if top < len(plans) else "") + ")")
     if any(_reduced_each(p.cfg) for p in plans[:top]):
         lines.append("(* with train.reduce_each_micro_batch=true)")
+    spanning = {i + 1: _crossing(p.cfg, where[1], where[2]) for i, p in enumerate(plans[:top])}
+    if any(spanning.values()):
+        rows = ", ".join(f"{i} ({' and '.join(g)})" for i, g in spanning.items() if g)
+        lines.append(f"(groups that span nodes, whose collectives cross the network in every layer: rows {rows})")
     return "\n".join(lines + _full_fp32(cfg) + refusals(refused or {}))
 
 
