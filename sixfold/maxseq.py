@@ -25,13 +25,18 @@ GB = 1e9
 
 def at_length(cfg: Config, seq: int) -> Config | None:
     """A probe's config: cfg at train.seq_len=seq for PROBE_STEPS steps, or None if the layout refuses seq."""
+    try:
+        return _probe(cfg, seq)
+    except ConfigError:
+        return None
+
+
+def _probe(cfg: Config, seq: int) -> Config:
+    """cfg at train.seq_len=seq for PROBE_STEPS steps, validated."""
     c = copy.deepcopy(cfg)
     c.train.seq_len, c.train.steps = seq, PROBE_STEPS
     c.model.max_seq_len = max(c.model.max_seq_len, seq)
-    try:
-        validate(c)
-    except ConfigError:
-        return None
+    validate(c)
     return c
 
 
@@ -95,7 +100,11 @@ def max_seq(path: str, overrides: list[str], budget_gb: float | None, lo: int | 
         raise ConfigError(f"--min {lo}{default} is above --max {hi}: give a --min of at most --max")
     first = next((s for s in range(lo, hi + 1) if at_length(cfg, s)), None)
     if first is None:
-        raise ConfigError(f"no train.seq_len from --min {lo} to --max {hi} suits {cfg.parallel.describe()}")
+        try:
+            _probe(cfg, lo)
+        except ConfigError as e:
+            raise ConfigError(f"no train.seq_len from --min {lo} to --max {hi} suits {cfg.parallel.describe()} "
+                              f"(at {lo}: {e})") from None
     data = load_data(cfg.data)
     more = "more text" + (" (or a larger data.max_bytes)" if cfg.data.max_bytes else "")
     if len(data.train) - 1 < first:

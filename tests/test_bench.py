@@ -107,6 +107,8 @@ def test_max_seq_on_cpu_needs_a_budget(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["bench", TINY, "parallel.tp=3"], "model.n_heads=4 is not divisible by parallel.tp=3"),
     (["bench", "--max-seq", TINY, "parallel.cp=3", "--budget-gb", "1"], "train.seq_len=32 must be divisible by 6"),
+    (["bench", "--max-seq", TINY, "parallel.cp=2", "--budget-gb", "1", "--min", "3", "--max", "3"],
+     "no train.seq_len from --min 3 to --max 3 suits cp2, cp ring (at 3: train.seq_len=3 must be divisible by 4"),
     (["bench", "--write"], "add --table"),
     (["bench", "--runs", "3"], "add --table"),
     (["bench", "--table", "--runs", "0"], "give at least 1"),
