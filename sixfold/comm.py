@@ -96,14 +96,15 @@ class Comm:
         self.watcher = _Watcher(polls=ctx.backend != "gloo")
 
     def _run(self, op: str, group: str, nbytes: int, label: str, async_op: bool, call,
-             ranks: list[int] | None = None) -> Pending:
-        """`ranks`: those taking part (the group's members unless given: a point-to-point batch's peers)."""
+             ranks: list[int] | None = None, pg: dist.ProcessGroup | None = None) -> Pending:
+        """`ranks`: those taking part (the group's members unless given: a point-to-point batch's peers); `pg`: the
+        process group it runs on, if not the group's own (its host twin)."""
         self.ledger.record(group, op, nbytes)
         name = f"{op} {group}{' ' + label if label else ''}"
         ranks = ranks or self.ctx.members(group)
         start = now_us()
         with collective(name, ranks, roll_call=self.ctx.roll_call):
-            work = call(self.ctx.groups[group], async_op)
+            work = call(pg or self.ctx.groups[group], async_op)
         args = {"group": group, "op": op, "bytes": nbytes, **({"async": True} if async_op else {})}
         if not async_op:  # (ranks: when the last one had posted it, overlap() counts it as communication)
             self.tracer.add(name, "comm", start, now_us(), ranks=list(ranks), **args)
@@ -197,9 +198,12 @@ class Comm:
 
     def sum_scalars(self, values: list[float], group: str) -> list[float]:
         """Sum a few fp64 scalars over `group` in one collective; on a group of one, as they are (a round trip
-        through the device would wait for its queued work)."""
+        through the device would wait for its queued work). Over the world or the loss group, on its host twin
+        (mesh.HOST_GROUPS), behind no other work."""
         if self.ctx.size(group) == 1:
             return [float(v) for v in values]
-        t = torch.tensor(values, dtype=torch.float64, device=self.ctx.device)
-        self.all_reduce(t, group, label="scalars")
+        host = self.ctx.host.get(group)
+        t = torch.tensor(values, dtype=torch.float64, device="cpu" if host else self.ctx.device)
+        self._run("all_reduce", group, t.numel() * t.element_size(), "scalars", False,
+                  lambda g, a: dist.all_reduce(t, group=g, async_op=a), pg=host)
         return t.tolist()

@@ -38,6 +38,10 @@ GROUP_DIMS = {
     "world": ORDER,
 }
 GROUP_NAMES = tuple(GROUP_DIMS) + ("ep", "edp", "pp_ends")
+# groups that sum a few numbers the host holds, at a step's start and end, over a twin of their own on gloo: whatever
+# bulk work the group's own process group (in many layouts the same as fsdp's or dp's) has queued, they need not
+# wait behind it, nor for the device
+HOST_GROUPS = ("world", "loss")
 
 
 @dataclass(frozen=True)
@@ -135,17 +139,27 @@ class Groups:
     def __init__(self, timeout: timedelta, made: dict[tuple[int, ...], dist.ProcessGroup] | None = None):
         self.timeout = timeout
         self.made = dict(made or {})
+        self.host: dict[tuple[int, ...], dist.ProcessGroup] = {}  # HOST_GROUPS' twins on gloo, by ranks
 
     def make(self, dims: ParallelDims) -> None:
-        """Every group of `dims` on the job's first dims.world_size ranks, made if new."""
+        """Every group of `dims` on the job's first dims.world_size ranks, made if new, and the host twins of
+        HOST_GROUPS (ParallelContext.host)."""
         for name in GROUP_NAMES:
             for ranks in dims.all_groups(name):
                 if len(ranks) > 1 and ranks not in self.made:
                     self.made[ranks] = dist.new_group(list(ranks), timeout=self.timeout)
+        for name in HOST_GROUPS:
+            for ranks in dims.all_groups(name):
+                if len(ranks) > 1 and ranks not in self.host:
+                    self.host[ranks] = dist.new_group(list(ranks), timeout=self.timeout, backend="gloo")
 
     def named(self, dims: ParallelDims, rank: int) -> dict[str, dist.ProcessGroup | None]:
         """The named groups that hold `rank` (None for a group of one); make(dims) first."""
         return {name: self.made.get(dims.group_ranks(name, rank)) for name in GROUP_NAMES}
+
+    def named_host(self, dims: ParallelDims, rank: int) -> dict[str, dist.ProcessGroup | None]:
+        """The host twins of HOST_GROUPS that hold `rank` (None for a group of one); make(dims) first."""
+        return {name: self.host.get(dims.group_ranks(name, rank)) for name in HOST_GROUPS}
 
 
 class ParallelContext:
@@ -153,13 +167,13 @@ class ParallelContext:
 
     def __init__(self, dims: ParallelDims, rank: int, backend: str, device: torch.device,
                  groups: dict[str, dist.ProcessGroup | None], job: bool = False, timeout: timedelta | None = None,
-                 roll_call: RollCall | None = None):
+                 roll_call: RollCall | None = None, host: dict[str, dist.ProcessGroup | None] | None = None):
         self.dims, self.rank, self.backend, self.device = dims, rank, backend, device
         self.groups = groups
+        self.host = host or {name: None for name in HOST_GROUPS}  # HOST_GROUPS' twins (Groups.make)
         self.job = job  # this process joined the job itself (not a layout inside sixfold.multirun's)
         self.timeout = timeout  # parallel.timeout_s, where this process joined the job
         self.roll_call = roll_call  # there too: a failed collective names the ranks to look at
-        self._patient: dist.ProcessGroup | None = None
         self.coords = dims.coords(rank)
         self._members = {name: dims.group_ranks(name, rank) for name in GROUP_NAMES}
 
@@ -188,7 +202,7 @@ class ParallelContext:
         groups = Groups(timeout, {tuple(range(world)): dist.group.WORLD})
         groups.make(dims)
         return cls(dims, rank, backend, device, groups.named(dims, rank), job=True, timeout=timeout,
-                   roll_call=roll_call)
+                   roll_call=roll_call, host=groups.named_host(dims, rank))
 
     @classmethod
     def inside(cls, dims: ParallelDims, groups: Groups) -> "ParallelContext | None":
@@ -200,7 +214,7 @@ class ParallelContext:
         if rank >= dims.world_size:
             return None
         backend, device = pick_device()
-        return cls(dims, rank, backend, device, groups.named(dims, rank))
+        return cls(dims, rank, backend, device, groups.named(dims, rank), host=groups.named_host(dims, rank))
 
     @property
     def world_size(self) -> int:
@@ -250,8 +264,6 @@ class ParallelContext:
         inside sixfold.multirun's job, fn() at once."""
         if not self.job or self.world_size == 1:
             return fn()
-        if self._patient is None:
-            self._patient = dist.new_group(backend="gloo", timeout=self.timeout)
         first = int(os.environ.get("LOCAL_RANK", 0)) == 0
         out = self._in_turn(fn, first, "the machines' first ranks to run")
         later = self._in_turn(fn, not first, "the other ranks to run")
@@ -260,7 +272,7 @@ class ParallelContext:
     def _in_turn(self, fn, mine: bool, what: str):
         stopped = f"rank {self.rank} stopped " + (f"(one of {what})" if mine else f"waiting for {what}")
         try:
-            return in_turn(self._patient, fn, mine, self.timeout.total_seconds() / 3)
+            return in_turn(self.host["world"], fn, mine, self.timeout.total_seconds() / 3)
         except PeerFailed as e:
             raise PeerStopped(f"{stopped}: {e} (see its log)") from None
         except PeerLost as e:
@@ -269,5 +281,6 @@ class ParallelContext:
 
     def close(self) -> None:
         """Drop our references to the process groups and leave the job."""
-        self.groups, self._patient = {name: None for name in self.groups}, None
+        self.groups = {name: None for name in self.groups}
+        self.host = {name: None for name in self.host}
         leave_job()
