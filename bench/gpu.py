@@ -244,7 +244,8 @@ def mfu(r: dict, device: str) -> tuple[float, float, float]:
     """tokens/s, MFU, and MFU with attention's full square counted."""
     from sixfold.planner.devices import DEVICES
     from sixfold.planner.timing import attention_flops, model_flops_per_token
-    peak = next((d.peak_flops for k, d in DEVICES.items() if k in device.lower()), DEVICES["h100"].peak_flops)
+    from sixfold.utilization import peak_flops
+    peak = peak_flops(device, "bf16") or DEVICES["h100"].peak_flops
     tokens_s = r["tokens"] / statistics.median(r["times"])
     cfg = model_config(r["config"], r["seq"])
     flops = model_flops_per_token(cfg, r["seq"])

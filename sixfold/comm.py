@@ -112,12 +112,12 @@ class Comm:
                        self.ctx.roll_call)
 
     def all_reduce(self, t: torch.Tensor, group: str, async_op: bool = False, label: str = "",
-                   op=dist.ReduceOp.SUM) -> Pending | None:
-        """Sum (or `op`) `t` in place over `group`; a no-op on a group of one."""
+                   op=dist.ReduceOp.SUM, pg: dist.ProcessGroup | None = None) -> Pending | None:
+        """Sum (or `op`) `t` in place over `group` (on `pg`, its host twin, if given); a no-op on a group of one."""
         if self.ctx.size(group) == 1:
             return None
         return self._run("all_reduce", group, t.numel() * t.element_size(), label, async_op,
-                         lambda g, a: dist.all_reduce(t, op=op, group=g, async_op=a))
+                         lambda g, a: dist.all_reduce(t, op=op, group=g, async_op=a), pg=pg)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: str, async_op: bool = False,
                        label: str = "") -> Pending | None:
@@ -204,6 +204,5 @@ class Comm:
             return [float(v) for v in values]
         host = self.ctx.host.get(group)
         t = torch.tensor(values, dtype=torch.float64, device="cpu" if host else self.ctx.device)
-        self._run("all_reduce", group, t.numel() * t.element_size(), "scalars", False,
-                  lambda g, a: dist.all_reduce(t, group=g, async_op=a), pg=host)
+        self.all_reduce(t, group, label="scalars", pg=host)
         return t.tolist()

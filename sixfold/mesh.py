@@ -144,14 +144,10 @@ class Groups:
     def make(self, dims: ParallelDims) -> None:
         """Every group of `dims` on the job's first dims.world_size ranks, made if new, and the host twins of
         HOST_GROUPS (ParallelContext.host)."""
-        for name in GROUP_NAMES:
-            for ranks in dims.all_groups(name):
-                if len(ranks) > 1 and ranks not in self.made:
-                    self.made[ranks] = dist.new_group(list(ranks), timeout=self.timeout)
-        for name in HOST_GROUPS:
-            for ranks in dims.all_groups(name):
-                if len(ranks) > 1 and ranks not in self.host:
-                    self.host[ranks] = dist.new_group(list(ranks), timeout=self.timeout, backend="gloo")
+        for names, made, backend in ((GROUP_NAMES, self.made, None), (HOST_GROUPS, self.host, "gloo")):
+            for ranks in (ranks for name in names for ranks in dims.all_groups(name)):
+                if len(ranks) > 1 and ranks not in made:
+                    made[ranks] = dist.new_group(list(ranks), timeout=self.timeout, backend=backend)
 
     def named(self, dims: ParallelDims, rank: int) -> dict[str, dist.ProcessGroup | None]:
         """The named groups that hold `rank` (None for a group of one); make(dims) first."""

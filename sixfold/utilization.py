@@ -12,12 +12,11 @@ from .planner.devices import DEVICES, peak
 from .planner.timing import model_flops_per_token
 
 
-def peak_flops(device: torch.device, precision: str) -> float | None:
-    """The dense peak of one device for train.precision, or None where it is not known: a CPU, another GPU, or the
-    PCIe and NVL cards of H100 and H200, slower than the SXM ones the planner knows."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device).lower()
+def peak_flops(name: str, precision: str) -> float | None:
+    """The dense peak for train.precision of the device named `name` (as torch.cuda.get_device_name gives it), or
+    None where it is not known: a CPU, another GPU, or the PCIe and NVL cards of H100 and H200, slower than the SXM
+    ones the planner knows."""
+    name = name.lower()
     if "a100" not in name and ("pcie" in name or "nvl" in name):
         return None
     return next((peak(d, precision) for key, d in DEVICES.items() if key in name), None)
@@ -29,7 +28,8 @@ class Utilization:
 
     def __init__(self, cfg: Config, device: torch.device, world_size: int):
         self.device = device
-        rate = peak_flops(device, cfg.train.precision)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        rate = peak_flops(name, cfg.train.precision)
         self.flops = None if rate is None else \
             model_flops_per_token(cfg.model, cfg.train.seq_len) / (rate * world_size)
 

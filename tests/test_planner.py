@@ -122,7 +122,8 @@ def test_the_ranking_keeps_its_columns_under_a_long_layout():
 def test_the_log_lines_mfu_counts_as_the_plan_does(monkeypatch):
     cfg = load_config("configs/llama3-1b.yaml", ["train.precision=bf16"])
     cpu = utilization.Utilization(cfg, torch.device("cpu"), 8)
-    assert utilization.peak_flops(torch.device("cpu"), "bf16") is None and cpu.mfu(1e5) is None
+    assert [utilization.peak_flops(name, "bf16") for name in ("cpu", "NVIDIA H200", "NVIDIA H100 PCIe")] == \
+        [None, 989e12, None] and cpu.mfu(1e5) is None
     assert cpu.peak_memory_gb() > 0.01
     monkeypatch.setattr(utilization, "peak_flops", lambda device, precision: DEVICES["h100"].peak_flops)
     known = utilization.Utilization(cfg, torch.device("cpu"), 8)
