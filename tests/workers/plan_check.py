@@ -8,19 +8,68 @@ pipelining) the bytes saved for backward by one micro-batch.
 import ctypes
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from sixfold import comm
 from sixfold.activations import SavedTensors
 from sixfold.config import load_config
 from sixfold.mesh import ParallelContext
 from sixfold.train import Trainer
 
-# The CPU allocator's total counts a free only on a thread the profiler follows, or with this flag on. A tensor
-# sent by gloo is freed on gloo's thread when that thread drops the last reference: without the flag it would
-# count as held for the rest of the step (more or fewer each run).
+
+class Settled:
+    """A collective's work whose wait() returns once gloo's thread has let go of its tensors too. That thread holds
+    them until it next runs: a moment after the collective ended or, with every core busy, many milliseconds. Were
+    this thread to drop them first, they would be freed there, when the scheduler lets it, and not where this
+    rank's program lets go of them (more or less at the peak each run)."""
+
+    def __init__(self, work, tensors: list[torch.Tensor], counts: list[int]):
+        self.work, self.tensors, self.counts = work, tensors, counts
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        self.work.wait()
+        self.work = None
+        deadline = time.monotonic() + 10
+        while any(t._use_count() > n for t, n in zip(self.tensors, self.counts)) and time.monotonic() < deadline:
+            time.sleep(1e-4)
+
+    def __getattr__(self, name):  # get_future, is_completed
+        return getattr(self.work, name)
+
+
+def settled(collective):
+    """`collective` (a torch.distributed call on the tensors among its first two arguments) with a Settled work,
+    waited for unless asked not to."""
+    def call(*args, async_op=False, **kwargs):
+        tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+        work = Settled(None, tensors, [t._use_count() for t in tensors])
+        work.work = collective(*args, async_op=True, **kwargs)
+        if async_op:
+            return work
+        work.wait()
+    return call
+
+
+def settled_batch(ops: list[dist.P2POp], batch=dist.batch_isend_irecv) -> list[Settled]:
+    """torch.distributed.batch_isend_irecv with Settled works (gloo's: one for each op)."""
+    counts = [op.tensor._use_count() for op in ops]
+    works = batch(ops)
+    assert len(works) == len(ops)
+    return [Settled(work, [op.tensor], [n]) for work, op, n in zip(works, ops, counts)]
+
+
+dist.all_reduce, dist.broadcast, dist.all_to_all_single, comm._all_gather = (
+    settled(f) for f in (dist.all_reduce, dist.broadcast, dist.all_to_all_single, comm._all_gather))
+dist.batch_isend_irecv = settled_batch
+# The CPU allocator's total counts a free only on a thread the profiler follows, or with this flag on (a tensor gloo's
+# thread held past the deadline above).
 ctypes.c_bool.in_dll(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so")),
                      "FLAGS_caffe2_report_cpu_memory_usage").value = True
 out = Path(sys.argv[1])
