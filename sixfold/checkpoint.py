@@ -49,6 +49,14 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def read_small(path: Path) -> bytes:
+    """A small file of a checkpoint or run (`latest`, meta.sha256); one that cannot be read as a CheckpointError."""
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read ({e.strerror or e}); make it readable to every rank") from None
+
+
 def resume_source(settings: CheckpointConfig, run_dir: str) -> str:
     """The checkpoint or run directory a run starts from ("" if none): checkpoint.resume, where "auto" is the run
     directory when it has a checkpoint; else checkpoint.init."""
@@ -69,7 +77,7 @@ def find_checkpoint(path: str | Path) -> Path:
     holder = path if (path / "latest").is_file() or steps_in(path) else path / "checkpoints"
     latest = holder / "latest"
     if latest.is_file():
-        name = latest.read_text().strip()
+        name = read_small(latest).decode(errors="replace").strip()  # (a garbled one is named below)
         found = holder / name
         if not name.startswith("step_") or Path(name).name != name:
             raise CheckpointError(f"{latest} names {name!r}, not a checkpoint of this run; point it at one of "
@@ -100,6 +108,9 @@ def find_checkpoint(path: str | Path) -> Path:
     if run_directory(path):
         raise CheckpointError(f"{path} is a run directory with no checkpoint yet: a run writes one every "
                               f"checkpoint.every steps and at its end (unless checkpoint.save_final=false)")
+    if step_of(path) is not None:  # a run's checkpoint that lost (or never got) its meta.json
+        raise CheckpointError(f"{path} is not a complete checkpoint: it has no {META} (a save that did not finish, "
+                              f"or one that checkpoint.keep was removing){_elsewhere(path)}")
     raise CheckpointError(f"{path} is neither a checkpoint (no {META}) nor a run directory with checkpoints")
 
 
@@ -170,7 +181,8 @@ def set_aside(run_dir: str | Path, after: int | None = None, first=None) -> Path
             raise
     for path in sorted(moved):
         path.rename(aside / path.name)
-    latest = step_of(Path((root / "latest").read_text().strip())) if (root / "latest").is_file() else None
+    latest = step_of(Path((root / "latest").read_bytes().decode(errors="replace").strip())) \
+        if (root / "latest").is_file() else None
     if latest is not None and latest > after:
         (root / "latest").replace(aside / "latest")
     return aside
@@ -179,7 +191,8 @@ def set_aside(run_dir: str | Path, after: int | None = None, first=None) -> Path
 def _elsewhere(path: Path) -> str:
     """The newest other complete checkpoint of the run of checkpoint `path`, to name beside a damaged file."""
     others = [p for p in complete_in(path.parent) if p != path]
-    return f"; the newest other complete checkpoint of this run is {others[-1]}" if others else ""
+    return f"; the newest other complete checkpoint of this run is {others[-1]}: give that path instead (to train " \
+        f"on from it: checkpoint.resume={others[-1]})" if others else ""
 
 
 def read_meta(path: str | Path) -> dict:
@@ -193,7 +206,7 @@ def read_meta(path: str | Path) -> dict:
     if not digest.is_file():
         warnings.warn(f"{path / META} is read unchecked: {path} has no {META_SHA256}, which sixfold writes beside it "
                       f"(a checkpoint from before it did, or one whose {META_SHA256} was removed)")
-    elif digest.read_text().strip() != hashlib.sha256(text).hexdigest():
+    elif read_small(digest).strip() != hashlib.sha256(text).hexdigest().encode():  # (garbled bytes: corrupt too)
         raise CheckpointError(f"{path / META} is corrupt: its sha256 does not match {META_SHA256}{_elsewhere(path)}")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from sixfold import cli, config
 from sixfold.checkpoint import (Checkpoint, CheckpointError, complete_steps, find_checkpoint, mark_latest, publish,
-                                read_meta, start_staging, write_tensors)
+                                read_meta, set_aside, start_staging, write_tensors)
 from sixfold.config import RUN_CONFIG_HEAD, ConfigError, load_config
 from sixfold.data import BPETokenizer, DataError, load_data
 from sixfold.logs import read_metrics
@@ -150,6 +150,8 @@ BAD = {
                              "checkpoint.resume, or in another log.run_dir\\)"),
     "unreadable meta.json": (lambda p: (p / "meta.json").write_text("{"), [], "meta.json is unreadable"),
     "altered meta.json": (_flip_step, [], "meta.json is corrupt: its sha256 does not match meta.sha256"),
+    "garbled meta.sha256": (lambda p: (p / "meta.sha256").write_bytes(b"\xa7\xff\x00"), [],
+                            "meta.json is corrupt: its sha256 does not match meta.sha256"),
     "meta.json without a field": (lambda p: _meta(p, lambda m: m.pop("optimizer_steps")), [],
                                   "meta.json has no valid 'optimizer_steps'"),
     "meta.json of another shape": (lambda p: _meta(p, lambda m: m.update(files=[])), [],
@@ -290,6 +292,11 @@ def test_a_run_directory_with_no_checkpoint_yet_is_named_so(tmp_path):
                                               "checkpoint to read instead: to train, start anew \\(without "
                                               "checkpoint.resume\\) or give another log.run_dir"):
         find_checkpoint(run)
+    with pytest.raises(CheckpointError, match="step_0000002 is not a complete checkpoint: it has no meta.json"):
+        find_checkpoint(run / "checkpoints" / "step_0000002")
+    (run / "checkpoints" / "latest").write_bytes(b"\xff\xfe step")  # garbled: named, not a decoding error
+    with pytest.raises(CheckpointError, match="latest names .*, not a checkpoint of this run; point it at one of"):
+        find_checkpoint(run)
 
 
 def test_a_run_that_starts_over_moves_the_earlier_runs_checkpoints_aside(tmp_path):
@@ -328,12 +335,21 @@ def test_a_damaged_checkpoint_names_the_runs_newest_other_one(tmp_path):
     train(load_config(TINY, [f"log.run_dir={run}", "train.steps=2", "checkpoint.every=1"]))
     _truncate(run / "checkpoints" / "step_0000002")
     with pytest.raises(CheckpointError, match="step_0000002/model-00000.safetensors is corrupt: .*; the newest other "
-                                              "complete checkpoint of this run is .*step_0000001"):
+                                              "complete checkpoint of this run is .*step_0000001: give that path "
+                                              "instead \\(to train on from it: checkpoint.resume=.*step_0000001\\)"):
         Trainer(load_config(TINY, [f"log.run_dir={run}", "checkpoint.resume=auto"]), ParallelContext.single())
     (run / "checkpoints" / "step_0000002" / "meta.json").write_text("{")  # its meta.json too
     with pytest.raises(CheckpointError, match="step_0000002/meta.json is unreadable: .*; the newest other complete "
                                               "checkpoint of this run is .*step_0000001"):
         Trainer(load_config(TINY, [f"log.run_dir={run}", "checkpoint.resume=auto"]), ParallelContext.single())
+
+
+def test_a_garbled_latest_does_not_stop_a_resume_from_an_earlier_step(tmp_path):
+    for step in (2, 4):
+        (tmp_path / "checkpoints" / f"step_000000{step}").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_bytes(b"\xff\xfe garbage")
+    aside = set_aside(tmp_path, after=2)
+    assert [p.name for p in aside.iterdir()] == ["step_0000004"] and (tmp_path / "checkpoints" / "latest").is_file()
 
 
 def test_checkpoints_are_ordered_by_step_number(tmp_path):
@@ -496,6 +512,11 @@ def test_a_file_that_cannot_be_read_is_refused_naming_it(saved, monkeypatch):
     with pytest.raises(CheckpointError, match=r"model-00000.safetensors cannot be read \(Permission denied\); make "
                                               "it readable to every rank"):
         Checkpoint(saved).file("model-00000.safetensors")
+    opened = Path.open
+    for name in ("latest", "meta.sha256"):  # its small files too: named, not a traceback
+        monkeypatch.setattr(Path, "open", lambda p, *a, **k: denied(p) if p.name == name else opened(p, *a, **k))
+        with pytest.raises(CheckpointError, match=rf"{name} cannot be read \(Permission denied\); make it readable"):
+            Checkpoint(saved.parent.parent)
 
 
 def test_a_resume_with_another_batch_and_context_goes_on_in_their_order_and_says_so_once(saved, tmp_path):
