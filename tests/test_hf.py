@@ -190,11 +190,22 @@ def test_a_sliding_window_is_refused_for_mixtral_only():
     ("hidden_act", "gelu"),
     ("head_dim", 32),
     ("model_type", "mistral"),
+    ("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]}),
 ])
 def test_unrepresentable_config_is_refused(field, value):
     hf = {**hf_config_from_model(ModelConfig()), field: value}
     with pytest.raises(ValueError, match=field):
         model_config_from_hf(hf)
+
+
+def test_swish_is_imported_as_the_silu_it_is(tmp_path):
+    """transformers computes hidden_act="swish" as silu."""
+    hf = hf_model(False, hidden_act="swish")
+    hf.save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    model, _ = load_model(tmp_path / "ckpt")
+    with torch.no_grad():
+        assert max_diff(model(tokens()), hf(tokens()).logits) <= TOL
 
 
 def test_import_refuses_bias_model(tmp_path):

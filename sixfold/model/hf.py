@@ -167,12 +167,16 @@ def model_config_from_hf(hf: dict, source: str | Path = "config.json") -> ModelC
         raise ConfigError(f"model_type={hf.get('model_type')!r}: only 'llama' and 'mixtral' models can be imported")
     if hf.get("sliding_window") and hf["model_type"] == "mixtral":  # transformers' Llama has no window
         raise ConfigError(f"sliding_window={hf['sliding_window']}: sixfold attends to the whole causal context")
+    if hf.get("quantization_config"):  # its weights are not the numbers they hold (scales, packing)
+        quant = hf["quantization_config"]
+        raise ConfigError(f"quantization_config={quant}: sixfold reads unquantized weights; import the model's bf16 or "
+                          f"fp32 release")
     defaults = DEFAULTS[hf["model_type"]]
     rope = _rope(hf, defaults)
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ConfigError(f"{flag}=true: sixfold's linear layers have no bias")
-    if hf.get("hidden_act", "silu") != "silu":
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' two names for one function
         raise ConfigError(f"hidden_act={hf['hidden_act']!r}: sixfold's MLP uses silu (SwiGLU)")
     _check_numbers(hf, source)
     try:
