@@ -208,6 +208,20 @@ def test_swish_is_imported_as_the_silu_it_is(tmp_path):
         assert max_diff(model(tokens()), hf(tokens()).logits) <= TOL
 
 
+@pytest.mark.parametrize("moe,field,value,said", [
+    (0, "num_key_value_heads", 3, "num_attention_heads=4 is not divisible by num_key_value_heads=3: set "
+                                  "num_key_value_heads to one of 1, 2, 4"),
+    (4, "num_experts_per_tok", 5, "num_experts_per_tok=5 must be between 1 and num_local_experts=4"),
+])
+def test_a_shape_sixfold_cannot_build_is_refused_in_config_jsons_names(tmp_path, moe, field, value, said):
+    hf = {**hf_config_from_model(ModelConfig(n_heads=4, n_kv_heads=2, moe_experts=moe, moe_top_k=min(moe, 2))),
+          field: value}
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / 'hf' / 'config.json'}: {said}")):
+        import_hf(tmp_path / "hf", tmp_path / "ckpt")
+
+
 def test_import_refuses_bias_model(tmp_path):
     hf_model(False, attention_bias=True).save_pretrained(tmp_path / "hf")
     with pytest.raises(ValueError, match="attention_bias"):

@@ -8,6 +8,7 @@ transformers version reads.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -138,6 +139,11 @@ def _rope(hf: dict, defaults: dict) -> dict:
 INTEGERS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "intermediate_size", "max_position_embeddings", "num_local_experts", "num_experts_per_tok", "head_dim")
 NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range", "router_aux_loss_coef")
+# a model setting's name in a transformers config.json
+HF_NAMES = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
+            "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "ffn_dim": "intermediate_size",
+            "max_seq_len": "max_position_embeddings", "moe_experts": "num_local_experts",
+            "moe_top_k": "num_experts_per_tok"}
 
 
 def _read_json(file: Path) -> dict:
@@ -294,7 +300,11 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     model_cfg = model_config_from_hf(_read_json(hf_dir / "config.json"), hf_dir / "config.json")
     cfg = Config(model=model_cfg)
     cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
-    config_from_dict(cfg.to_dict())  # validates the imported shape
+    try:
+        config_from_dict(cfg.to_dict())  # validates the imported shape
+    except ConfigError as e:  # said in config.json's names, the file to change
+        said = re.sub(r"model\.(\w+)", lambda m: HF_NAMES.get(m[1], m[0]), str(e))
+        raise ConfigError(f"{hf_dir / 'config.json'}: {said}") from None
     read = read_hf_weights(hf_dir)
     _stack_experts(read, model_cfg.n_layers, model_cfg.moe_experts)
     tensors = {}
