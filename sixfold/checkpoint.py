@@ -57,6 +57,11 @@ def read_small(path: Path) -> bytes:
         raise CheckpointError(f"{path} cannot be read ({e.strerror or e}); make it readable to every rank") from None
 
 
+def latest_name(latest: Path) -> str:
+    """The checkpoint a run's `latest` file names, as written (a garbled one as best decoded, for messages)."""
+    return read_small(latest).decode(errors="replace").strip()
+
+
 def resume_source(settings: CheckpointConfig, run_dir: str) -> str:
     """The checkpoint or run directory a run starts from ("" if none): checkpoint.resume, where "auto" is the run
     directory when it has a checkpoint; else checkpoint.init."""
@@ -77,7 +82,7 @@ def find_checkpoint(path: str | Path) -> Path:
     holder = path if (path / "latest").is_file() or steps_in(path) else path / "checkpoints"
     latest = holder / "latest"
     if latest.is_file():
-        name = read_small(latest).decode(errors="replace").strip()  # (a garbled one is named below)
+        name = latest_name(latest)  # (a garbled one is named below)
         found = holder / name
         if not name.startswith("step_") or Path(name).name != name:
             raise CheckpointError(f"{latest} names {name!r}, not a checkpoint of this run; point it at one of "
@@ -181,8 +186,7 @@ def set_aside(run_dir: str | Path, after: int | None = None, first=None) -> Path
             raise
     for path in sorted(moved):
         path.rename(aside / path.name)
-    latest = step_of(Path((root / "latest").read_bytes().decode(errors="replace").strip())) \
-        if (root / "latest").is_file() else None
+    latest = step_of(Path(latest_name(root / "latest"))) if (root / "latest").is_file() else None
     if latest is not None and latest > after:
         (root / "latest").replace(aside / "latest")
     return aside

@@ -49,8 +49,8 @@ def settled(collective):
     waited for unless asked not to."""
     def call(*args, async_op=False, **kwargs):
         tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
-        work = Settled(None, tensors, [t._use_count() for t in tensors])
-        work.work = collective(*args, async_op=True, **kwargs)
+        counts = [t._use_count() for t in tensors]  # before the collective holds them
+        work = Settled(collective(*args, async_op=True, **kwargs), tensors, counts)
         if async_op:
             return work
         work.wait()
