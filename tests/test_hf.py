@@ -173,12 +173,14 @@ def test_a_tied_model_is_read_from_whichever_name_holds_its_one_copy(tmp_path):
 
 
 def test_a_sliding_window_is_refused_for_mixtral_only():
-    """transformers' Llama has no sliding window and ignores the field; Mixtral's attention uses it."""
-    llama = {**hf_config_from_model(ModelConfig()), "sliding_window": 4096}
+    """transformers' Llama has no sliding window and ignores the field; Mixtral's attention uses it where it is
+    shorter than the context (max_position_embeddings=2048 here)."""
+    llama = {**hf_config_from_model(ModelConfig()), "sliding_window": 1024}
     assert model_config_from_hf(llama) == model_config_from_hf({**llama, "sliding_window": None})
     mixtral = hf_config_from_model(ModelConfig(moe_experts=4, moe_top_k=2))
-    with pytest.raises(ConfigError, match="sliding_window=4096"):
-        model_config_from_hf({**mixtral, "sliding_window": 4096})
+    with pytest.raises(ConfigError, match="sliding_window=1024 is shorter than max_position_embeddings=2048"):
+        model_config_from_hf({**mixtral, "sliding_window": 1024})
+    assert model_config_from_hf({**mixtral, "sliding_window": 2048}) == model_config_from_hf(mixtral)
 
 
 @pytest.mark.parametrize("field,value", [

@@ -137,13 +137,22 @@ def _rope(hf: dict, defaults: dict) -> dict:
 
 
 INTEGERS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "intermediate_size", "max_position_embeddings", "num_local_experts", "num_experts_per_tok", "head_dim")
+            "intermediate_size", "max_position_embeddings", "num_local_experts", "num_experts_per_tok", "head_dim",
+            "sliding_window")
 NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range", "router_aux_loss_coef")
-# a model setting's name in a transformers config.json
+# a model setting's name in a transformers config.json; those of MOE are Mixtral's alone
 HF_NAMES = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
             "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "ffn_dim": "intermediate_size",
-            "max_seq_len": "max_position_embeddings", "moe_experts": "num_local_experts",
-            "moe_top_k": "num_experts_per_tok"}
+            "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings",
+            "max_seq_len": "max_position_embeddings", "init_std": "initializer_range",
+            "moe_experts": "num_local_experts", "moe_top_k": "num_experts_per_tok",
+            "moe_aux_weight": "router_aux_loss_coef"}
+MOE = ("moe_experts", "moe_top_k", "moe_aux_weight")
+
+
+def _names(mixtral: bool) -> dict:
+    """HF_NAMES of a Llama, or of a Mixtral."""
+    return {ours: theirs for ours, theirs in HF_NAMES.items() if mixtral or ours not in MOE}
 
 
 def _read_json(file: Path) -> dict:
@@ -171,8 +180,6 @@ def model_config_from_hf(hf: dict, source: str | Path = "config.json") -> ModelC
     hf = {k: v for k, v in hf.items() if v is not None}
     if hf.get("model_type") not in ("llama", "mixtral"):
         raise ConfigError(f"model_type={hf.get('model_type')!r}: only 'llama' and 'mixtral' models can be imported")
-    if hf.get("sliding_window") and hf["model_type"] == "mixtral":  # transformers' Llama has no window
-        raise ConfigError(f"sliding_window={hf['sliding_window']}: sixfold attends to the whole causal context")
     if hf.get("quantization_config"):  # its weights are not the numbers they hold (scales, packing)
         quant = hf["quantization_config"]
         raise ConfigError(f"quantization_config={quant}: sixfold reads unquantized weights; import the model's bf16 or "
@@ -185,18 +192,17 @@ def model_config_from_hf(hf: dict, source: str | Path = "config.json") -> ModelC
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' two names for one function
         raise ConfigError(f"hidden_act={hf['hidden_act']!r}: sixfold's MLP uses silu (SwiGLU)")
     _check_numbers(hf, source)
+    given = {**defaults, "tie_word_embeddings": False, **hf}
+    if given["num_key_value_heads"] is None and "num_attention_heads" in given:  # transformers: one per head
+        given["num_key_value_heads"] = given["num_attention_heads"]
+    window = hf.get("sliding_window") if hf["model_type"] == "mixtral" else None  # transformers' Llama has none
+    if window and window < given["max_position_embeddings"]:  # a window as long as the context changes nothing
+        raise ConfigError(f"sliding_window={window} is shorter than max_position_embeddings="
+                          f"{given['max_position_embeddings']}: sixfold attends to the whole causal context")
     try:
-        dim, heads = hf["hidden_size"], hf["num_attention_heads"]
-        given = {**defaults, **{k: hf[k] for k in defaults if k in hf}}
-        cfg = ModelConfig(
-            vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
-            n_kv_heads=given.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
-            norm_eps=float(given["rms_norm_eps"]), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_seq_len=given["max_position_embeddings"], init_std=float(given["initializer_range"]),
-            **{"rope_theta": float(given["rope_theta"]), **rope})
-        if hf["model_type"] == "mixtral":
-            cfg.moe_experts, cfg.moe_top_k = hf["num_local_experts"], hf["num_experts_per_tok"]
-            cfg.moe_aux_weight = float(given["router_aux_loss_coef"])
+        mine = {ours: type(getattr(ModelConfig, ours))(given[theirs])
+                for ours, theirs in _names(hf["model_type"] == "mixtral").items()}
+        cfg = ModelConfig(**{**mine, **rope})
     except KeyError as e:
         raise ConfigError(f"{source} has no value for {e.args[0]}; set it to the model's") from None
     if hf.get("head_dim") not in (None, cfg.head_dim):
@@ -213,33 +219,15 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     if cfg.moe_experts and not cfg.moe_norm_topk:
         raise ConfigError("Mixtral renormalises the chosen experts' weights: a model trained with "
                           "model.moe_norm_topk=false cannot be exported as one")
-    moe = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": cfg.moe_experts,
-           "num_experts_per_tok": cfg.moe_top_k, "router_aux_loss_coef": cfg.moe_aux_weight,
-           "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None} \
-        if cfg.moe_experts else {}
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None if cfg.rope_scaling == "none" else
-        {"rope_type": cfg.rope_scaling, **{k: getattr(cfg, ours) for k, ours in ROPE[cfg.rope_scaling].items()}},
-        "rms_norm_eps": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "max_position_embeddings": cfg.max_seq_len,
-        "initializer_range": cfg.init_std,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        **moe,
-    }
+    moe = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "output_router_logits": False,
+           "router_jitter_noise": 0.0, "sliding_window": None} if cfg.moe_experts else {}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            **{theirs: getattr(cfg, ours) for ours, theirs in _names(bool(cfg.moe_experts)).items()},
+            "head_dim": cfg.head_dim, "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+            "mlp_bias": False,
+            "rope_scaling": None if cfg.rope_scaling == "none" else
+            {"rope_type": cfg.rope_scaling, **{k: getattr(cfg, ours) for k, ours in ROPE[cfg.rope_scaling].items()}},
+            **moe}
 
 
 def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
