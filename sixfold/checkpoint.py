@@ -193,10 +193,14 @@ def set_aside(run_dir: str | Path, after: int | None = None, first=None) -> Path
 
 
 def _elsewhere(path: Path) -> str:
-    """The newest other complete checkpoint of the run of checkpoint `path`, to name beside a damaged file."""
+    """What to use instead of the damaged checkpoint `path`: its run's newest other complete checkpoint, or, with
+    none, a copy or a new start."""
     others = [p for p in complete_in(path.parent) if p != path]
+    if not others:
+        return "; no other complete checkpoint is beside it: restore it from a copy, or train anew without " \
+            "checkpoint.resume"
     return f"; the newest other complete checkpoint of this run is {others[-1]}: give that path instead (to train " \
-        f"on from it: checkpoint.resume={others[-1]})" if others else ""
+        f"on from it: checkpoint.resume={others[-1]})"
 
 
 def read_meta(path: str | Path) -> dict:
@@ -369,18 +373,21 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
 
 
 @contextlib.contextmanager
-def writing(path: Path):
-    """A failure to write `path` (a full disk, a lost mount) as a CheckpointError naming it."""
+def writing(path: Path, root: Path | None = None):
+    """A failure to write `path` (a full disk, a lost mount) as a CheckpointError naming it, and the newest complete
+    checkpoint under `root` (a run's checkpoints), which stays as it was."""
     try:
         yield
     except (OSError, SafetensorError) as e:
+        done = complete_in(root) if root else []
+        kept = f". The newest complete checkpoint, {done[-1]}, is intact" if done else ""
         raise CheckpointError(f"cannot write {path}: {e}; make room there, or write elsewhere (log.run_dir, or the "
-                              f"output path). What was saved before is intact") from None
+                              f"output path){kept}") from None
 
 
 def write_tensors(tmp: Path, fname: str, tensors: dict[str, torch.Tensor]) -> dict:
     """One safetensors file; its size and sha256 for meta.json."""
-    with writing(tmp / fname):
+    with writing(tmp / fname, tmp.parent):
         save_tensors({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp / fname)
         return {"sha256": file_sha256(tmp / fname), "bytes": (tmp / fname).stat().st_size}
 
@@ -389,7 +396,7 @@ def publish(path: Path, tmp: Path, meta: dict, files: dict, blobs: dict[str, byt
     """Write the other files (`blobs`, e.g. a tokenizer) and meta.json into the staging directory, then move
     it to `path` (replacing an older checkpoint of that name only once the new one is complete)."""
     files = dict(files)
-    with writing(tmp):
+    with writing(tmp, path.parent):
         for fname, data in (blobs or {}).items():
             (tmp / fname).write_bytes(data)
             files[fname] = {"sha256": file_sha256(tmp / fname), "bytes": len(data)}
@@ -397,7 +404,7 @@ def publish(path: Path, tmp: Path, meta: dict, files: dict, blobs: dict[str, byt
         (tmp / META).write_bytes(text)
         (tmp / META_SHA256).write_text(hashlib.sha256(text).hexdigest() + "\n")
     old = path.parent / f".{path.name}.old-{os.getpid()}"
-    with writing(path):
+    with writing(path, path.parent):
         if path.exists():
             path.rename(old)
         tmp.rename(path)

@@ -164,7 +164,7 @@ class Saver:
 
     def _publish(self, path: Path, index: dict, meta: dict, files: dict, blobs: dict) -> None:
         ckpt.publish(path, ckpt.staging_dir(path), {**meta, "index": index}, files, blobs)
-        with ckpt.writing(path.parent / "latest"):
+        with ckpt.writing(path.parent / "latest", path.parent):
             ckpt.mark_latest(self.run_dir, path, self.keep)
 
     def _write(self, path: Path, snapshot: list, index: dict | None, meta: dict, blobs: dict) -> None:
@@ -177,7 +177,7 @@ class Saver:
             (tmp / f".failed-{self.ctx.rank:05d}").write_text(f"rank {self.ctx.rank}: {e}")
             raise CheckpointError(f"rank {self.ctx.rank}: {e}") from None
         record = tmp / f".files-{self.ctx.rank:05d}.json"
-        with ckpt.writing(record):
+        with ckpt.writing(record, path.parent):
             record.with_suffix(".part").write_text(json.dumps(files))
             record.with_suffix(".part").rename(record)
         if index is not None:

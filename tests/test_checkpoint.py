@@ -1,6 +1,7 @@
 """Checkpoint files: slices read back in any cut, one replica writing each slice, the staging directory, and
 the bad-input suite (each bad checkpoint gives a clear error and leaves every checkpoint on disk as it was).
 Resuming and resharding whole runs are in test_train.py."""
+import errno
 import hashlib
 import json
 import re
@@ -13,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from sixfold import cli, config
 from sixfold.checkpoint import (Checkpoint, CheckpointError, complete_steps, find_checkpoint, mark_latest, publish,
-                                read_meta, set_aside, start_staging, write_tensors)
+                                read_meta, set_aside, start_staging, write_tensors, writing)
 from sixfold.config import RUN_CONFIG_HEAD, ConfigError, load_config
 from sixfold.data import BPETokenizer, DataError, load_data
 from sixfold.logs import read_metrics
@@ -342,6 +343,24 @@ def test_a_damaged_checkpoint_names_the_runs_newest_other_one(tmp_path):
     with pytest.raises(CheckpointError, match="step_0000002/meta.json is unreadable: .*; the newest other complete "
                                               "checkpoint of this run is .*step_0000001"):
         Trainer(load_config(TINY, [f"log.run_dir={run}", "checkpoint.resume=auto"]), ParallelContext.single())
+    shutil.rmtree(run / "checkpoints" / "step_0000001")  # with no other: a copy, or a new start
+    with pytest.raises(CheckpointError, match="meta.json is unreadable: .*; no other complete checkpoint is beside "
+                                              "it: restore it from a copy, or train anew without checkpoint.resume"):
+        Trainer(load_config(TINY, [f"log.run_dir={run}", "checkpoint.resume=auto"]), ParallelContext.single())
+
+
+def test_a_failed_write_names_the_newest_checkpoint_it_left_intact(tmp_path):
+    def full(root):
+        with pytest.raises(CheckpointError) as said, writing(tmp_path / ".step_0000004.tmp", root):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return str(said.value)
+
+    assert full(tmp_path).endswith("No space left on device; make room there, or write elsewhere (log.run_dir, or "
+                                   "the output path)")  # the first save: nothing is there to keep
+    (tmp_path / "step_0000002").mkdir()
+    (tmp_path / "step_0000002" / "meta.json").write_text("{}")
+    assert full(tmp_path).endswith(f"the output path). The newest complete checkpoint, {tmp_path / 'step_0000002'}, "
+                                   f"is intact")
 
 
 def test_a_garbled_latest_does_not_stop_a_resume_from_an_earlier_step(tmp_path):
