@@ -366,6 +366,16 @@ def test_reductions_of_accumulated_gradients_overlap_the_last_backward_only():
     assert e1.step_s == pytest.approx(e1.compute_s + e1.comm_s["tp"] + max(0, reduce - e1.compute_s * 2 / 3), rel=1e-6)
 
 
+def test_collectives_inside_each_stage_lengthen_the_bubble_as_its_compute_does():
+    """Under pipelining a stage's tp collectives run inside each of its forwards and backwards, so the bubble, a
+    share of the stage's busy time, grows with them; the stages' sends are apart."""
+    cfg = load_config("configs/llama3-8b.yaml", ["train.precision=bf16", "train.seq_len=2048", "parallel.tp=8",
+                                                 "parallel.pp=2", "train.micro_batches=4"])
+    e = plan(cfg, DEVICES["h100"], 8).stages[0].estimate
+    assert e.bubble > 0 and e.comm_s["tp"] > 0 and set(e.comm_s) == {"tp", "pp"}
+    assert e.step_s == pytest.approx((e.compute_s + e.comm_s["tp"]) / (1 - e.bubble) + e.comm_s["pp"], rel=1e-9)
+
+
 def test_of_layouts_as_fast_the_one_that_sends_less_then_the_leaner_ranks_first():
     """Layouts whose traffic all hides behind compute plan the same step: the one that sends less comes first (it
     depends less on that overlap), then the one that holds less."""

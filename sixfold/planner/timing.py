@@ -5,8 +5,10 @@ heaviest), and the data-parallel traffic hidden behind backward compute, but for
 train.reduce_each_micro_batch waits for at the end of each micro-batch before the last (the tail). Without it, the
 gradients of several micro-batches accumulate unreduced and their reductions start in the last micro-batch's
 backward (train.py; under pipelining at each stage's last B or W): only that backward, 1/m of the step's, hides them.
+The tp, cp and ep collectives run inside each forward and backward, so a stage's idle time in the bubble grows with
+them as with its compute; the stages' sends do not.
 
-    step = compute / (1 - bubble) + exposed tp, cp and pp traffic + tail
+    step = (compute + exposed tp, cp and ep traffic) / (1 - bubble) + pp traffic + tail
            + max(0, dp traffic - backward compute, dp reductions - the last micro-batch's backward)
 """
 from __future__ import annotations
@@ -126,12 +128,12 @@ def estimate(rank: Rank, device: Device, per_node: int) -> Estimate:
             reductions += seconds(group, op, nbytes)
     bubble = rank.pipeline.bubble if rank.pipeline else 0.0
     hidden = sum(v for g, v in comm.items() if g in HIDDEN)
-    exposed = sum(v for g, v in comm.items() if g not in HIDDEN)
+    in_stage = sum(v for g, v in comm.items() if g not in HIDDEN and g != "pp")  # inside forwards and backwards
     t = rank.cfg.train  # the last REDUCING reductions of each micro-batch before the last: its first units'
     last = [u for u in rank.sharded.units if u.zero >= 2][:REDUCING] if t.reduce_each_micro_batch else []
     tail = (t.micro_batches - 1) * sum(seconds(u.group, "reduce_scatter", rank.reduce_bytes * u.padded) for u in last)
     # reductions start in the last micro-batch's backward unless each micro-batch reduces its own
     last_backward = compute * 2 / 3 / (1 if t.reduce_each_micro_batch else t.micro_batches)
     late = max(0.0, hidden - compute * 2 / 3, reductions - last_backward)
-    step = compute / (1 - bubble) + exposed + late + tail
+    step = (compute + in_stage) / (1 - bubble) + comm.get("pp", 0.0) + late + tail
     return Estimate(compute, comm, bubble, step)
