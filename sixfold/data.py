@@ -281,13 +281,21 @@ def build_tokenizer(cfg: DataConfig, train_docs, digest: str | None = None):
 
 
 def with_tokenizer(cfg: DataConfig, text: bytes) -> DataConfig:
-    """cfg reading the tokenizer.json `text` (a checkpoint's), kept in data.cache_dir by its sha256."""
+    """cfg reading the tokenizer.json `text` (a checkpoint's), kept in data.cache_dir by its sha256 (written again
+    where the copy there is not `text`: damaged since)."""
     path = Path(cfg.cache_dir).expanduser() / f"tokenizer-{hashlib.sha256(text).hexdigest()[:16]}.json"
     with _lock(path):
-        if not path.is_file():
+        if not _holds(path, text):
             with written(path) as tmp:
                 tmp.write_bytes(text)
     return replace(cfg, tokenizer=str(path))
+
+
+def _holds(path: Path, text: bytes) -> bool:
+    try:
+        return path.read_bytes() == text
+    except OSError:  # none yet, or unreadable: written
+        return False
 
 
 # ---- token streams ----

@@ -16,7 +16,7 @@ from sixfold.config import RUN_CONFIG_HEAD, ConfigError, DataConfig, load_config
 from sixfold import corpus as corpus_module
 from sixfold.corpus import iter_documents, split_documents
 from sixfold.data import (BatchLoader, BPETokenizer, ByteTokenizer, DataError, build_tokenizer, eval_batches,
-                          load_data)
+                          load_data, with_tokenizer)
 from sixfold.parallel.tensor import IGNORE_INDEX
 
 TEXT = "def add(a, b):\n    return a + b  # héllo 🙂\n\nclass Point:\n    x: int = 0\n"
@@ -906,3 +906,13 @@ def test_max_bytes_limits_token_files_too(tmp_path):
     (np.arange(3000, dtype=np.uint16) % 256).tofile(root / "a.bin")
     data = load_data(cfg(tmp_path, source=str(root / "a.bin"), max_bytes=1000, val_fraction=0.01))
     assert len(data.train) + len(data.val) == 500 and "data.max_bytes=1,000 reached" in data.read
+
+
+def test_a_damaged_copy_of_a_checkpoints_tokenizer_in_the_cache_is_written_again(tmp_path):
+    """A resume of a bpe run reads its checkpoint's tokenizer from a copy in data.cache_dir: one cut short since is
+    written again, not refused at every resume under a data.tokenizer the user did not set."""
+    text = BPETokenizer.train([TEXT * 20], 300).to_json().encode()
+    path = Path(with_tokenizer(cfg(tmp_path), text).tokenizer)
+    path.write_bytes(text[:100])
+    assert with_tokenizer(cfg(tmp_path), text).tokenizer == str(path) and path.read_bytes() == text
+    assert BPETokenizer.from_file(path).name == BPETokenizer.from_json(text.decode(), "the checkpoint").name
