@@ -443,6 +443,9 @@ def _load_bin(cfg: DataConfig, root: Path, files) -> TokenData:
     stopped = ""
     if cfg.max_bytes and tokens.nbytes > cfg.max_bytes:  # as of text: only the first data.max_bytes (of tokens)
         tokens, stopped = tokens[:cfg.max_bytes // dtype.itemsize], f", data.max_bytes={cfg.max_bytes:,} reached"
+        if len(tokens) < 2:  # (_val_count's "add data" would mislead)
+            raise DataError(f"data.max_bytes={cfg.max_bytes:,} holds {len(tokens)} {dtype} token(s) of {root}; raise "
+                            f"data.max_bytes (or set it to 0, all of them)")
     cut = len(tokens) - _val_count(len(tokens), cfg.val_fraction)
     n = len(files)
     return TokenData(tokens[:cut], tokens[cut:], tok, read=f"{n:,} token file{'s' * (n > 1)} in {root}{stopped}, "

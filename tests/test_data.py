@@ -906,6 +906,10 @@ def test_max_bytes_limits_token_files_too(tmp_path):
     (np.arange(3000, dtype=np.uint16) % 256).tofile(root / "a.bin")
     data = load_data(cfg(tmp_path, source=str(root / "a.bin"), max_bytes=1000, val_fraction=0.01))
     assert len(data.train) + len(data.val) == 500 and "data.max_bytes=1,000 reached" in data.read
+    for max_bytes in (1, 3):  # fewer than 2 tokens: the limit named, not the corpus
+        with pytest.raises(DataError, match=f"data.max_bytes={max_bytes} holds {max_bytes // 2} uint16 token\\(s\\) "
+                                            f"of .*a.bin; raise data.max_bytes"):
+            load_data(cfg(tmp_path, source=str(root / "a.bin"), max_bytes=max_bytes))
 
 
 def test_a_damaged_copy_of_a_checkpoints_tokenizer_in_the_cache_is_written_again(tmp_path):
