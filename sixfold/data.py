@@ -173,7 +173,8 @@ class BPETokenizer:
         from tokenizers import Tokenizer
         path = Path(path).expanduser()
         if not path.is_file():
-            raise DataError(f"data.tokenizer={str(path)!r} does not exist; give a tokenizer.json, 'byte' or 'bpe'")
+            what = "is not a file" if path.exists() else "does not exist"
+            raise DataError(f"data.tokenizer={str(path)!r} {what}; give a tokenizer.json, 'byte' or 'bpe'")
         try:
             tok = Tokenizer.from_file(str(path))
         except Exception as e:
@@ -182,6 +183,9 @@ class BPETokenizer:
                 what = "is JSON but not a tokenizer (a model's tokenizer.json, saved by HF tokenizers)"
             except ValueError:
                 what = "is not a tokenizers JSON file"
+            except OSError as err:
+                raise DataError(f"data.tokenizer={str(path)!r} cannot be read ({err.strerror or err}); fix its "
+                                f"permissions or give another tokenizer.json") from None
             raise DataError(f"data.tokenizer={str(path)!r} {what}: {e}") from None
         out = cls(tok, str(path))
         out.path = path

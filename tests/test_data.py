@@ -697,6 +697,16 @@ def test_an_unreadable_corpus_file_names_itself(tmp_path):
             load_data(cfg(tmp_path, source=str(source)))
 
 
+def test_a_tokenizer_file_that_cannot_be_read_or_is_a_directory_is_refused_by_name(tmp_path):
+    """(/proc's mem refuses a read at its start even to root, as a file without read permission refuses others.)"""
+    (tmp_path / "mem.json").symlink_to("/proc/self/mem")
+    with pytest.raises(DataError, match=r"mem\.json' cannot be read \(Input/output error\); fix its permissions"):
+        build_tokenizer(cfg(tmp_path, tokenizer=str(tmp_path / "mem.json")), [])
+    (tmp_path / "model.json").mkdir()
+    with pytest.raises(DataError, match=r"model\.json' is not a file; give a tokenizer\.json"):
+        build_tokenizer(cfg(tmp_path, tokenizer=str(tmp_path / "model.json")), [])
+
+
 def test_an_unreadable_bin_file_names_itself(tmp_path, monkeypatch):
     path = tmp_path / "t.bin"
     np.arange(10, dtype=np.uint16).tofile(path)
