@@ -304,6 +304,9 @@ def _text(path: Path, limit: int) -> tuple[str, bool, int]:
 
 
 def _unreadable(path: Path, e: OSError) -> DataError:
+    if isinstance(e, FileNotFoundError):  # listed, then removed or renamed
+        return DataError(f"{path} is gone since data.source was listed; leave its files as they are while sixfold "
+                         f"reads them, then run again")
     return DataError(f"{path} cannot be read ({e.strerror or e}); fix its permissions or remove it from data.source")
 
 

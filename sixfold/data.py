@@ -471,7 +471,10 @@ def _index_path(cfg: DataConfig, root: Path, files) -> Path:
     text: keyed by each file's identity, size and times (a rewrite that restores the modification time changes
     the change time), the settings, and this module's source (how documents are read)."""
     def stat(p: Path):
-        return str(p), *_stamp(p)
+        try:
+            return str(p), *_stamp(p)
+        except OSError as e:
+            raise _unreadable(p, e) from None
     tok = Path(cfg.tokenizer).expanduser()
     tok = stat(tok) if cfg.tokenizer.endswith(".json") and tok.is_file() else cfg.tokenizer
     key = _sha(CACHE_FORMAT, _READER, cfg.source == "stdlib", str(root), cfg.format, cfg.jsonl_field,

@@ -831,6 +831,23 @@ def test_a_corpus_changed_while_it_is_read_is_refused_and_leaves_no_tokens(tmp_p
     assert len(load_data(cfg(tmp_path, source=str(root))).train)
 
 
+def test_a_corpus_file_removed_while_it_is_read_is_named_and_leaves_no_tokens(tmp_path, monkeypatch):
+    root = write_corpus(tmp_path / "c")
+    real = data_module.build_tokenizer
+
+    def remove_then_build(*args):  # between the first pass (counting) and the one that tokenizes
+        (root / "doc03.txt").unlink()
+        return real(*args)
+    monkeypatch.setattr(data_module, "build_tokenizer", remove_then_build)
+    with pytest.raises(DataError, match="doc03.txt is gone since data.source was listed; leave its files as they are"):
+        load_data(cfg(tmp_path, source=str(root)))
+    assert not list((tmp_path / "cache").glob("tokens-*.bin"))
+    kind, found, files = corpus_module._corpus(cfg(tmp_path, source=str(root)))
+    (root / "doc04.txt").unlink()  # between the listing and the look in the cache: named, not a traceback
+    with pytest.raises(DataError, match="doc04.txt is gone since data.source was listed"):
+        data_module._index_path(cfg(tmp_path, source=str(root)), found, files)
+
+
 @pytest.mark.parametrize("val_fraction", [0.0, 0.2, 0.6, 0.999])
 def test_the_first_pass_hashes_the_train_split_as_it_is_drawn(tmp_path, val_fraction):
     """The bpe tokenizer's cache key, the train documents' hash, comes from the first pass (no pass of its own)
