@@ -676,7 +676,13 @@ def check_inputs(cfg: Config, data: TokenData) -> None:
               f"holds, if it holds one)" if resume else f"set model.vocab_size>={data.tokenizer.vocab_size}"
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"{data.tokenizer.vocab_size} tokens (data.tokenizer={cfg.data.tokenizer}); {fix}")
-    samples = BatchLoader(data.train, t.seq_len, t.global_batch, t.seed).samples
+    try:
+        samples = BatchLoader(data.train, t.seq_len, t.global_batch, t.seed).samples
+    except DataError as e:  # where the val split took the tokens, lowering its share is the fix too
+        if not len(data.val):
+            raise
+        raise DataError(f"{e}; or lower data.val_fraction={cfg.data.val_fraction:g}: the val split holds "
+                        f"{len(data.val):,} tokens") from None
     if samples < t.global_batch:
         warnings.warn(f"the train split holds {samples} sequence(s) of train.seq_len={t.seq_len} tokens, fewer than "
                       f"train.global_batch={t.global_batch}: every batch holds some of them more than once; add data, "

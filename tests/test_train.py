@@ -30,7 +30,7 @@ from sixfold.logs import read_metrics
 from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
 from sixfold.slices import Reader
 from sixfold.stop import Stopped, StopSignal
-from sixfold.data import load_data
+from sixfold.data import DataError, load_data
 from sixfold.train import TrainingError, check_inputs, data_settings, train
 from helpers import LONG, ROOT, TINY, children, free_port, sixfold, torchrun
 
@@ -88,6 +88,25 @@ def test_a_train_split_shorter_than_a_batch_is_said(tmp_path):
     with pytest.warns(UserWarning, match=re.escape(
             "the train split holds 5 sequence(s) of train.seq_len=32 tokens, fewer than train.global_batch=8: every "
             "batch holds some of them more than once; add data, or lower train.global_batch or train.seq_len")):
+        check_inputs(cfg, load_data(data_settings(cfg)))
+
+
+def test_a_train_split_too_short_for_a_window_names_data_val_fraction_where_the_val_split_holds_tokens(tmp_path):
+    """Six files, one long one drawn to val at 0.2: the train split is the five short ones."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(5):
+        (corpus / f"d{i}.txt").write_text(f"short text {i}\n")
+    (corpus / "d5.txt").write_text("long document " * 10 + "\n")
+    overrides = [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "train.seq_len=100"]
+    cfg = load_config(TINY, [*overrides, "data.val_fraction=0.2"])
+    with pytest.raises(DataError, match=re.escape(
+            "the train split has fewer than seq_len+1 = 101 tokens (70); lower train.seq_len or add data (or raise "
+            "data.max_bytes, if set); or lower data.val_fraction=0.2: the val split holds 142 tokens")):
+        check_inputs(cfg, load_data(data_settings(cfg)))
+    cfg = load_config(TINY, [*overrides, "data.val_fraction=0", "data.max_bytes=60"])
+    with pytest.raises(DataError, match=r"\(65\); lower train.seq_len or add data \(or raise data.max_bytes, if "
+                                        r"set\)$"):
         check_inputs(cfg, load_data(data_settings(cfg)))
 
 
