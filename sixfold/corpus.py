@@ -362,7 +362,7 @@ class _DocsHash:
 
     def add(self, doc) -> None:
         for s in (doc[0], doc[1], *map(str, doc[2:])):
-            b = s.encode()
+            b = _encoded(s)
             self.h.update(len(b).to_bytes(8, "little"))
             self.h.update(b)
 
@@ -480,7 +480,13 @@ def iter_documents(cfg: DataConfig) -> list[tuple]:
 
 def _val_key(doc_id: str) -> float:
     """A document's draw for the val split, in [0, 1): a stable hash of its id."""
-    return int.from_bytes(hashlib.sha256(doc_id.encode()).digest()[:8], "big") / 2 ** 64
+    return int.from_bytes(hashlib.sha256(_encoded(doc_id)).digest()[:8], "big") / 2 ** 64
+
+
+def _encoded(s: str) -> bytes:
+    """A document's id or text in UTF-8; an id from a file name that is not UTF-8 as the file system gave it
+    (Python's surrogateescape, as os.walk decodes it)."""
+    return s.encode("utf-8", "surrogateescape")
 
 
 def _val_flags(keys: list[float], sizes: list[int], val_fraction: float) -> bytearray:

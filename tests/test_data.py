@@ -927,6 +927,18 @@ def test_a_file_hard_linked_under_two_names_is_read_once(tmp_path):
         assert len(iter_documents(cfg(tmp_path, source=str(source)))) == 40
 
 
+def test_a_file_whose_name_is_not_utf8_is_read(tmp_path):
+    """A name from an old archive (Latin-1 bytes), as os.walk gives it (surrogateescape): its document is read, drawn
+    and hashed by the name's bytes (was a UnicodeEncodeError naming no file)."""
+    root = write_corpus(tmp_path / "c", 3)
+    Path(os.fsdecode(os.fsencode(root) + b"/caf\xe9.txt")).write_text(TEXT)
+    docs = iter_documents(cfg(tmp_path, source=str(root)))
+    assert [d[0] for d in docs] == ["caf\udce9.txt", "doc00.txt", "doc01.txt", "doc02.txt"] and docs[0][1] == TEXT
+    data = load_data(cfg(tmp_path, source=str(root)))
+    assert data.read.startswith("4 documents from 4 of 4 files")
+    assert load_data(cfg(tmp_path, source=str(root))).read == data.read  # from the cache's index
+
+
 def test_max_bytes_limits_token_files_too(tmp_path):
     root = tmp_path / "bins"
     root.mkdir()
