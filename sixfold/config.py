@@ -637,7 +637,11 @@ def override(overrides: list[str], key: str) -> str | None:
 
 
 def check_bpe_size(cfg: Config) -> None:
-    """A BPE to be trained (data.tokenizer=bpe) must fit the model's vocabulary."""
+    """A BPE to be trained (data.tokenizer=bpe) must hold the bytes and an end of text, and fit the model's
+    vocabulary: refused before the corpus is read."""
+    if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size < 258:
+        raise ConfigError(f"data.bpe_vocab_size={cfg.data.bpe_vocab_size} must be at least 258 (256 bytes and "
+                          f"<|endoftext|>)")
     if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"data.bpe_vocab_size={cfg.data.bpe_vocab_size} is more than model.vocab_size="
                           f"{cfg.model.vocab_size}, which must hold every token: lower data.bpe_vocab_size or raise "

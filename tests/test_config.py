@@ -195,6 +195,8 @@ def test_bad_values(tmp_path):
      "config file comes first, and only one\\)"),
     (["data.tokenizer=bpe", "data.bpe_vocab_size=4096"], "data.bpe_vocab_size=4096 is more than "
      "model.vocab_size=320, which must hold every token"),
+    (["data.tokenizer=bpe", "data.bpe_vocab_size=100"], "data.bpe_vocab_size=100 must be at least 258 \\(256 bytes "
+     "and <\\|endoftext\\|>\\)"),
 ])
 def test_impossible_layouts(overrides, message):
     with pytest.raises(ConfigError, match=message):
