@@ -566,13 +566,15 @@ def load_data(cfg: DataConfig) -> TokenData:
     found = _from_index(index)
     if found is not None:
         return found
+    tok = None if cfg.tokenizer == "bpe" else build_tokenizer(cfg, [])  # a wrong name or file: before the corpus
     said: list = []  # what reading the corpus warned of, given again when the cache is read
     with _recorded(said):  # also when no document was found: the lines or files skipped say why
         docs = Corpus(cfg, root, files)
     train_docs, val_docs, read = docs.part(False), docs.part(True), docs.read
     read += f", {len(val_docs):,} of them held out" if val_docs else \
         f", {'its' if len(train_docs) == 1 else 'their'} last tokens held out" if cfg.val_fraction else ""
-    tok = build_tokenizer(cfg, train_docs, docs.train_digest)
+    if tok is None:
+        tok = build_tokenizer(cfg, train_docs, docs.train_digest)
     if cfg.jsonl_prompt_field:
         with _recorded(said):
             _doubled_start(tok, docs)

@@ -818,27 +818,27 @@ def test_a_corpus_is_tokenized_without_holding_its_documents(tmp_path, monkeypat
 
 def test_a_corpus_changed_while_it_is_read_is_refused_and_leaves_no_tokens(tmp_path, monkeypatch):
     root = write_corpus(tmp_path / "c")
-    real = data_module.build_tokenizer
+    real = data_module._write_cache
 
-    def edit_then_build(*args):  # between the first pass (counting) and the one that tokenizes
+    def edit_then_write(*args):  # between the first pass (counting) and the one that tokenizes
         (root / "doc03.txt").write_text("something else entirely")
         return real(*args)
-    monkeypatch.setattr(data_module, "build_tokenizer", edit_then_build)
+    monkeypatch.setattr(data_module, "_write_cache", edit_then_write)
     with pytest.raises(DataError, match="changed while it was read .*leave its files as they are"):
         load_data(cfg(tmp_path, source=str(root)))
     assert not list((tmp_path / "cache").glob("tokens-*.bin"))
-    monkeypatch.setattr(data_module, "build_tokenizer", real)
+    monkeypatch.setattr(data_module, "_write_cache", real)
     assert len(load_data(cfg(tmp_path, source=str(root))).train)
 
 
 def test_a_corpus_file_removed_while_it_is_read_is_named_and_leaves_no_tokens(tmp_path, monkeypatch):
     root = write_corpus(tmp_path / "c")
-    real = data_module.build_tokenizer
+    real = data_module._write_cache
 
-    def remove_then_build(*args):  # between the first pass (counting) and the one that tokenizes
+    def remove_then_write(*args):  # between the first pass (counting) and the one that tokenizes
         (root / "doc03.txt").unlink()
         return real(*args)
-    monkeypatch.setattr(data_module, "build_tokenizer", remove_then_build)
+    monkeypatch.setattr(data_module, "_write_cache", remove_then_write)
     with pytest.raises(DataError, match="doc03.txt is gone since data.source was listed; leave its files as they are"):
         load_data(cfg(tmp_path, source=str(root)))
     assert not list((tmp_path / "cache").glob("tokens-*.bin"))
@@ -937,6 +937,17 @@ def test_a_file_whose_name_is_not_utf8_is_read(tmp_path):
     data = load_data(cfg(tmp_path, source=str(root)))
     assert data.read.startswith("4 documents from 4 of 4 files")
     assert load_data(cfg(tmp_path, source=str(root))).read == data.read  # from the cache's index
+
+
+def test_a_wrong_data_tokenizer_is_refused_before_the_corpus_is_read(tmp_path, monkeypatch):
+    root = write_corpus(tmp_path / "c", 3)
+
+    def unread(*args):
+        raise AssertionError("the corpus was read")
+    monkeypatch.setattr(data_module, "Corpus", unread)
+    for tokenizer, said in (("bytes", "choose byte, bpe or a path"), (str(tmp_path / "no.json"), "does not exist")):
+        with pytest.raises(DataError, match=f"data.tokenizer='{tokenizer}'.*{said}"):
+            load_data(cfg(tmp_path, source=str(root), tokenizer=tokenizer))
 
 
 def test_max_bytes_limits_token_files_too(tmp_path):
