@@ -253,7 +253,7 @@ def _jsonl_docs(cfg: DataConfig, path: Path, doc_id: str, left: int, warn: bool)
     raises UnicodeDecodeError, once its lines are read, for more than _check_stray allows (a NUL is refused with
     its line). `warn`: of lines that hold no document."""
     fields = [cfg.jsonl_prompt_field, cfg.jsonl_field] if cfg.jsonl_prompt_field else [cfg.jsonl_field]
-    bad, stray, read, held = [], 0, 0, 0
+    bad, skipped, stray, read, held = [], 0, 0, 0, 0  # the first 10 lines that hold none, and how many do
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             read += len(raw)
@@ -263,7 +263,8 @@ def _jsonl_docs(cfg: DataConfig, path: Path, doc_id: str, left: int, warn: bool)
                 continue
             doc = _jsonl_doc(doc_id, n, line, fields)
             if doc is None:
-                bad.append(n)
+                bad += [n] if len(bad) < 10 else []
+                skipped += 1
                 continue
             yield doc
             held += len(doc[1].encode()) if left else 0
@@ -273,8 +274,8 @@ def _jsonl_docs(cfg: DataConfig, path: Path, doc_id: str, left: int, warn: bool)
     if bad and warn:
         named = " and ".join(f"{f!r}" for f in fields)
         keys = "data.jsonl_prompt_field and data.jsonl_field" if cfg.jsonl_prompt_field else "data.jsonl_field"
-        warnings.warn(f"{path}:{bad[0]}: skipped {len(bad)} line(s) that are not JSON objects with string "
-                      f"field(s) {named} ({keys}); lines {bad[:10]}", stacklevel=6)  # (load_data's caller)
+        warnings.warn(f"{path}:{bad[0]}: skipped {skipped} line(s) that are not JSON objects with string "
+                      f"field(s) {named} ({keys}); lines {bad}", stacklevel=6)  # (load_data's caller)
     return stray
 
 

@@ -1,6 +1,7 @@
 """Corpora, tokenizers, token caches and batch order, on real files in tmp_path."""
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -151,6 +152,24 @@ def test_jsonl_field_and_bad_lines(tmp_path):
     with pytest.warns(UserWarning, match=r"data\.jsonl:2: skipped 3 line"):
         docs = iter_documents(cfg(tmp_path, source=str(path), jsonl_field="body"))
     assert docs == [("data.jsonl:1", "first\u2028line"), ("data.jsonl:5", "second")]
+
+
+def test_a_jsonl_file_of_lines_without_the_field_is_read_keeping_only_the_first_ten_line_numbers(tmp_path):
+    """The likeliest mistake, data.jsonl_field naming another field, on a large file: its line numbers were all held
+    for the warning (36 bytes a line: gigabytes for a file of 100 million lines)."""
+    import tracemalloc
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"text": "one good line"}) + "\n" + '{"content": "x"}\n' * 20_000)
+    tracemalloc.start()
+    try:
+        with pytest.warns(UserWarning, match=re.escape("data.jsonl:2: skipped 20000 line(s) that are not JSON objects "
+                                                       "with string field(s) 'text' (data.jsonl_field); lines [2, 3, "
+                                                       "4, 5, 6, 7, 8, 9, 10, 11]")):
+            assert len(iter_documents(cfg(tmp_path, source=str(path)))) == 1
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 200_000, f"peak {peak:,} bytes"  # (all held: 720 kB)
 
 
 @pytest.mark.parametrize("name", ["A.JSONL", "b.ndjson"])
