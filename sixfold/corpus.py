@@ -90,10 +90,16 @@ def _walk(root: Path, skip=(), cache: Path | None = None) -> tuple[list[tuple[st
                 own.append(p)
             elif not n.startswith(".") and p.is_file():
                 out.append((p.relative_to(root).as_posix(), p))
-    once = {}  # a file that links (symbolic or hard) lead to by several names, read once (else in both splits)
-    for name, p in sorted(out):
+    return _once(out), sorted(p.relative_to(root).as_posix() for p in own)
+
+
+def _once(named) -> list[tuple[str, Path]]:
+    """(name, file) sorted, a file that links (symbolic or hard) lead to by several names once, by its first name
+    (else read in both splits); a directory and a pattern name it alike."""
+    once = {}
+    for name, p in sorted(named):
         once.setdefault(_file_identity(p), (name, p))
-    return sorted(once.values()), sorted(p.relative_to(root).as_posix() for p in own)
+    return sorted(once.values())
 
 
 def _glob(pattern: Path, cache: Path) -> tuple[Path, list[tuple[str, Path]], list[str]]:
@@ -105,7 +111,7 @@ def _glob(pattern: Path, cache: Path) -> tuple[Path, list[tuple[str, Path]], lis
     first = next(i for i, part in enumerate(parts) if WILDCARD.search(part))
     root = Path(*parts[:first]).resolve() if first else Path.cwd()
     rest = parts[first:] + (("*",) if parts[-1] == "**" else ())
-    found, own, seen, cache = {}, [], set(), os.path.realpath(cache)
+    found, own, seen, cache = [], [], set(), os.path.realpath(cache)
 
     def descend(d: Path, rest: tuple[str, ...]) -> None:
         real = os.path.realpath(d)
@@ -135,14 +141,14 @@ def _glob(pattern: Path, cache: Path) -> tuple[Path, list[tuple[str, Path]], lis
                     if in_cache and CACHE_FILE.fullmatch(name):
                         own.append(p)
                     else:
-                        found.setdefault(_file_identity(p), p)  # a file reached twice (links) read once
+                        found.append(p)
             except OSError:  # a name that cannot be looked at (/proc's): not corpus
                 continue
 
     if root.is_dir():
         descend(root, rest)
-    files = sorted((p.relative_to(root).as_posix(), p) for p in found.values())
-    return root, files, sorted({o.relative_to(root).as_posix() for o in own})
+    return root, _once((p.relative_to(root).as_posix(), p) for p in found), \
+        sorted({o.relative_to(root).as_posix() for o in own})
 
 
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".bin": "bin"}  # data.format=auto by the name (any case)

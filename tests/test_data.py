@@ -969,6 +969,18 @@ def test_a_wrong_data_tokenizer_is_refused_before_the_corpus_is_read(tmp_path, m
             load_data(cfg(tmp_path, source=str(root), tokenizer=tokenizer))
 
 
+def test_a_file_under_two_names_is_named_alike_by_a_directory_and_a_pattern(tmp_path):
+    """By its first name in order (a/z.txt), not by the one a pattern reaches first (b.txt, at no depth of **): the
+    id draws the document's split and places it in the stream."""
+    root = tmp_path / "c"
+    (root / "a").mkdir(parents=True)
+    (root / "b.txt").write_text(TEXT)
+    os.link(root / "b.txt", root / "a" / "z.txt")
+    (root / "c.txt").write_text(TEXT * 2)
+    for source in (root, root / "**" / "*.txt", root / "**"):
+        assert [i for i, _ in iter_documents(cfg(tmp_path, source=str(source)))] == ["a/z.txt", "c.txt"], source
+
+
 def test_max_bytes_limits_token_files_too(tmp_path):
     root = tmp_path / "bins"
     root.mkdir()
