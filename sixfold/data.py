@@ -288,10 +288,11 @@ def with_tokenizer(cfg: DataConfig, text: bytes) -> DataConfig:
     """cfg reading the tokenizer.json `text` (a checkpoint's), kept in data.cache_dir by its sha256 (written again
     where the copy there is not `text`: damaged since)."""
     path = Path(cfg.cache_dir).expanduser() / f"tokenizer-{hashlib.sha256(text).hexdigest()[:16]}.json"
-    with _lock(path):
-        if not _holds(path, text):
-            with written(path) as tmp:
-                tmp.write_bytes(text)
+    if not _holds(path, text):  # (a whole copy: no lock, read-only, as a fresh run reads the cache)
+        with _lock(path):
+            if not _holds(path, text):
+                with written(path) as tmp:
+                    tmp.write_bytes(text)
     return replace(cfg, tokenizer=str(path))
 
 

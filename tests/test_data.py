@@ -1001,3 +1001,17 @@ def test_a_damaged_copy_of_a_checkpoints_tokenizer_in_the_cache_is_written_again
     path.write_bytes(text[:100])
     assert with_tokenizer(cfg(tmp_path), text).tokenizer == str(path) and path.read_bytes() == text
     assert BPETokenizer.from_file(path).name == BPETokenizer.from_json(text.decode(), "the checkpoint").name
+
+
+def test_a_checkpoints_tokenizer_already_in_a_cache_that_cannot_be_written_is_read_from_it(tmp_path):
+    """A bpe run resumes from a cache it cannot write (a read-only mount, shared), as a fresh run does, where the
+    checkpoint's tokenizer is there already: no lock is taken to read it."""
+    text = BPETokenizer.train([TEXT * 20], 300).to_json().encode()
+    path = Path(with_tokenizer(cfg(tmp_path), text).tokenizer)
+    lock = path.with_name(path.name + ".lock")
+    lock.unlink()
+    lock.mkdir()  # no lock can be taken there
+    assert with_tokenizer(cfg(tmp_path), text).tokenizer == str(path)
+    path.write_bytes(text[:100])  # damaged: written again, which needs the lock
+    with pytest.raises(DataError, match="cannot write the cache in .*; set data.cache_dir"):
+        with_tokenizer(cfg(tmp_path), text)
