@@ -13,8 +13,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
-from .config import (FRESH_START, PICTURES, Config, ConfigError, check_available, check_tensorboard, check_text,
-                     check_world_size, load_config, make_run_dir, override, validate, writable_dir)
+from .config import (FRESH_START, PICTURES, SEEDS, Config, ConfigError, check_available, check_tensorboard,
+                     check_text, check_world_size, load_config, make_run_dir, override, validate, writable_dir)
 from .console import gone, mute
 from .launch import end, run_torchrun, under_torchrun
 from .run_lock import check_free
@@ -34,6 +34,25 @@ def _at_least(low: int):
             raise argparse.ArgumentTypeError(f"{value} must be at least {low}")
         return value
     return parse
+
+
+def _seed(text: str) -> int:
+    """An argparse type: a random seed, as torch.Generator takes it."""
+    value = _at_least(0)(text)
+    if value >= SEEDS:
+        raise argparse.ArgumentTypeError(f"{value} must be from 0 to 2**63 - 1")
+    return value
+
+
+def _temperature(text: str) -> float:
+    """An argparse type: a sampling temperature, 0 (greedy) or a positive finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be 0 (greedy) or a positive number")
+    return value
 
 
 def _split(items: list[str]) -> tuple[str | None, list[str]]:
@@ -249,9 +268,12 @@ def cmd_generate(args, argv) -> int:
     check_text(args.prompt, "--prompt")
     model, cfg = load_model(args.checkpoint)
     tok = checkpoint_tokenizer(args.checkpoint, cfg)
-    room = cfg.model.max_seq_len - len(prompt_ids(tok, args.prompt))
-    if args.max_new_tokens > room >= 0:
-        warnings.warn(f"--max-new-tokens {args.max_new_tokens}: the model's max_seq_len={cfg.model.max_seq_len} "
+    given, limit = len(prompt_ids(tok, args.prompt)), cfg.model.max_seq_len
+    if not 0 < given <= limit:
+        raise ConfigError(f"--prompt is {given} tokens; give one of 1 to {limit} tokens (the model's max_seq_len)")
+    room = limit - given
+    if args.max_new_tokens > room:
+        warnings.warn(f"--max-new-tokens {args.max_new_tokens}: the model's max_seq_len={limit} "
                       f"leaves room for {room} after the prompt; at most {room} are generated")
     stop = end_ids(carried_files(Checkpoint(args.checkpoint)))  # an instruct model's end of turn, say
     print(sample_text(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, stop))
@@ -354,11 +376,11 @@ def parser() -> argparse.ArgumentParser:
                                                                    "checkpoint")
     g.add_argument("--prompt", required=True, help="the text to continue")
     g.add_argument("--max-new-tokens", type=_at_least(0), default=200, help="tokens to generate (default 200)")
-    g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8); 0: greedy, "
-                                                                   "the most likely token each time")
+    g.add_argument("--temperature", type=_temperature, default=0.8, help="sampling temperature (default 0.8); 0: "
+                                                                          "greedy, the most likely token each time")
     g.add_argument("--top-k", type=_at_least(0), default=40, help="sample among the k most likely tokens (default "
                                                                   "40); 0: among all")
-    g.add_argument("--seed", type=int, default=0, help="the sampling's random seed (default 0)")
+    g.add_argument("--seed", type=_seed, default=0, help="the sampling's random seed (default 0)")
     g.set_defaults(fn=cmd_generate)
     i = sub.add_parser("import-hf", help="convert a transformers LlamaForCausalLM or MixtralForCausalLM directory "
                                          "to a checkpoint")

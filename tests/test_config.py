@@ -68,6 +68,19 @@ def test_an_unknown_option_gets_the_commands_usage_and_the_nearest_it_takes(caps
         assert ended.value.code == 2 and message in err and err.startswith("usage: sixfold " + argv[0]), err
 
 
+def test_bad_generate_options_are_refused_before_the_checkpoint_is_read(capsys):
+    from sixfold.cli import main
+    cases = [(["--temperature", "-1"], "argument --temperature: -1 must be 0 (greedy) or a positive number"),
+             (["--temperature", "nan"], "argument --temperature: nan must be 0 (greedy) or a positive number"),
+             (["--seed", "-1"], "argument --seed: -1 must be at least 0"),
+             (["--seed", str(2**63)], f"argument --seed: {2**63} must be from 0 to 2**63 - 1")]
+    for options, message in cases:
+        with pytest.raises(SystemExit) as ended:  # (runs/nowhere is not there: not read)
+            main(["generate", "runs/nowhere", "--prompt", "a", *options])
+        err = capsys.readouterr().err
+        assert ended.value.code == 2 and f"sixfold generate: error: {message}" in err, err
+
+
 def test_unknown_key_in_yaml(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  n_layer: 3\n")

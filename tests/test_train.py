@@ -63,6 +63,8 @@ def test_run_outputs(tmp_path):
     assert gen.returncode == 0 and gen.stdout.startswith("-import "), gen.stderr[-2000:]
     gen = sixfold("generate", str(run), "--prompt", "import ", "--max-new-tokens", "300")  # max_seq_len 256
     assert gen.returncode == 0 and "leaves room for 249 after the prompt; at most 249 are generated" in gen.stderr
+    gen = sixfold("generate", str(run), "--prompt", "a" * 300)
+    assert gen.returncode == 2 and "sixfold error: --prompt is 300 tokens; give one of 1 to 256 tokens" in gen.stderr
 
 
 def test_a_data_warning_is_said_once_when_the_launcher_starts_the_ranks(tmp_path):
