@@ -573,8 +573,10 @@ class Trainer:
                 p.resolve() for p in done}:  # another directory's: older than this run's own
             done.insert(0, start)
         if not done:
-            return ("start again: this run has no checkpoint from before them to resume from (set checkpoint.every "
-                    "to keep some along the way)")
+            every = self.cfg.checkpoint.every
+            why = f"checkpoint.every={every} wrote none before step {first}" if every else \
+                "set checkpoint.every to keep some along the way"
+            return f"start again: this run has no checkpoint from before them to resume from ({why})"
         earlier = (f" (should it fail the same way, the update of its own step may be what diverged: then "
                    f"checkpoint.resume={done[-2]})" if len(done) > 1 else "")
         return f"resume from the newest checkpoint before step {first}: checkpoint.resume={done[-1]}{earlier}"

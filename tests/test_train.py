@@ -219,6 +219,14 @@ def test_nan_loss_stops_at_once_when_asked(tmp_path):
     assert [p.name for p in saved.parent.glob("step_*")] == ["step_0000001"]
 
 
+def test_a_stop_on_nonfinite_steps_before_any_checkpoint_does_not_ask_for_checkpoints_already_asked_for(tmp_path):
+    proc = _train(tmp_path / "run", "train.lr=1e30", "train.grad_clip=0", "train.warmup_steps=0",
+                  "train.steps=6", "train.skip_nonfinite=0", "checkpoint.every=2")
+    assert proc.returncode == 2
+    assert "then start again: this run has no checkpoint from before them to resume from (checkpoint.every=2 wrote " \
+           "none before step 2)" in proc.stderr, proc.stderr[-3000:]
+
+
 def test_a_stop_on_nonfinite_steps_names_a_save_still_being_written_and_the_checkpoint_it_started_from(
         tmp_path, monkeypatch):
     """A background save of the step before is waited for, not lost with the process; a run resumed from another
