@@ -265,6 +265,13 @@ class ParallelContext:
         later = self._in_turn(fn, not first, "the other ranks to run")
         return out if first else later
 
+    def main_alone(self, fn, what: str):
+        """fn() on rank 0 (None elsewhere); returns once it has run. The others wait however long it takes, checking
+        in as local_first's do (`what`: fn's work, for their message should rank 0 stop answering)."""
+        if not self.job or self.world_size == 1:
+            return fn() if self.is_main else None
+        return self._in_turn(fn, self.is_main, what)
+
     def _in_turn(self, fn, mine: bool, what: str):
         stopped = f"rank {self.rank} stopped " + (f"(one of {what})" if mine else f"waiting for {what}")
         try:

@@ -601,21 +601,23 @@ class Trainer:
         resumed in its directory) are removed: `sixfold trace` would draw them as this one's."""
         self.comm.ledger.close("other")
         parts = self.comm.gather_objects(self.comm.ledger.summary(), "world")
-        if self.ctx.is_main:
-            with _writing_outputs(self.run_dir):
-                data = ledger.write(self.run_dir / "comm_ledger.json", parts, self.cfg.parallel.describe())
-            log.print(f"{ledger.table(data)}\nledger: {self.run_dir / 'comm_ledger.json'}")
+        traced = self.comm.gather_objects(self.tracer.events, "world") if self.cfg.log.trace else []  # on rank 0
+        # the others wait for rank 0 however long the pictures take (not a collective's parallel.timeout_s)
+        self.ctx.main_alone(lambda: self._write_summaries(log, parts, [e for part in traced for e in part]),
+                            "rank 0 to write the run's summaries")
+
+    def _write_summaries(self, log: RunLog, parts: list, events: list) -> None:
+        """Rank 0: the ledger's `parts`, the trace's `events` and their pictures written, what is stale removed."""
+        with _writing_outputs(self.run_dir):
+            data = ledger.write(self.run_dir / "comm_ledger.json", parts, self.cfg.parallel.describe())
+        log.print(f"{ledger.table(data)}\nledger: {self.run_dir / 'comm_ledger.json'}")
         written = []
-        if self.cfg.log.trace:
-            parts = self.comm.gather_objects(self.tracer.events, "world")  # every rank's events, on rank 0
-            events = [e for part in parts for e in part] if self.ctx.is_main else []
-            if self.ctx.is_main and events:
-                with _writing_outputs(self.run_dir):
-                    write_chrome_trace(events, self.run_dir / "trace.json", self.cfg.parallel.describe())
-                    written = [self.run_dir / "trace.json", *draw_pictures(self.run_dir, self.cfg)]
-                log.print(f"{overlap_table(events)}\ntrace: {written[0]}; pictures: {', '.join(map(str, written[1:]))}")
-        if self.ctx.is_main and (stale := [p for n in ("trace.json", *PICTURES)
-                                           if (p := self.run_dir / n) not in written and p.is_file()]):
+        if events:
+            with _writing_outputs(self.run_dir):
+                write_chrome_trace(events, self.run_dir / "trace.json", self.cfg.parallel.describe())
+                written = [self.run_dir / "trace.json", *draw_pictures(self.run_dir, self.cfg)]
+            log.print(f"{overlap_table(events)}\ntrace: {written[0]}; pictures: {', '.join(map(str, written[1:]))}")
+        if stale := [p for n in ("trace.json", *PICTURES) if (p := self.run_dir / n) not in written and p.is_file()]:
             with _writing_outputs(self.run_dir):
                 for path in stale:
                     path.unlink()
