@@ -198,7 +198,7 @@ def cmd_trace(args, argv) -> int:
 
 def cmd_plan(args, argv) -> int:
     from .planner.devices import DEVICES, NODE_GPUS
-    from .planner.plan import plan, search
+    from .planner.plan import CHOSEN, plan, search
     from .planner.report import describe, ranking, refusals
     from tqdm import tqdm
     path, overrides = _split(args.config)
@@ -212,6 +212,9 @@ def cmd_plan(args, argv) -> int:
         raise ConfigError(f"--gpus {args.gpus} must be divisible by --nodes {args.nodes}")
     device, per_node = DEVICES[args.gpu], args.gpus // args.nodes
     if args.search:
+        if chosen := [k for k in CHOSEN if override(overrides, k)]:
+            warnings.warn(f"--search chooses {', '.join(chosen)} for each layout it plans, not as given; plan that "
+                          f"layout without --search, or leave {'them' if chosen[1:] else 'it'} out")
         refused: dict[str, str] = {}
         try:
             plans = search(cfg, args.gpus, device, per_node, refused, lambda plans, total: tqdm(

@@ -231,6 +231,9 @@ def test_the_search_keeps_what_the_config_sets_beside_its_layout(capsys):
     assert all(not c.train.reduce_each_micro_batch for c in kept if c.parallel.zero < 2)
     assert cli.main(["plan", TINY, "--gpus", "4", "--search", *args]) == 0
     assert re.search(r"\ndp_shard4, zero3 +1 ", capsys.readouterr().out)  # one micro-batch: none reduced each
+    with pytest.warns(UserWarning, match="--search chooses parallel.tp, model.recompute for each layout it plans, not "
+                                         "as given; plan that layout without --search, or leave them out"):
+        assert cli.main(["plan", TINY, "--gpus", "4", "--search", "parallel.tp=2", "model.recompute=full"]) == 0
     for bad in ("model.dim=-3", "parallel.cp_mode=bogus"):
         assert cli.main(["plan", TINY, "--gpus", "4", "--search", bad]) == 2
         assert capsys.readouterr().err.startswith(f"sixfold error: {bad.split('=')[0]}=")

@@ -90,6 +90,9 @@ def plan(cfg: Config, device: Device, per_node: int, ends_only: bool = False, cp
 PP_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))  # (schedule, virtual stages)
 SEARCHED = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "pp_schedule", "pp_virtual_stages", "zero",
             "reshard_after_forward")  # the parallel settings layouts() sets
+# the settings each layout of a search has its own value of (a given one is not kept): reshard_after_forward is kept
+CHOSEN = (*(f"parallel.{k}" for k in SEARCHED if k != "reshard_after_forward"), "model.recompute",
+          "train.micro_batches")
 
 
 def layouts(cfg: Config, world: int, per_node: int, refused: dict[str, str] | None = None):
