@@ -267,13 +267,14 @@ def cmd_matrix(args, argv) -> int:
 def cmd_generate(args, argv) -> int:
     from .checkpoint import Checkpoint
     from .generate import checkpoint_tokenizer, prompt_ids, sample_text
-    from .model.hf import carried_files, end_ids, load_model
+    from .model.hf import carried_files, end_ids, load_model, saved_config
     check_text(args.prompt, "--prompt")
-    model, cfg = load_model(args.checkpoint)
+    cfg = saved_config(Checkpoint(args.checkpoint))  # the tokenizer and prompt refused before the weights are read
     tok = checkpoint_tokenizer(args.checkpoint, cfg)
     given, limit = len(prompt_ids(tok, args.prompt)), cfg.model.max_seq_len
     if not 0 < given <= limit:
         raise ConfigError(f"--prompt is {given} tokens; give one of 1 to {limit} tokens (the model's max_seq_len)")
+    model = load_model(args.checkpoint)[0]
     room = limit - given
     if args.max_new_tokens > room:
         warnings.warn(f"--max-new-tokens {args.max_new_tokens}: the model's max_seq_len={limit} "

@@ -576,6 +576,18 @@ def test_a_tokenizer_sixfold_cannot_use_is_left_out_of_an_import_with_a_warning(
         checkpoint_tokenizer(tmp_path / "ckpt", load_model(tmp_path / "ckpt")[1])
 
 
+def test_generate_refuses_a_checkpoint_without_its_tokenizer_before_it_reads_the_weights(tmp_path, monkeypatch,
+                                                                                          capsys):
+    from sixfold import cli
+    from sixfold.model import hf
+    hf_model(False).save_pretrained(tmp_path / "hf")
+    with pytest.warns(UserWarning, match="has no tokenizer.json"):
+        import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    monkeypatch.setattr(hf, "load_model", lambda *args: pytest.fail("the weights were read"))
+    assert cli.main(["generate", str(tmp_path / "ckpt"), "--prompt", "a"]) == 2
+    assert "imported from Hugging Face without a tokenizer" in capsys.readouterr().err
+
+
 def test_a_bpe_model_exports_a_tokenizer_that_transformers_reads_with_its_eos(tmp_path):
     from transformers import AutoTokenizer
     run = tmp_path / "run"

@@ -352,11 +352,16 @@ def _carried(hf_dir: Path, blobs: dict[str, bytes]) -> dict[str, bytes]:
     return out
 
 
+def saved_config(checkpoint: Checkpoint) -> Config:
+    """The Config a checkpoint was written with."""
+    require(checkpoint.meta, {"config": dict}, checkpoint.path / META)
+    return config_from_dict(checkpoint.meta["config"])
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Llama, Config]:
     """A sixfold Llama (fp32) and its Config from a checkpoint or run directory."""
     checkpoint = Checkpoint(path)
-    require(checkpoint.meta, {"config": dict}, checkpoint.path / META)
-    cfg = config_from_dict(checkpoint.meta["config"])
+    cfg = saved_config(checkpoint)
     weights = Reader(checkpoint, "model")
     check_shapes(full_shapes(cfg.model), weights.shapes(), f"{checkpoint.path} (model)")
     tensors = weights.all()
