@@ -126,8 +126,10 @@ def join_job(timeout: timedelta) -> tuple[int, RollCall]:
     """Join the torchrun job (its world group); returns this process's rank and its roll call in the job's store."""
     backend, device = pick_device()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    with collective(f"joining the job as rank {rank}", range(world), "Check MASTER_ADDR and MASTER_PORT (torchrun's "
-                    "--rdzv-endpoint), and that every rank started within parallel.timeout_s; see their logs"):
+    hint = (f"Check MASTER_ADDR and MASTER_PORT (torchrun's --rdzv-endpoint), and that every rank started within "
+            f"parallel.timeout_s ({timeout.total_seconds():g} s; raise it where they start further apart, as on a busy "
+            f"machine); see their logs")
+    with collective(f"joining the job as rank {rank}", range(world), hint):
         store = _attempt_store(_store(timeout, rank, world), rank, world, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
