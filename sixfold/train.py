@@ -193,7 +193,8 @@ class Trainer:
         tokens_per_s = t.global_batch * t.seq_len / elapsed
         mfu = self.utilization.mfu(tokens_per_s)
         return {"step": self.step, "loss": math.nan if empty else loss_value, "grad_norm": grad_norm, "lr": lr,
-                "skipped": skip, "tokens_per_s": tokens_per_s, "step_s": elapsed, **({"mfu": mfu} if mfu is not None else {}),
+                "skipped": skip, "tokens_per_s": tokens_per_s, "step_s": elapsed,
+                **({"mfu": mfu} if mfu is not None else {}),
                 "peak_mem_gb": self.utilization.peak_memory_gb(),
                 "comm_bytes": self.comm.ledger.end_step(self.step), **expert_load}
 
