@@ -518,7 +518,8 @@ def test_a_bad_file_that_one_rank_reads_stops_every_rank_with_its_message(saved,
                    f"checkpoint.resume={bad}")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.count("sixfold error: ") == 1, proc.stderr[-3000:]  # every rank's, said once
-    assert "model-00001.safetensors is corrupt: its size or checksum does not match meta.json (rank 1)" in \
+    assert "model-00001.safetensors is corrupt: its size or checksum does not match meta.json; no other complete " \
+           "checkpoint is beside it: restore it from a copy, or train anew without checkpoint.resume (rank 1)" in \
         proc.stderr, proc.stderr[-3000:]
 
 
