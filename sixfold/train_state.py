@@ -252,9 +252,10 @@ def load(checkpoint: Checkpoint, sharded: Sharded, optim: AdamW, cfg: Config) ->
     the compute weights). A training checkpoint (with optimizer state)
     resumes only the same model: settings other than FREE and OBJECTIVE must match."""
     diffs = differences(checkpoint.meta, cfg)
-    named = ", ".join(f"model.{k}={shown(a)} (here {shown(b)})" for k, (a, b) in diffs.items())
+    free = set(FREE + OBJECTIVE + _unused(diffs, cfg))  # settings a resumed run may change: not named to match
+    named = ", ".join(f"model.{k}={shown(a)} (here {shown(b)})" for k, (a, b) in diffs.items() if k not in free)
     hint = f"the checkpoint was written with {named}; set those to match to resume from it, or train this model " \
-        f"from the start (without checkpoint.resume, or in another log.run_dir)" if diffs else \
+        f"from the start (without checkpoint.resume, or in another log.run_dir)" if named else \
         "check model.* settings against the checkpoint's config"
     expected = full_shapes(cfg.model)
     weights = Reader(checkpoint, "model")
@@ -263,7 +264,7 @@ def load(checkpoint: Checkpoint, sharded: Sharded, optim: AdamW, cfg: Config) ->
     if state is not None:
         ckpt.check_shapes({f"{n}.{k}": s for n, s in expected.items() for k in MOMENTS}, state.shapes(),
                           f"{checkpoint.path} (optim)", hint)
-    if state is not None and set(diffs) - set(FREE + OBJECTIVE + _unused(diffs, cfg)):
+    if state is not None and set(diffs) - free:
         raise CheckpointError(f"{checkpoint.path} is a training checkpoint of another model: {hint}")
     sharded.settle()  # no gather reads the masters while they are written
     flats = [torch.zeros_like(u.master) for u in sharded.units]

@@ -213,6 +213,16 @@ def test_a_bad_checkpoint_is_refused_by_name_and_nothing_on_disk_changes(saved, 
     assert (_fingerprint(saved.parent.parent), _fingerprint(bad)) == before
 
 
+def test_a_refused_checkpoint_names_only_the_settings_to_match(saved, tmp_path):
+    """model.loss_chunk and model.recompute are the run's own (RUNTIME): a resumed run may change them, so the
+    refusal of another model shape does not ask to set them as the checkpoint's run had them."""
+    cfg = load_config(TINY, [f"checkpoint.resume={saved}", f"log.run_dir={tmp_path / 'run'}", "model.dim=128",
+                             "model.loss_chunk=8", "model.recompute=full"])
+    with pytest.raises(CheckpointError, match=r"written with model.dim=64 \(here 128\); set those") as e:
+        Trainer(cfg, ParallelContext.single())
+    assert "loss_chunk" not in str(e.value) and "recompute" not in str(e.value)
+
+
 def test_a_training_checkpoint_resumes_with_rope_fields_its_scaling_does_not_use(saved, tmp_path):
     """rope_factor means nothing with model.rope_scaling=none: the run is the checkpoint's model. An earlier version
     saved it so; a config that sets it now is refused."""
