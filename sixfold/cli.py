@@ -13,8 +13,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
-from .config import (FRESH_START, PICTURES, SEEDS, Config, ConfigError, check_available, check_tensorboard,
-                     check_text, check_world_size, load_config, make_run_dir, override, validate, writable_dir)
+from .config import (FRESH_START, PICTURES, Config, ConfigError, check_available, check_tensorboard, check_text,
+                     check_world_size, load_config, make_run_dir, override, seed_problem, temperature_problem,
+                     validate, writable_dir)
 from .console import gone, mute
 from .launch import end, run_torchrun, under_torchrun
 from .run_lock import check_free
@@ -39,8 +40,8 @@ def _at_least(low: int):
 def _seed(text: str) -> int:
     """An argparse type: a random seed, as torch.Generator takes it."""
     value = _at_least(0)(text)
-    if value >= SEEDS:
-        raise argparse.ArgumentTypeError(f"{value} must be from 0 to 2**63 - 1")
+    if said := seed_problem(value):
+        raise argparse.ArgumentTypeError(f"{value} {said}")
     return value
 
 
@@ -50,8 +51,8 @@ def _temperature(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be 0 (greedy) or a positive number")
+    if said := temperature_problem(value):
+        raise argparse.ArgumentTypeError(f"{text} {said}")
     return value
 
 
@@ -266,14 +267,14 @@ def cmd_matrix(args, argv) -> int:
 
 def cmd_generate(args, argv) -> int:
     from .checkpoint import Checkpoint
-    from .generate import checkpoint_tokenizer, prompt_ids, sample_text
+    from .generate import checkpoint_tokenizer, prompt_ids, prompt_problem, sample_text
     from .model.hf import carried_files, end_ids, load_model, saved_config
     check_text(args.prompt, "--prompt")
     cfg = saved_config(Checkpoint(args.checkpoint))  # the tokenizer and prompt refused before the weights are read
     tok = checkpoint_tokenizer(args.checkpoint, cfg)
     given, limit = len(prompt_ids(tok, args.prompt)), cfg.model.max_seq_len
-    if not 0 < given <= limit:
-        raise ConfigError(f"--prompt is {given} tokens; give one of 1 to {limit} tokens (the model's max_seq_len)")
+    if said := prompt_problem(given, limit):
+        raise ConfigError(f"--prompt is {said}")
     model = load_model(args.checkpoint)[0]
     room = limit - given
     if args.max_new_tokens > room:

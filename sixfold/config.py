@@ -509,6 +509,16 @@ def check_world_size(p: ParallelConfig, world_size: int, name: str = "world size
 SEEDS = 2 ** 63  # a seed is below this (torch.Generator takes 64-bit seeds; sixfold's are non-negative)
 
 
+def seed_problem(seed: int) -> str:
+    """What is wrong with a random seed, to follow its name ("" for one torch.Generator takes)."""
+    return "" if 0 <= seed < SEEDS else "must be from 0 to 2**63 - 1"
+
+
+def temperature_problem(temperature: float) -> str:
+    """What is wrong with a sampling temperature, to follow its name ("" for 0 or a positive finite number)."""
+    return "" if 0 <= temperature < float("inf") else "must be 0 (greedy) or a positive number"
+
+
 RUN_CONFIG_HEAD = "# the resolved config of the sixfold run in this directory\n"
 PICTURES = ("timeline.png", "schedule.png", "mesh.png")  # what pictures.py draws into a run directory
 # what a run writes into its directory at its end, besides metrics.jsonl and checkpoints (True: a directory)
@@ -803,8 +813,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"at most {m.max_seq_len}, or raise model.max_seq_len")
     if t.skip_nonfinite < 0:
         raise ConfigError(f"train.skip_nonfinite={t.skip_nonfinite} must be 0 (stop at the first) or more")
-    if not 0 <= t.seed < SEEDS:
-        raise ConfigError(f"train.seed={t.seed} must be from 0 to 2**63 - 1")
+    if said := seed_problem(t.seed):
+        raise ConfigError(f"train.seed={t.seed} {said}")
     if t.global_batch % (p.dp * t.micro_batches):
         need = p.dp * t.micro_batches
         fix = f"set train.global_batch to a multiple of {need} (such as {-(-t.global_batch // need) * need})"

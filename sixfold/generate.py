@@ -5,7 +5,7 @@ from collections.abc import Callable, Collection
 
 import torch
 
-from .config import SEEDS
+from .config import seed_problem, temperature_problem
 from .model.llama import KVCache, Llama
 from .parallel.pipeline.runtime import Pipeline
 
@@ -22,6 +22,12 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Genera
     return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
 
 
+def prompt_problem(tokens: int, limit: int) -> str:
+    """What is wrong with a prompt of `tokens` for a model of max_seq_len `limit`, to follow its name ("" if
+    nothing)."""
+    return "" if 0 < tokens <= limit else f"{tokens} tokens; give one of 1 to {limit} tokens (the model's max_seq_len)"
+
+
 @torch.no_grad()
 def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, stop: Collection[int] = (), vocab: int | None = None,
@@ -31,13 +37,12 @@ def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int
     from which on (a model's vocabulary padded beyond its tokenizer's) are never drawn. `agree(token)`, asked of each
     token drawn (on every rank alike), gives the token to take, or None to end there."""
     limit = model.cfg.max_seq_len
-    if not 0 < len(prompt_ids) <= limit:
-        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; give one of 1 to {limit} tokens (the model's "
-                         f"max_seq_len)")
-    if not temperature >= 0 or temperature == float("inf"):
-        raise ValueError(f"temperature={temperature} must be 0 (greedy) or a positive number")
-    if not 0 <= seed < SEEDS:
-        raise ValueError(f"seed={seed} must be from 0 to 2**63 - 1")
+    if said := prompt_problem(len(prompt_ids), limit):
+        raise ValueError(f"the prompt has {said}")
+    if said := temperature_problem(temperature):
+        raise ValueError(f"temperature={temperature} {said}")
+    if said := seed_problem(seed):
+        raise ValueError(f"seed={seed} {said}")
     device = model.device
     gen = torch.Generator().manual_seed(seed)
     cache = KVCache(model.cfg.n_layers)
