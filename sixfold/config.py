@@ -519,6 +519,12 @@ def temperature_problem(temperature: float) -> str:
     return "" if 0 <= temperature < float("inf") else "must be 0 (greedy) or a positive number"
 
 
+def bpe_size_problem(size: int) -> str:
+    """What is wrong with a BPE vocabulary to train, to follow its name ("" for one that holds the bytes and an
+    end of text)."""
+    return "" if size >= 258 else "must be at least 258 (256 bytes and <|endoftext|>)"
+
+
 RUN_CONFIG_HEAD = "# the resolved config of the sixfold run in this directory\n"
 PICTURES = ("timeline.png", "schedule.png", "mesh.png")  # what pictures.py draws into a run directory
 # what a run writes into its directory at its end, besides metrics.jsonl and checkpoints (True: a directory)
@@ -649,11 +655,11 @@ def override(overrides: list[str], key: str) -> str | None:
 def check_bpe_size(cfg: Config) -> None:
     """A BPE to be trained (data.tokenizer=bpe) must hold the bytes and an end of text, and fit the model's
     vocabulary: refused before the corpus is read."""
-    if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size < 258:
-        raise ConfigError(f"data.bpe_vocab_size={cfg.data.bpe_vocab_size} must be at least 258 (256 bytes and "
-                          f"<|endoftext|>)")
-    if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"data.bpe_vocab_size={cfg.data.bpe_vocab_size} is more than model.vocab_size="
+    size = cfg.data.bpe_vocab_size
+    if cfg.data.tokenizer == "bpe" and bpe_size_problem(size):
+        raise ConfigError(f"data.bpe_vocab_size={size} {bpe_size_problem(size)}")
+    if cfg.data.tokenizer == "bpe" and size > cfg.model.vocab_size:
+        raise ConfigError(f"data.bpe_vocab_size={size} is more than model.vocab_size="
                           f"{cfg.model.vocab_size}, which must hold every token: lower data.bpe_vocab_size or raise "
                           f"model.vocab_size")
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from sixfold.checkpoint import file_sha256
-from sixfold.config import DataConfig
+from sixfold.config import DataConfig, bpe_size_problem
 from sixfold import corpus
 from sixfold.corpus import Corpus, DataError, _corpus, _docs_hash, _unreadable
 from sixfold.files import written
@@ -194,8 +194,8 @@ class BPETokenizer:
     @classmethod
     def train(cls, docs, vocab_size: int) -> BPETokenizer:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-        if vocab_size < 258:
-            raise DataError(f"data.bpe_vocab_size={vocab_size} must be at least 258 (256 bytes and {EOT})")
+        if bpe_size_problem(vocab_size):
+            raise DataError(f"data.bpe_vocab_size={vocab_size} {bpe_size_problem(vocab_size)}")
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
