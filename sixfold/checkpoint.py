@@ -327,6 +327,12 @@ class Checkpoint:
             raise CheckpointError(f"{file} cannot be read ({e.strerror or e}){_elsewhere(self.path)}") from None
 
 
+def opened(source: str | Path | Checkpoint) -> Checkpoint:
+    """source opened; one opened already is kept, so that every read comes from the same checkpoint even where a
+    run's `latest` moves on meanwhile."""
+    return source if isinstance(source, Checkpoint) else Checkpoint(source)
+
+
 def check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Size], where: str, hint: str = "",
                  named=lambda name: name) -> None:
     """Refuse a checkpoint whose tensors do not match the model, naming the difference (each tensor as `named`

@@ -270,17 +270,18 @@ def cmd_generate(args, argv) -> int:
     from .generate import checkpoint_tokenizer, prompt_ids, prompt_problem, sample_text
     from .model.hf import carried_files, end_ids, load_model, saved_config
     check_text(args.prompt, "--prompt")
-    cfg = saved_config(Checkpoint(args.checkpoint))  # the tokenizer and prompt refused before the weights are read
-    tok = checkpoint_tokenizer(args.checkpoint, cfg)
+    checkpoint = Checkpoint(args.checkpoint)  # opened once: a run saving meanwhile moves its `latest` on
+    cfg = saved_config(checkpoint)  # the tokenizer and prompt refused before the weights are read
+    tok = checkpoint_tokenizer(checkpoint, cfg)
     given, limit = len(prompt_ids(tok, args.prompt)), cfg.model.max_seq_len
     if said := prompt_problem(given, limit):
         raise ConfigError(f"--prompt is {said}")
-    model = load_model(args.checkpoint)[0]
+    model = load_model(checkpoint)[0]
     room = limit - given
     if args.max_new_tokens > room:
         warnings.warn(f"--max-new-tokens {args.max_new_tokens}: the model's max_seq_len={limit} "
                       f"leaves room for {room} after the prompt; at most {room} are generated")
-    stop = end_ids(carried_files(Checkpoint(args.checkpoint)))  # an instruct model's end of turn, say
+    stop = end_ids(carried_files(checkpoint))  # an instruct model's end of turn, say
     print(sample_text(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, stop))
     return 0
 

@@ -86,12 +86,12 @@ def continued(tokenizer, prompt: str, prompt_ids: list[int], ids: list[int]) -> 
     return prompt + both[len(head):] if both.startswith(head) else both
 
 
-def checkpoint_tokenizer(path, cfg):
-    """The tokenizer a checkpoint was trained with: its tokenizer.json, or the byte tokenizer."""
-    from .checkpoint import Checkpoint
+def checkpoint_tokenizer(source, cfg):
+    """The tokenizer a checkpoint (a path, or opened) was trained with: its tokenizer.json, or the byte tokenizer."""
+    from .checkpoint import opened
     from .data import BPETokenizer, ByteTokenizer, DataError
     from .model.hf import imported
-    checkpoint = Checkpoint(path)
+    checkpoint = opened(source)
     path = checkpoint.path
     if "tokenizer.json" in checkpoint.meta["files"]:
         return BPETokenizer.from_json(checkpoint.blob("tokenizer.json").decode(), str(path / "tokenizer.json"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from sixfold.checkpoint import Checkpoint, CheckpointError, write_checkpoint
+from sixfold.checkpoint import Checkpoint, CheckpointError, opened, write_checkpoint
 from sixfold.config import Config, ConfigError, DataConfig, ModelConfig, load_config
 from sixfold.corpus import iter_documents, split_documents
 from sixfold.data import BPETokenizer, DataError, load_data
@@ -646,3 +646,26 @@ def test_import_and_export_write_only_new_directories(tmp_path):
     (runs / "latest").write_text("step_0000001")
     with pytest.raises(CheckpointError, match="write it outside the run's checkpoints/ folder"):
         import_hf(tmp_path / "hf", runs / "imported")
+
+
+def test_generate_reads_one_checkpoint_while_the_run_saves_another(tmp_path, monkeypatch, capsys):
+    """`sixfold generate <run>` on a run that saves meanwhile: the config, tokenizer and weights all come from the
+    checkpoint `latest` named when the command began."""
+    from sixfold import cli, generate
+    from sixfold.model import hf
+    run = tmp_path / "run"
+    train(load_config(TINY, [f"log.run_dir={run}", "train.steps=2", "checkpoint.every=1"]))
+    latest = run / "checkpoints" / "latest"
+    second, first = latest.read_text(), sorted(p.name for p in (run / "checkpoints").glob("step*"))[0]
+    latest.write_text(first)
+    problem, load = generate.prompt_problem, hf.load_model
+
+    def saving(*args):  # the run's next save lands after the config was read
+        latest.write_text(second)
+        return problem(*args)
+
+    monkeypatch.setattr(generate, "prompt_problem", saving)
+    monkeypatch.setattr(hf, "load_model", lambda source: (read.append(opened(source).path), load(source))[1])
+    read = []
+    assert cli.main(["generate", str(run), "--prompt", "a", "--max-new-tokens", "2"]) == 0
+    assert [p.name for p in read] == [first] and latest.read_text() == second

@@ -17,8 +17,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..checkpoint import (META, Checkpoint, CheckpointError, check_shapes, outside_checkpoints, require, save_tensors,
-                          write_checkpoint, writing)
+from ..checkpoint import (META, Checkpoint, CheckpointError, check_shapes, opened, outside_checkpoints, require,
+                          save_tensors, write_checkpoint, writing)
 from ..slices import Reader
 from ..config import DTYPES, Config, ConfigError, ModelConfig, config_from_dict, shown
 from .llama import Llama, full_shapes
@@ -358,9 +358,9 @@ def saved_config(checkpoint: Checkpoint) -> Config:
     return config_from_dict(checkpoint.meta["config"])
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Llama, Config]:
-    """A sixfold Llama (fp32) and its Config from a checkpoint or run directory."""
-    checkpoint = Checkpoint(path)
+def load_model(source: str | Path | Checkpoint, device: str | torch.device = "cpu") -> tuple[Llama, Config]:
+    """A sixfold Llama (fp32) and its Config from a checkpoint or run directory, or an opened checkpoint."""
+    checkpoint = opened(source)
     cfg = saved_config(checkpoint)
     weights = Reader(checkpoint, "model")
     check_shapes(full_shapes(cfg.model), weights.shapes(), f"{checkpoint.path} (model)")
@@ -383,12 +383,13 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str = "fp32", shard_
     from ..data import DataError
     from ..generate import checkpoint_tokenizer
     out_dir = _new_output(out_dir)
-    model, cfg = load_model(path)
+    checkpoint = Checkpoint(path)
+    model, cfg = load_model(checkpoint)
     try:  # its end-of-text token is the model's eos (not LlamaConfig's default 2, a byte for a byte model)
-        tok = checkpoint_tokenizer(path, cfg)
+        tok = checkpoint_tokenizer(checkpoint, cfg)
     except DataError:
         tok = None
-    carried = carried_files(Checkpoint(path))
+    carried = carried_files(checkpoint)
     hf = {**hf_config_from_model(cfg.model), "bos_token_id": tok.start[0] if tok and tok.start_token else None,
           "eos_token_id": tok.eot if tok else None, **special_ids(carried), "torch_dtype": DTYPES[dtype]}
     try:
