@@ -22,7 +22,8 @@ from .config import (DTYPES, Config, ConfigError, DataConfig, check_available, c
                      PICTURES, shown)
 from .console import console
 from .determinism import make_deterministic, unsupported
-from .data import BatchLoader, BPETokenizer, DataError, TokenData, eval_batches, load_data, with_tokenizer
+from .data import (BatchLoader, BPETokenizer, ByteTokenizer, DataError, TokenData, eval_batches, load_data,
+                   with_tokenizer)
 from .logs import RunLog
 from .errors import CommError, PeerStopped, TrainingError, on_every_rank
 from .generate import prompt_ids, sample_text
@@ -648,11 +649,13 @@ def _tokenizer_name(checkpoint: ckpt.Checkpoint) -> str | None:
 def data_settings(cfg: Config) -> DataConfig:
     """cfg.data; but with data.tokenizer=bpe, a run resuming a checkpoint that holds its trained tokenizer reads
     that one: trained again on a changed corpus, BPE would give the model's token ids other meanings. A checkpoint
-    that is not there, or a BPE to be trained that the model's vocabulary cannot hold, is refused before the corpus
-    is read."""
+    that is not there, or a tokenizer of bytes or a BPE to be trained that the model's vocabulary cannot hold, is
+    refused before the corpus is read."""
     resume = resume_path(cfg)
     if resume:
         _look_for(resume)
+    if cfg.data.tokenizer == "byte":
+        _check_vocab(cfg, ByteTokenizer.vocab_size)
     if cfg.data.tokenizer != "bpe":
         return cfg.data
     if resume:
@@ -668,6 +671,16 @@ def data_settings(cfg: Config) -> DataConfig:
     return cfg.data
 
 
+def _check_vocab(cfg: Config, tokens: int) -> None:
+    """Refuse a model vocabulary smaller than the tokenizer's `tokens`."""
+    if tokens > cfg.model.vocab_size:
+        resume = resume_path(cfg)  # its embeddings are that many
+        fix = f"train from {resume} with the tokenizer it was trained with (data.tokenizer=bpe reads the one it " \
+              f"holds, if it holds one)" if resume else f"set model.vocab_size>={tokens}"
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokens} tokens "
+                          f"(data.tokenizer={cfg.data.tokenizer}); {fix}")
+
+
 def check_inputs(cfg: Config, data: TokenData) -> None:
     """Refuse what the config and the data alone show cannot run, before any step (and, from `sixfold train`,
     before its ranks start): a vocabulary smaller than the tokenizer's, a split too short for one sequence, a
@@ -675,12 +688,7 @@ def check_inputs(cfg: Config, data: TokenData) -> None:
     shorter than one batch, of evaluation batches that go round the val split and of a sample longer than the
     model holds."""
     t = cfg.train
-    if data.tokenizer.vocab_size > cfg.model.vocab_size:
-        resume = resume_path(cfg)  # its embeddings are that many
-        fix = f"train from {resume} with the tokenizer it was trained with (data.tokenizer=bpe reads the one it " \
-              f"holds, if it holds one)" if resume else f"set model.vocab_size>={data.tokenizer.vocab_size}"
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                          f"{data.tokenizer.vocab_size} tokens (data.tokenizer={cfg.data.tokenizer}); {fix}")
+    _check_vocab(cfg, data.tokenizer.vocab_size)
     try:
         samples = BatchLoader(data.train, t.seq_len, t.global_batch, t.seed).samples
     except DataError as e:  # where the val split took the tokens, lowering its share is the fix too

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from sixfold import cli, ledger, parity
 from sixfold import train as train_module
 from sixfold.checkpoint import Checkpoint
-from sixfold.config import load_config
+from sixfold.config import ConfigError, load_config
 from sixfold.logs import read_metrics
 from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
 from sixfold.slices import Reader
@@ -110,6 +110,13 @@ def test_a_train_split_too_short_for_a_window_names_data_val_fraction_where_the_
     with pytest.raises(DataError, match=r"\(65\); lower train.seq_len or add data \(or raise data.max_bytes, if "
                                         r"set\)$"):
         check_inputs(cfg, load_data(data_settings(cfg)))
+
+
+def test_a_vocabulary_too_small_for_bytes_is_refused_before_the_corpus_is_read(tmp_path):
+    cfg = load_config(TINY, ["model.vocab_size=200", f"data.source={tmp_path / 'nowhere'}"])
+    with pytest.raises(ConfigError, match=re.escape("model.vocab_size=200 is smaller than the tokenizer's 257 tokens "
+                                                    "(data.tokenizer=byte); set model.vocab_size>=257")):
+        data_settings(cfg)
 
 
 def test_a_sample_longer_than_the_model_holds_is_said(tmp_path):
@@ -287,7 +294,6 @@ def test_a_run_ending_in_skipped_steps_writes_no_final_checkpoint(tmp_path):
 
 
 def test_a_model_too_large_to_build_says_its_size_and_what_to_change(tmp_path):
-    from sixfold.config import ConfigError
     from sixfold.mesh import ParallelContext
     # an embedding of 281 TB: more than a process can address, so refused however the system overcommits memory
     cfg = load_config(TINY, ["model.vocab_size=2147483647", "model.dim=32768", f"log.run_dir={tmp_path}"])
