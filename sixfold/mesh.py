@@ -272,6 +272,13 @@ class ParallelContext:
             return fn() if self.is_main else None
         return self._in_turn(fn, self.is_main, what)
 
+    def all_at_once(self, fn, what: str):
+        """fn() on every rank; returns once every rank has run it. Those done first wait however long the others
+        take, checking in as local_first's do (`what`: fn's work, for their message should a rank stop answering)."""
+        if not self.job or self.world_size == 1:
+            return fn()
+        return self._in_turn(fn, True, what)
+
     def _in_turn(self, fn, mine: bool, what: str):
         stopped = f"rank {self.rank} stopped " + (f"(one of {what})" if mine else f"waiting for {what}")
         try:

@@ -10,6 +10,7 @@ save (and the end of the run) waits for it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import threading
@@ -69,6 +70,22 @@ def slice_key(name: str, start: int, stop: int) -> str:
     return f"{name}[{start}:{stop}]"
 
 
+def writers(everyone: list[list[tuple]], place) -> dict[tuple, int]:
+    """The rank that writes each slice (by key): of the lowest rank holding it and its data-parallel replicas (the
+    holders at the same `place(rank)`, its tp and pp coordinates: a rank reading its tp part or stage reads no
+    other's files), the one with the fewest elements to write so far, the lowest on a tie. So replicas share the
+    writing."""
+    holders, load = {}, [0] * len(everyone)
+    for rank, keys in enumerate(everyone):
+        for key in keys:
+            holders.setdefault(key, []).append(rank)
+    writer = {}
+    for key, ranks in holders.items():
+        writer[key] = min((r for r in ranks if place(r) == place(ranks[0])), key=lambda r: (load[r], r))
+        load[writer[key]] += key[-1] - key[-2]
+    return writer
+
+
 def build_index(everyone: list[list[tuple]], writer: dict[tuple, int]) -> dict:
     index = {kind: {} for kind in ckpt.KINDS}
     for rank, keys in enumerate(everyone):
@@ -80,6 +97,15 @@ def build_index(everyone: list[list[tuple]], writer: dict[tuple, int]) -> dict:
             entry["slices"].append({"file": f"{kind}-{rank:05d}.safetensors", "key": slice_key(name, start, stop),
                                     "cut": list(cut), "start": start, "stop": stop})
     return index
+
+
+def _bytes_in(folder: Path) -> int:
+    """The bytes of the files in `folder` (those renamed or removed meanwhile left out)."""
+    total = 0
+    for file in folder.iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            total += file.stat().st_size
+    return total
 
 
 class Saver:
@@ -111,10 +137,8 @@ class Saver:
         everyone = self.ctx.all_gather_objects(([p.key for p in mine], problem))
         if everyone[0][1]:
             raise on_every_rank(CheckpointError(everyone[0][1]))
-        writer = {}
-        for rank, (keys, _) in enumerate(everyone):
-            for key in keys:
-                writer.setdefault(key, rank)
+        dims = self.ctx.dims
+        writer = writers([keys for keys, _ in everyone], lambda r: (r % dims.tp, dims.coords(r)["pp"]))
         snapshot = [(p, p.tensor.detach().to("cpu", copy=True)) for p in mine if writer[p.key] == self.ctx.rank]
         index = build_index([keys for keys, _ in everyone], writer) if self.ctx.is_main else None
         args = (path, snapshot, index, meta, blobs)
@@ -133,12 +157,16 @@ class Saver:
 
     def _together(self, path: Path, write) -> list:
         """write() on every rank, and every rank's result; if it failed on any, every rank raises that rank's
-        CheckpointError (none left waiting in a collective), the staging directory removed."""
-        try:
-            mine, problem = write(), ""
-        except CheckpointError as e:
-            mine, problem = None, f"rank {self.ctx.rank}: {e}"
-        everyone = self.ctx.all_gather_objects((mine, problem))
+        CheckpointError (none left waiting in a collective), the staging directory removed. Ranks done first wait
+        for the others however long they write (a disk slower than parallel.timeout_s allows for the largest part),
+        checking in with them."""
+        def attempt() -> tuple:
+            try:
+                return write(), ""
+            except CheckpointError as e:
+                return None, f"rank {self.ctx.rank}: {e}"
+
+        everyone = self.ctx.all_gather_objects(self.ctx.all_at_once(attempt, "the ranks writing the checkpoint"))
         said = next((problem for _, problem in everyone if problem), "")
         if said:
             if self.ctx.is_main:
@@ -184,17 +212,22 @@ class Saver:
             self._publish(path, index, meta, self._collect(tmp), blobs)
 
     def _collect(self, tmp: Path) -> dict:
-        """Rank 0: every rank's record of the files it wrote, once all are there (they are then removed)."""
+        """Rank 0: every rank's record of the files it wrote, once all are there (they are then removed). It waits
+        as long as the staging directory grows, up to parallel.timeout_s at a time."""
         records = [tmp / f".files-{r:05d}.json" for r in range(self.ctx.world_size)]
-        deadline = time.monotonic() + self.timeout_s
+        deadline, written = time.monotonic() + self.timeout_s, _bytes_in(tmp)
         while not all(r.is_file() for r in records):
             failed = sorted(tmp.glob(".failed-*"))
             if failed:
                 raise CheckpointError(failed[0].read_text())
             if time.monotonic() > deadline:
+                if (grown := _bytes_in(tmp)) > written:  # still writing
+                    deadline, written = time.monotonic() + self.timeout_s, grown
+                    continue
                 late = [r.name for r in records if not r.is_file()]
-                raise CheckpointError(f"checkpoint {tmp}: {len(late)} rank(s) did not finish writing within "
-                                      f"parallel.timeout_s={self.timeout_s} ({', '.join(late[:4])} missing)")
+                raise CheckpointError(f"checkpoint {tmp}: {len(late)} rank(s) wrote nothing for "
+                                      f"parallel.timeout_s={self.timeout_s} s and did not finish "
+                                      f"({', '.join(late[:4])} missing); see their logs")
             time.sleep(0.01)
         files = {}
         for r in records:

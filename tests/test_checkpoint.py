@@ -23,7 +23,7 @@ from sixfold.parallel.tensor import Split
 from sixfold.run_lock import RunLock
 from sixfold.slices import Cut, Reader
 from sixfold.train import Trainer, check_inputs, data_settings, train
-from sixfold.train_state import build_index, slice_key
+from sixfold.train_state import build_index, slice_key, writers
 from helpers import TINY, sixfold
 
 
@@ -39,6 +39,17 @@ def _write(path: Path, name: str, t: torch.Tensor, ranks: list[tuple[Cut, int, i
             tmp, f"model-{r:05d}.safetensors", {slice_key(name, a, b): pieces[c.parts, c.index][a:b].clone()})
     index = build_index(everyone, {k[0]: r for r, k in enumerate(everyone)})
     return publish(path, tmp, {"index": index}, files)
+
+
+def test_replicas_share_the_writing_and_a_tp_part_is_written_by_its_own_ranks():
+    """4 ranks, tp 2 x 2 replicas (rank = 2 * replica + tp): a norm all hold is written by a tp-0 rank; each tp
+    part's slices alternate between its two replicas."""
+    norm = ("model", "norm", (8,), (0, 1, 0, 8), 0, 8)
+    parts = [("model", f"w{i}", (8, 8), (0, 2, tp, 8), 0, 32) for i in range(4) for tp in (0, 1)]
+    everyone = [[norm, *(p for p in parts if p[3][2] == rank % 2)] for rank in range(4)]
+    writer = writers(everyone, lambda rank: rank % 2)
+    assert writer[norm] == 0
+    assert [writer[p] for p in parts] == [2, 1, 0, 3, 2, 1, 0, 3]  # rank 0 had the norm first
 
 
 def test_slices_saved_in_one_cut_read_back_in_any_other(tmp_path):
@@ -70,7 +81,7 @@ def saved(tmp_path_factory) -> Path:
 
 
 def test_each_slice_is_written_once_by_one_replica(saved):
-    """Ranks 0 and 1 (replica 0's tp pair) write everything; replica 1 writes nothing."""
+    """Replicas share the writing: each of the 4 ranks writes about a quarter of the bytes, every slice once."""
     meta = json.loads((saved / "meta.json").read_text())
     cfg = load_config(TINY, [])
     n = cfg.model.num_params()
@@ -83,7 +94,8 @@ def test_each_slice_is_written_once_by_one_replica(saved):
         assert covered == per_param * n  # no padding in this model: every element once
         written = sum(f.stat().st_size for f in saved.glob(f"{kind}-*.safetensors"))
         assert per_param * 4 * n <= written < per_param * 4 * n * 1.1
-    assert {f.name.split("-")[1] for f in saved.glob("*.safetensors")} == {"00000.safetensors", "00001.safetensors"}
+    by_rank = [sum(f.stat().st_size for f in saved.glob(f"*-{rank:05d}.safetensors")) for rank in range(4)]
+    assert max(by_rank) < 1.1 * min(by_rank), by_rank
 
 
 def test_tensor_files_are_as_readable_as_the_rest(saved):
@@ -746,3 +758,34 @@ def test_a_run_resumed_from_an_earlier_step_moves_the_later_checkpoints_aside(tm
         train(load_config(TINY, [f"log.run_dir={other}", "train.steps=4",
                                  f"checkpoint.resume={run / 'checkpoints' / 'step_0000002'}"]))
     assert [m["step"] for m in read_metrics(other)] == [3, 4]
+
+
+def test_rank_0_waits_for_a_background_save_while_the_files_grow(tmp_path):
+    """checkpoint.async_save: rank 0 waits for the other rank's record of its files as long as the staging directory
+    grows (here 3 s against parallel.timeout_s=1), and stops after that long without growth."""
+    import threading
+    import time
+    from sixfold.mesh import ParallelContext, ParallelDims
+    from sixfold.train_state import Saver
+    cfg = load_config(TINY, ["parallel.timeout_s=1", f"log.run_dir={tmp_path}"])
+    saver = Saver(ParallelContext.single(ParallelDims(dp_replicate=2)), None, cfg)
+    tmp = tmp_path / "stage"
+    tmp.mkdir()
+    (tmp / ".files-00000.json").write_text("{}")
+
+    def write() -> None:
+        with open(tmp / "model-00001.safetensors", "wb") as f:
+            for _ in range(6):
+                f.write(b"x" * 100)
+                f.flush()
+                time.sleep(0.5)
+        (tmp / ".files-00001.json").write_text('{"model-00001.safetensors": {}}')
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert saver._collect(tmp) == {"model-00001.safetensors": {}}
+    writer.join()
+    (tmp / ".files-00000.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=re.escape("1 rank(s) wrote nothing for parallel.timeout_s=1.0 s and "
+                                                        "did not finish (.files-00001.json missing)")):
+        saver._collect(tmp)

@@ -572,10 +572,12 @@ def test_a_full_disk_at_the_summaries_says_the_training_is_done(tmp_path, monkey
     assert (tmp_path / "run" / "checkpoints" / "step_0000002").is_dir()
 
 
-def test_ranks_wait_for_rank_0_drawing_the_pictures_beyond_the_timeout(tmp_path):
-    proc = torchrun("slow_summaries.py", 2, TINY, str(tmp_path / "run"))
+@pytest.mark.parametrize("slow", ["pictures", "checkpoint"])
+def test_ranks_wait_for_rank_0_drawing_the_pictures_or_saving_beyond_the_timeout(tmp_path, slow):
+    proc = torchrun("slow_rank0.py", 2, TINY, str(tmp_path / "run"), slow)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.count(" done") == 2 and (tmp_path / "run" / "timeline.png").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step_0000002").is_dir()
 
 
 def test_a_full_disk_while_preparing_a_resume_is_said_and_loses_nothing(tmp_path, monkeypatch):
