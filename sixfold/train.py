@@ -269,17 +269,20 @@ class Trainer:
 
     def load(self, where: str) -> None:
         """Resume from a checkpoint; a rank that cannot read its part, or cannot go on from it, stops every rank with
-        its message (a rank reads only the files that hold its slices). The weights go to the compute copies (ZeRO-1/2
+        its message (a rank reads only the files that hold its slices). Ranks done first wait for the others however
+        long they read, checking in with them. The weights go to the compute copies (ZeRO-1/2
         gather them) only once every rank has read its part: a rank that had stopped would not take part."""
-        problem, kind, found = "", ckpt.CheckpointError, ""
-        try:
-            self._load(where)
-            found = f"{self.started_from.resolve()} on {socket.gethostname()}"
-            identity = ckpt.file_sha256(self.started_from / ckpt.META)
-        except (ckpt.CheckpointError, DataError) as e:
-            problem, kind, identity = str(e), type(e), ""
-        except OSError as e:  # its meta.json, read again for its identity
-            problem, kind, identity = f"cannot read {e.filename}: {e.strerror or e}", ckpt.CheckpointError, ""
+        def attempt() -> tuple:
+            try:
+                self._load(where)
+                return ("", ckpt.CheckpointError, ckpt.file_sha256(self.started_from / ckpt.META),
+                        f"{self.started_from.resolve()} on {socket.gethostname()}")
+            except (ckpt.CheckpointError, DataError) as e:
+                return str(e), type(e), "", ""
+            except OSError as e:  # its meta.json, read again for its identity
+                return f"cannot read {e.filename}: {e.strerror or e}", ckpt.CheckpointError, "", ""
+
+        problem, kind, identity, found = self.ctx.all_at_once(attempt, "the ranks reading the checkpoint")
         if self.ctx.world_size > 1:  # (a class travels as its name)
             problems = self.ctx.all_gather_objects((problem, kind, identity, found))
             first = next((r for r, (p, *_) in enumerate(problems) if p), None)

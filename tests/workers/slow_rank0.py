@@ -1,8 +1,8 @@
-"""Rank 0 draws the pictures, or writes its part of a checkpoint, for longer than parallel.timeout_s (argv: config,
-run directory, "pictures" or "checkpoint"): the other rank waits for it, checking in, and both end the run without
-an error.
+"""Rank 0 draws the pictures, writes its part of a checkpoint or reads its part of one for longer than
+parallel.timeout_s (argv: config, run directory, "pictures", "save" or "resume"): the other rank waits for it,
+checking in, and both end the run without an error.
 
-    torchrun --nproc-per-node 2 slow_rank0.py CONFIG RUN_DIR pictures|checkpoint
+    torchrun --nproc-per-node 2 slow_rank0.py CONFIG RUN_DIR pictures|save|resume
 """
 import os
 import sys
@@ -22,10 +22,16 @@ def slowly(fn):
 
 
 config, run_dir, slow = sys.argv[1:]
-if slow == "pictures":
-    train_module.draw_pictures = slowly(train_module.draw_pictures)
+common = [f"log.run_dir={run_dir}", "parallel.dp_shard=2", "parallel.timeout_s=3", "log.trace=true",
+          "checkpoint.every=1"]
+if slow == "resume":
+    train_module.train(load_config(config, [*common, "train.steps=1"]))
+    train_state.load = slowly(train_state.load)
+    train_module.train(load_config(config, [*common, "train.steps=2", "checkpoint.resume=auto"]))
 else:
-    train_state.Saver._files = slowly(train_state.Saver._files)
-train_module.train(load_config(config, [f"log.run_dir={run_dir}", "parallel.dp_shard=2", "train.steps=2",
-                                        "parallel.timeout_s=3", "log.trace=true", "checkpoint.every=1"]))
+    if slow == "pictures":
+        train_module.draw_pictures = slowly(train_module.draw_pictures)
+    else:
+        train_state.Saver._files = slowly(train_state.Saver._files)
+    train_module.train(load_config(config, [*common, "train.steps=2"]))
 print(f"rank {os.environ['RANK']} done", flush=True)
