@@ -234,6 +234,8 @@ def test_the_search_keeps_what_the_config_sets_beside_its_layout(capsys):
     with pytest.warns(UserWarning, match="--search chooses parallel.tp, model.recompute for each layout it plans, not "
                                          "as given; plan that layout without --search, or leave them out"):
         assert cli.main(["plan", TINY, "--gpus", "4", "--search", "parallel.tp=2", "model.recompute=full"]) == 0
+    with pytest.warns(UserWarning, match="--search chooses train.micro_batches"):  # chosen, so not refused
+        assert cli.main(["plan", TINY, "--gpus", "4", "--search", "train.micro_batches=3"]) == 0
     for bad in ("model.dim=-3", "parallel.cp_mode=bogus"):
         assert cli.main(["plan", TINY, "--gpus", "4", "--search", bad]) == 2
         assert capsys.readouterr().err.startswith(f"sixfold error: {bad.split('=')[0]}=")

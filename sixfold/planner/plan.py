@@ -214,7 +214,7 @@ def search(cfg: Config, world: int, device: Device, per_node: int, refused: dict
     is checked as one process would run it, at once."""
     alone = copy.deepcopy(cfg)  # the settings the search keeps as they are (cp_mode, timeout_s, ...) stay
     alone.parallel = dataclasses.replace(cfg.parallel, **{k: getattr(ParallelConfig, k) for k in SEARCHED})
-    alone.train.reduce_each_micro_batch = False
+    alone.train.reduce_each_micro_batch, alone.train.micro_batches = False, 1  # each layout chooses its own
     validate(alone)
     todo = list(layouts(cfg, world, per_node, refused))
     plans = list(progress(_plan_all(todo, device, per_node), len(todo)))
