@@ -229,10 +229,10 @@ def step(rank: Rank) -> dict[str, int]:
     """Bytes a step holds beyond the persistent buffers at its peak, the largest of its moments, by kind:
     "saved" activations, "working" (the computation's own temporaries) and "transient" buffers.
     At the loss's backward (the head's rank): every saved activation; the larger of its logits-sized temporaries
-    (the fp32 gradient and log-softmax gradient, 8 * T * vocab, or with model.loss_chunk a chunk's logits, their
-    fp32 copy and gradient) and the head's backward (unless chunked, the logits' gradient in the compute dtype in
-    place of the saved fp32 logits, now freed; the products for the head's weight, b * vocab * dim, and its input,
-    b * T * dim); the gradients allocated at forward (ZeRO-2/3: the head's, a tied embedding's), the gathered
+    (the fp32 gradient and log-softmax gradient, 8 * T * vocab, or with model.loss_chunk, in forward, a chunk's
+    (_chunk) and the head's input) and the head's backward (unless chunked, the logits' gradient in the compute
+    dtype in place of the saved fp32 logits, now freed; the products for the head's weight, b * vocab * dim, and
+    its input, b * T * dim); the gradients allocated at forward (ZeRO-2/3: the head's, a tied embedding's), the gathered
     weights, the pipeline's buffers.
     At the backward of each block, which begins with its MLP: the saved activations less the ends of that
     micro-batch, now freed (and without pipelining those of the blocks gone back before it); the MLP's temporaries
@@ -254,8 +254,8 @@ def step(rank: Rank) -> dict[str, int]:
         vocab, chunk, t = _vocab(rank), rank.cfg.model.loss_chunk, rank.micro_tokens
         head = b * vocab * dim + b * t * dim  # the head's weight and input gradients, as its backward makes them
         # unchunked, by then the saved fp32 logits (in ends()) are freed and their gradient is in the compute dtype
-        if chunk:
-            loss = max((4 + 2 * b) * min(chunk, t) * vocab, head)
+        if chunk:  # in forward, beside the head's input
+            loss = max(_chunk(rank, t > chunk) * min(chunk, t) * vocab + b * t * dim, head)
         else:
             loss = max(8 * t * vocab, head - (4 - b) * t * vocab)
         moments.append({"saved": saved, "working": loss, "transient": buffers["early"]})
@@ -294,6 +294,17 @@ def step(rank: Rank) -> dict[str, int]:
     peak = max(moments, key=lambda m: sum(m.values()))
     peak["transient"] += buffers["held"]
     return peak
+
+
+def _chunk(rank: Rank, more: bool) -> int:
+    """Bytes per logit of a chunk of the fused head and loss (model/head_loss.py) as it computes: on a GPU
+    (compiled) its logits, their fp32 copy and gradient; on a CPU (eager) its logits, their fp32 copy (of bf16
+    ones), the target's flags (bool), exp, the flags as fp32 and their difference, and with `more` chunks the last
+    chunk's gradient, held while the next is computed."""
+    b = rank.compute_bytes
+    if not rank.cpu:
+        return 4 + 2 * b
+    return b + (4 if b == 2 else 0) + 1 + 3 * 4 + (b if more else 0)
 
 
 def _reducing(rank: Rank, early: int) -> dict[int, int]:
