@@ -45,6 +45,7 @@ LAYOUTS = {
                                        "train.seq_len=256"],  # chunks' masks made from the ids: no whole mask
     "dp2-documents-bf16": ["parallel.dp_replicate=2", "data.document_mask=true", "train.precision=bf16"],
     "cp2-ulysses-tp2": ["parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.tp=2"],
+    "cp2-ulysses-recompute-selective": ["parallel.cp=2", "parallel.cp_mode=ulysses", "model.recompute=selective"],
     "pp2-1f1b": ["parallel.pp=2", "train.micro_batches=4"],
     "pp2-1f1b-documents": ["parallel.pp=2", "train.micro_batches=4", "data.document_mask=true"],
     "pp2-interleaved-tied": ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2",

@@ -133,7 +133,11 @@ def _context(rank: Rank, out: Counter) -> None:
              rank.compute_bytes)
     parts = [cp.comm_bytes(*shape)]
     if cfg.model.recompute != "none":  # both modes run attention's forward again
-        parts.append(cp.comm_bytes(*shape, forward_only=True))
+        again = cp.comm_bytes(*shape, forward_only=True)
+        if cfg.model.recompute == "selective" and cp.mode == "ulysses":  # but for the output's all-to-all, which
+            # comes after the core's last saved tensor: the recomputation stops before it (torch's early stop)
+            again["all_to_all"] -= sequences * attn.n_heads * shape[3] * cfg.model.head_dim * rank.compute_bytes
+        parts.append(again)
     for part in parts:
         for op, v in part.items():
             _add(rank, out, "cp", op, len(rank.blocks) * v)
