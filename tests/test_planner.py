@@ -33,6 +33,8 @@ LAYOUTS = {
     "hsdp2x2-zero2-accum-reduce-each": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=2",
                                         "train.micro_batches=2", "train.reduce_each_micro_batch=true"],
     "dp_shard2-zero1-bf16": ["parallel.dp_shard=2", "parallel.zero=1", "train.precision=bf16"],
+    "hsdp2x2-zero1-bf16": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=1",
+                           "train.precision=bf16"],  # the peak as the embedding's reduction starts
     "dp2-loss-chunk": ["parallel.dp_replicate=2", "model.loss_chunk=64"],  # two chunks a micro-batch, in forward
     "tp2": ["parallel.tp=2"],
     "tp2-seq256": ["parallel.tp=2", "train.seq_len=256"],  # attention in chunks of queries (model/causal.py)

@@ -239,7 +239,9 @@ def step(rank: Rank) -> dict[str, int]:
     (mlp_working), two hidden-state gradients, under full recomputation that sub-layer rebuilt (not an MoE layer's,
     which is not run again); all the buffers above and those of the reductions then (_reducing). The saved
     activations are the crowd's alive as a B begins. The MLP of a B that defers holds w_down's output gradient and
-    input and its experts' deferred tensors (mlp_working).
+    input and its experts' deferred tensors (mlp_working). Without pipelining, as each layer's reductions start,
+    its backward done: the saved activations of the blocks still to go back, a hidden-state gradient and the
+    reductions then in flight, one more than at a block's backward (_launches).
     Under pipelining, at the weight gradient of a B that sent its input gradient first (Schedule.sends_early):
     the saved activations less that B's micro-batch's on its stage (freed by the B), that stage's deferred
     tensors and its largest weight gradient (deferred()), the input gradient it sent, and the buffers of the
@@ -280,6 +282,10 @@ def step(rank: Rank) -> dict[str, int]:
                                 "transient": reducing[layer]})
                 if rank.schedule is None:  # the one micro-batch's blocks gone back free what they saved
                     gone += block_activations(rank, layer, rank.cfg.model.recompute)
+        gone = 0
+        for layer, transient in _launches(rank, buffers["early"]):  # a hidden-state gradient on its way back
+            gone += block_activations(rank, layer, rank.cfg.model.recompute) if layer is not None else 0
+            moments.append({"saved": before - gone, "working": b * th * dim, "transient": transient})
     sent = b * th * dim  # an early sender's input gradient, on its way
     for st in (st for st in rank.model.stages if st.index in early):
         held = [deferred(rank, layer) for layer in st.layers]
@@ -317,18 +323,42 @@ def _reducing(rank: Rank, early: int) -> dict[int, int]:
         copies = sorted(_copy(rank, u) for u in rank.sharded.units)
         return dict.fromkeys(rank.blocks, early + sum(copies[-(REDUCING + 1):]))
 
-    def held(u) -> int:  # while its reduction is in flight
-        staged = rank.reduce_bytes * u.padded if rank.cpu and u.zero and rank.ctx.size(u.group) > 1 else 0
-        return _later(rank, u) + _copy(rank, u) + staged
-
-    of_block = {id(rank.model.layers[str(layer)]): layer for layer in rank.blocks}
-    out, done = {}, []
+    of_block, out, done = _of_block(rank), {}, []
     for units in rank.sharded.layers:  # in the order the backward reaches them
         layer = next((of_block[id(m)] for u in units for m in u.modules if id(m) in of_block), None)
         if layer is not None:
-            out[layer] = early + sum(_later(rank, u) for u in units) + sum(held(u) for u in done[-REDUCING:])
-        done += [u for u in units if u.zero >= 2 or held(u)]
+            out[layer] = early + sum(_later(rank, u) for u in units) + sum(_held(rank, u) for u in done[-REDUCING:])
+        done += [u for u in units if u.zero >= 2 or _held(rank, u)]
     return out
+
+
+def _launches(rank: Rank, early: int) -> list[tuple[int | None, int]]:
+    """Without pipelining, as the reductions of each layer's units start, its backward done (its block, or None for
+    the ends): the "reducing" buffers of those units and of the REDUCING started before them, all in flight until
+    Sharded.launch waits for the oldest; and the `early` ones but of the units reduced by then (ZeRO-2/3 free
+    their full gradients)."""
+    if rank.schedule is not None:
+        return []
+    of_block, out, done = _of_block(rank), [], []
+    for units in rank.sharded.layers:
+        done += [u for u in units if u.zero >= 2 or _held(rank, u)]
+        layer = next((of_block[id(m)] for u in units for m in u.modules if id(m) in of_block), None)
+        freed = sum(rank.compute_bytes * u.padded for u in done[:-(REDUCING + 1)] if u.zero >= 2 and not
+                    _later(rank, u))
+        out.append((layer, early - freed + sum(_held(rank, u) for u in done[-(REDUCING + 1):])))
+    return out
+
+
+def _of_block(rank: Rank) -> dict[int, int]:
+    """id of each block module -> its layer."""
+    return {id(rank.model.layers[str(layer)]): layer for layer in rank.blocks}
+
+
+def _held(rank: Rank, u) -> int:
+    """Bytes a unit holds while its reduction is in flight: its full gradients (ZeRO-2/3), their copy in the
+    reduction's dtype and on a CPU the input its reduce-scatter stages (Comm.reduce_scatter)."""
+    staged = rank.reduce_bytes * u.padded if rank.cpu and u.zero and rank.ctx.size(u.group) > 1 else 0
+    return _later(rank, u) + _copy(rank, u) + staged
 
 
 def _later(rank: Rank, u) -> int:
