@@ -38,6 +38,7 @@ LAYOUTS = {
     "dp2-loss-chunk": ["parallel.dp_replicate=2", "model.loss_chunk=64"],  # two chunks a micro-batch, in forward
     "tp2": ["parallel.tp=2"],
     "tp2-seq256": ["parallel.tp=2", "train.seq_len=256"],  # attention in chunks of queries (model/causal.py)
+    "tp4": ["parallel.tp=4"],  # kv heads replicated; the peak in the head's backward, its input gathered again
     "tp2-no-sequence-tp-recompute-full": ["parallel.tp=2", "parallel.sequence_parallel=false", "model.recompute=full"],
     "cp2-ring-recompute-selective": ["parallel.cp=2", "model.recompute=selective"],
     "cp2-allgather": ["parallel.cp=2", "parallel.cp_mode=allgather"],

@@ -231,9 +231,8 @@ def step(rank: Rank) -> dict[str, int]:
     At the loss's backward (the head's rank): every saved activation; the larger of its logits-sized temporaries
     (the fp32 gradient and log-softmax gradient, 8 * T * vocab, or with model.loss_chunk, in forward, a chunk's
     (_chunk) and the head's input) and the head's backward (unless chunked, the logits' gradient in the compute
-    dtype in place of the saved fp32 logits, now freed; the products for the head's weight, b * vocab * dim, and
-    its input, b * T * dim); the gradients allocated at forward (ZeRO-2/3: the head's, a tied embedding's), the gathered
-    weights, the pipeline's buffers.
+    dtype in place of the saved fp32 logits, now freed; _head_backward); the gradients allocated at forward
+    (ZeRO-2/3: the head's, a tied embedding's), the gathered weights, the pipeline's buffers.
     At the backward of each block, which begins with its MLP: the saved activations less the ends of that
     micro-batch, now freed (and without pipelining those of the blocks gone back before it); the MLP's temporaries
     (mlp_working), two hidden-state gradients, under full recomputation that sub-layer rebuilt (not an MoE layer's,
@@ -254,7 +253,7 @@ def step(rank: Rank) -> dict[str, int]:
     moments = [{"saved": saved, "working": 0, "transient": buffers["early"]}]
     if rank.model.norm is not None:
         vocab, chunk, t = _vocab(rank), rank.cfg.model.loss_chunk, rank.micro_tokens
-        head = b * vocab * dim + b * t * dim  # the head's weight and input gradients, as its backward makes them
+        head = _head_backward(rank)
         # unchunked, by then the saved fp32 logits (in ends()) are freed and their gradient is in the compute dtype
         if chunk:  # in forward, beside the head's input
             loss = max(_chunk(rank, t > chunk) * min(chunk, t) * vocab + b * t * dim, head)
@@ -300,6 +299,19 @@ def step(rank: Rank) -> dict[str, int]:
     peak = max(moments, key=lambda m: sum(m.values()))
     peak["transient"] += buffers["held"]
     return peak
+
+
+def _head_backward(rank: Rank) -> int:
+    """Bytes the head's backward makes: its input's gradient, b * T * dim, and its weight's, b * vocab * dim; under
+    sequence-TP also its input gathered again (b * T * dim) and the reduce-scatter's output of the input's
+    gradient (b * T_h * dim), and on a CPU the reduce-scatter's staged input and gloo's own copy of the gather, which
+    is freed before the weight's gradient is made (b * T * dim each)."""
+    b, dim, t = rank.compute_bytes, rank.cfg.model.dim, rank.micro_tokens
+    weight = b * _vocab(rank) * dim
+    if not rank.model.tp.sequence:
+        return weight + b * t * dim
+    staged = b * t * dim if rank.cpu else 0
+    return 2 * b * t * dim + b * rank.hidden_tokens * dim + staged + max(weight, staged)
 
 
 def _chunk(rank: Rank, more: bool) -> int:
