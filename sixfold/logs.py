@@ -17,7 +17,7 @@ def fmt_line(m: dict) -> str:
              f"lr {m['lr']:.2e}", f"tok/s {m['tokens_per_s']:,.0f}"]
     if "mfu" in m:
         parts.append(f"mfu {m['mfu']:.1%}")
-    parts += [f"mem {m['peak_mem_gb']:.2f}GB", f"elapsed {m['elapsed_s']:.1f}s"]
+    parts += [f"mem {m['peak_mem_gb']:.2f}GiB", f"elapsed {m['elapsed_s']:.1f}s"]
     if "val_loss" in m:
         parts.append(f"val_loss {m['val_loss']:.4f}")
     if "expert_share" in m:

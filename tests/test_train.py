@@ -26,7 +26,7 @@ from sixfold import cli, ledger, parity
 from sixfold import train as train_module
 from sixfold.checkpoint import Checkpoint
 from sixfold.config import ConfigError, load_config
-from sixfold.logs import read_metrics
+from sixfold.logs import fmt_line, read_metrics
 from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
 from sixfold.slices import Reader
 from sixfold.stop import Stopped, StopSignal
@@ -38,6 +38,13 @@ from helpers import LONG, ROOT, TINY, children, free_port, sixfold, torchrun
 def _train(run_dir, *overrides, nproc=None):
     args = ["train", TINY, f"log.run_dir={run_dir}", *overrides]
     return sixfold(*args, *(["--nproc", str(nproc)] if nproc else []))
+
+
+def test_the_step_line_gives_memory_in_the_unit_of_its_value():
+    """peak_mem_gb is in GiB (2**30 bytes): the line says so, not GB, 7% less a unit."""
+    m = {"step": 3, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 100.0, "peak_mem_gb": 80.0,
+         "elapsed_s": 1.0}
+    assert "| mem 80.00GiB |" in fmt_line(m)
 
 
 def test_run_outputs(tmp_path):
@@ -52,7 +59,7 @@ def test_run_outputs(tmp_path):
     assert "val_loss" in metrics[1] and "val_loss" in metrics[3]
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert (run / "config.yaml").is_file() and "dp_shard: 2" in (run / "config.yaml").read_text()
-    assert "step     4 | loss" in proc.stderr + proc.stdout and "GB | elapsed" in proc.stderr + proc.stdout
+    assert "step     4 | loss" in proc.stderr + proc.stdout and "GiB | elapsed" in proc.stderr + proc.stdout
     assert "sample:\ndef " in proc.stdout + proc.stderr
     trace = json.loads((run / "trace.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
