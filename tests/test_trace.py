@@ -257,6 +257,11 @@ def test_overlap_of_asynchronous_collectives():
     assert overlap_table(events[-1:]).endswith("none traced")
 
 
+def test_the_guide_shows_the_overlap_tables_heading_as_printed():
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "guide" / "observability.md").read_text()
+    assert f"```\n{overlap_table([]).splitlines()[0]}\n  fsdp " in guide
+
+
 def test_overlap_counts_from_the_last_peer():
     """Time blocked before every rank taking part has posted a collective (or both ends a message) is waiting for
     a slower rank: counted apart, not as communication; a message is done when its receive is."""
