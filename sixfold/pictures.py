@@ -27,29 +27,46 @@ def _pyplot():
     return plt
 
 
-def draw_pictures(run_dir: str | Path, cfg: Config | None = None) -> list[Path]:
-    """Every picture the run directory has the files for; returns the paths written."""
+def draw_pictures(run_dir: str | Path, cfg: Config | None = None, failed: list[str] | None = None) -> list[Path]:
+    """Every picture the run directory has the files for; returns the paths written. With `failed`, a picture that
+    cannot be drawn (but for an OSError: no room, no access) is said there, and the others are drawn."""
     run_dir = Path(run_dir)
     cfg = cfg or load_saved_config(run_dir / "config.yaml")
     p, written = cfg.parallel, []
     layout = p.describe()  # the files an earlier launch of another layout left are refused
     events = read_chrome_trace(run_dir / "trace.json", layout) if (run_dir / "trace.json").is_file() else []
+    pictures = []  # (name, what draws it)
     if events:
         steps = sorted({e["args"]["step"] for e in events})
-        written.append(draw_timeline(events, run_dir / PICTURES[0],
-                                     f"sixfold {layout}: steps {steps[0]}-{steps[-1]} of {cfg.train.steps}"))
+        pictures.append((PICTURES[0], lambda: draw_timeline(
+            events, run_dir / PICTURES[0], f"sixfold {layout}: steps {steps[0]}-{steps[-1]} of {cfg.train.steps}")))
     if p.pp > 1:
-        s = schedules.build(p.pp_schedule, p.pp, p.pp_virtual_stages, cfg.train.micro_batches)
-        stages = split_stages(cfg.model, s.stages, cfg.train.seq_len)
-        plan = simulate(s, stage_costs(cfg.model, stages, cfg.train.seq_len, s.splits))
-        written.append(draw_timeline(schedule_events(plan), run_dir / PICTURES[1],
-                                     f"{s.name} pp={s.pp} v={s.v} m={s.m}, as planned (simulator; bubble "
-                                     f"{plan.bubble:.0%} on average)",
-                                     "time (1 = the mean stage's forward; each stage costs its FLOPs)", "pp rank"))
+        pictures.append((PICTURES[1], lambda: draw_schedule(cfg, run_dir / PICTURES[1])))
     if (run_dir / "comm_ledger.json").is_file():
-        written.append(draw_mesh(ParallelDims.from_config(p), ledger.read(run_dir, layout), run_dir / PICTURES[2],
-                                 f"sixfold {layout}"))
+        data = ledger.read(run_dir, layout)
+        pictures.append((PICTURES[2], lambda: draw_mesh(ParallelDims.from_config(p), data, run_dir / PICTURES[2],
+                                                        f"sixfold {layout}")))
+    for name, draw in pictures:
+        try:
+            written.append(draw())
+        except OSError:
+            raise
+        except Exception as e:  # matplotlib's, or a bug here: said, when the caller asks, with the others drawn
+            if failed is None:
+                raise
+            failed.append(f"{name} ({type(e).__name__}: {e})")
     return written
+
+
+def draw_schedule(cfg: Config, path: Path) -> Path:
+    """The run's pipeline schedule as the simulator plans it, each stage costing its FLOPs."""
+    p = cfg.parallel
+    s = schedules.build(p.pp_schedule, p.pp, p.pp_virtual_stages, cfg.train.micro_batches)
+    stages = split_stages(cfg.model, s.stages, cfg.train.seq_len)
+    plan = simulate(s, stage_costs(cfg.model, stages, cfg.train.seq_len, s.splits))
+    return draw_timeline(schedule_events(plan), path, f"{s.name} pp={s.pp} v={s.v} m={s.m}, as planned (simulator; "
+                         f"bubble {plan.bubble:.0%} on average)",
+                         "time (1 = the mean stage's forward; each stage costs its FLOPs)", "pp rank")
 
 
 # the timeline -----------------------------------------------------------------------------------

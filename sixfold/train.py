@@ -616,12 +616,15 @@ class Trainer:
         with _writing_outputs(self.run_dir):
             data = ledger.write(self.run_dir / "comm_ledger.json", parts, self.cfg.parallel.describe())
         log.print(f"{ledger.table(data)}\nledger: {self.run_dir / 'comm_ledger.json'}")
-        written = []
+        written, failed = [], []
         if events:
             with _writing_outputs(self.run_dir):
                 write_chrome_trace(events, self.run_dir / "trace.json", self.cfg.parallel.describe())
-                written = [self.run_dir / "trace.json", *draw_pictures(self.run_dir, self.cfg)]
+                written = [self.run_dir / "trace.json", *draw_pictures(self.run_dir, self.cfg, failed)]
             log.print(f"{overlap_table(events)}\ntrace: {written[0]}; pictures: {', '.join(map(str, written[1:]))}")
+            if failed:  # the training and its files are whole: said, and the run ends as it would have
+                log.print(f"warning: not drawn: {'; '.join(failed)}; `sixfold trace {self.run_dir}` draws the "
+                          f"pictures again from the run's files")
         if stale := [p for n in ("trace.json", *PICTURES) if (p := self.run_dir / n) not in written and p.is_file()]:
             with _writing_outputs(self.run_dir):
                 for path in stale:

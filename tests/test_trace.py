@@ -16,6 +16,7 @@ from sixfold.config import RUN_CONFIG_HEAD, load_config
 from sixfold.logs import read_metrics
 from sixfold.pictures import PICTURES
 from sixfold.trace import overlap, overlap_table, read_chrome_trace
+from sixfold.train import train
 from helpers import TINY, sixfold, torchrun
 
 STEPS, MICRO, PP, TP = 3, 4, 2, 2
@@ -110,6 +111,22 @@ def test_an_earlier_launchs_summaries_are_not_drawn_under_a_later_layout(run, tm
         assert f"{later / name} is an earlier launch's, in pp2 x tp2, sequence-TP, 1f1b; the run's config.yaml is a " \
                f"later launch's, in pp2, 1f1b, which ended before writing its own" in capsys.readouterr().err
         (later / name).unlink()
+
+
+def test_a_picture_that_cannot_be_drawn_does_not_fail_the_run(tmp_path, capsys):
+    """matplotlib's error (or a bug of pictures.py) in one picture: said, the others drawn, the run ends well."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "mesh.png").write_bytes(b"an earlier launch's picture")
+    cfg = load_config(TINY, [f"log.run_dir={run_dir}", "train.steps=1", "log.trace=true"])
+    too_large = ValueError("Image size of 1300x70000 pixels is too large")
+    with mock.patch("sixfold.pictures.draw_mesh", side_effect=too_large):
+        assert len(train(cfg)) == 1
+    out = capsys.readouterr().out
+    assert f"warning: not drawn: mesh.png (ValueError: {too_large}); `sixfold trace {run_dir}` draws the pictures " \
+           f"again from the run's files" in out
+    assert (run_dir / "timeline.png").stat().st_size > 10_000 and not (run_dir / "mesh.png").exists()
+    assert (run_dir / "trace.json").is_file() and (run_dir / "comm_ledger.json").is_file()
 
 
 def test_a_summary_cut_short_leaves_the_earlier_one_whole(tmp_path):
