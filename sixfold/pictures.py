@@ -17,6 +17,7 @@ from .trace import read_chrome_trace
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2", "optim": "#C44E52", "comm": "#DD8452", "data": "#937860"}
 GAP = 0.6  # between blocks of the mesh grid, in rank boxes
+LEGEND = 8  # the groups a mesh panel's legend names; more are summed up in one line
 SOURCES = ("config.yaml", "trace.json", "comm_ledger.json")  # what they are drawn from
 
 
@@ -148,6 +149,24 @@ def _size(b: float) -> str:
         b /= 1024
 
 
+def _ranks(group: tuple[int, ...]) -> str:
+    """A group's ranks as a legend gives them: all of a few, the first two and the last of many."""
+    if len(group) <= 6:
+        return ",".join(map(str, group))
+    return f"{group[0]},{group[1]},...,{group[-1]} ({len(group)} ranks)"
+
+
+def _legend(groups: list[tuple[int, ...]], sizes: list[float]) -> list[str]:
+    """A panel's legend: each group's ranks and bytes per step; past LEGEND + 1 groups, the first LEGEND and one line
+    for the others (a large mesh would otherwise list hundreds, past the panel)."""
+    rows = [f"ranks {_ranks(g)}: {_size(b)}" for g, b in zip(groups, sizes)]
+    if len(rows) <= LEGEND + 1:
+        return rows
+    rest = sizes[LEGEND:]
+    span = _size(min(rest)) if min(rest) == max(rest) else f"{_size(min(rest))} to {_size(max(rest))}"
+    return rows[:LEGEND] + [f"and {len(rest)} more groups: {span} each"]
+
+
 def draw_mesh(dims: ParallelDims, data: dict, path: Path, title: str) -> Path:
     """One panel per kind of group that carried traffic: the ranks on the grid, each group in its own colour,
     its members joined by a line as thick as its bytes per training step; each rank shows its own."""
@@ -173,15 +192,18 @@ def draw_mesh(dims: ParallelDims, data: dict, path: Path, title: str) -> Path:
     for ax in axes.flat:
         ax.set_axis_off()
     for ax, kind in zip(axes.flat, kinds):
-        colour = {}
-        handles = []
+        colour, sizes = {}, []
         for i, g in enumerate(groups[kind]):
             c, b = plt.cm.tab10(i % 10), sum(sent(r, kind) for r in g)
             colour.update({r: c for r in g})
+            sizes.append(b)
             for a, z in zip(g, g[1:]):
                 ax.annotate("", places[z], places[a], arrowprops=dict(arrowstyle="-", color=c, alpha=0.8,
                             lw=1 + 7 * b / heaviest, connectionstyle="arc3,rad=0.3", shrinkA=0, shrinkB=0))
-            handles.append(Line2D([], [], color=c, lw=3, label=f"ranks {','.join(map(str, g))}: {_size(b)}"))
+        labels = _legend(groups[kind], sizes)
+        handles = [Line2D([], [], color=plt.cm.tab10(i % 10), lw=3, label=label) for i, label in enumerate(labels)]
+        if len(labels) < len(sizes):  # the last line sums up the other groups: no colour of its own
+            handles[-1].set_color("none")
         for r, (x, y) in places.items():
             ax.add_patch(Rectangle((x - 0.35, y - 0.35), 0.7, 0.7, facecolor=colour.get(r, "#dddddd"), alpha=0.9,
                                    edgecolor="black", linewidth=0.6, zorder=3))

@@ -14,7 +14,7 @@ from sixfold import ledger
 from sixfold.cli import main
 from sixfold.config import RUN_CONFIG_HEAD, load_config
 from sixfold.logs import read_metrics
-from sixfold.pictures import PICTURES
+from sixfold.pictures import LEGEND, PICTURES, _legend
 from sixfold.trace import overlap, overlap_table, read_chrome_trace
 from sixfold.train import train
 from helpers import TINY, sixfold, torchrun
@@ -97,6 +97,17 @@ def test_pictures_are_drawn_and_redrawn(run, capsys):
     assert "no timeline.png: the run has no trace.json (or no events in it) to draw it from (train with " \
            "log.trace=true)" in capsys.readouterr().out
     assert main(["trace", str(run_dir)]) == 0 and mesh.stat().st_size > 10_000 and timeline.is_file()
+
+
+def test_a_large_meshs_legend_names_a_few_groups_and_sums_up_the_others():
+    """128 ranks in tp groups of 4 listed each would be 32 lines, past the panel, over the next one."""
+    groups, sizes = [tuple(range(4 * i, 4 * i + 4)) for i in range(32)], [4096.0] * 31 + [8192.0]
+    rows = _legend(groups, sizes)
+    assert rows[:2] == ["ranks 0,1,2,3: 4.0 KiB", "ranks 4,5,6,7: 4.0 KiB"] and len(rows) == LEGEND + 1
+    assert rows[-1] == f"and {32 - LEGEND} more groups: 4.0 KiB to 8.0 KiB each"
+    few = groups[:LEGEND + 1]
+    assert _legend(few, sizes) == [f"ranks {','.join(map(str, g))}: 4.0 KiB" for g in few]
+    assert _legend([tuple(range(0, 256, 4))], [100.0]) == ["ranks 0,4,...,252 (64 ranks): 100 B"]
 
 
 def test_an_earlier_launchs_summaries_are_not_drawn_under_a_later_layout(run, tmp_path, capsys):
