@@ -149,6 +149,13 @@ def _size(b: float) -> str:
         b /= 1024
 
 
+def _bend(a: tuple[float, float], z: tuple[float, float]) -> float:
+    """How much a line between the boxes at a and z bows (matplotlib's arc3 rad: its curve passes rad / 2 of their
+    distance off the straight line): around the boxes between, by at most 0.6 of a box, so that a long one (ranks
+    far apart on a large mesh) stays in its panel rather than cross the legend below it."""
+    return min(0.3, 1.2 / math.dist(a, z))
+
+
 def _ranks(group: tuple[int, ...]) -> str:
     """A group's ranks as a legend gives them: all of a few, the first two and the last of many."""
     if len(group) <= 6:
@@ -199,7 +206,8 @@ def draw_mesh(dims: ParallelDims, data: dict, path: Path, title: str) -> Path:
             sizes.append(b)
             for a, z in zip(g, g[1:]):
                 ax.annotate("", places[z], places[a], arrowprops=dict(arrowstyle="-", color=c, alpha=0.8,
-                            lw=1 + 7 * b / heaviest, connectionstyle="arc3,rad=0.3", shrinkA=0, shrinkB=0))
+                            lw=1 + 7 * b / heaviest, connectionstyle=f"arc3,rad={_bend(places[a], places[z])}",
+                            shrinkA=0, shrinkB=0))
         labels = _legend(groups[kind], sizes)
         handles = [Line2D([], [], color=plt.cm.tab10(i % 10), lw=3, label=label) for i, label in enumerate(labels)]
         if len(labels) < len(sizes):  # the last line sums up the other groups: no colour of its own

@@ -14,7 +14,7 @@ from sixfold import ledger
 from sixfold.cli import main
 from sixfold.config import RUN_CONFIG_HEAD, load_config
 from sixfold.logs import read_metrics
-from sixfold.pictures import LEGEND, PICTURES, _legend
+from sixfold.pictures import LEGEND, PICTURES, _bend, _legend
 from sixfold.trace import overlap, overlap_table, read_chrome_trace
 from sixfold.train import train
 from helpers import TINY, sixfold, torchrun
@@ -108,6 +108,14 @@ def test_a_large_meshs_legend_names_a_few_groups_and_sums_up_the_others():
     few = groups[:LEGEND + 1]
     assert _legend(few, sizes) == [f"ranks {','.join(map(str, g))}: 4.0 KiB" for g in few]
     assert _legend([tuple(range(0, 256, 4))], [100.0]) == ["ranks 0,4,...,252 (64 ranks): 100 B"]
+
+
+def test_a_meshs_lines_bow_within_their_panel():
+    """A line's arc passes rad / 2 of its length off the straight line: at rad 0.3 one across 64 boxes (pp groups of
+    a 128-rank mesh) bowed 10 boxes down, through the legend; at most 0.6 of a box now, short ones as they were."""
+    assert _bend((0, 0), (1, 0)) == _bend((0, 0), (0, -2.6)) == 0.3
+    for far in (5, 20, 64, 300):
+        assert _bend((0, 0), (far, 0)) / 2 * far <= 0.6
 
 
 def test_an_earlier_launchs_summaries_are_not_drawn_under_a_later_layout(run, tmp_path, capsys):
