@@ -98,11 +98,13 @@ def draw_timeline(events: list[dict], path: Path, title: str, xlabel: str = "tim
     for (y, colour, edge), spans in bars.items():
         ax.broken_barh(spans, (y, 0.35), facecolors=colour, edgecolors=edge, linewidth=0.5)
     ax.set_yticks(range(len(ranks)), [f"{row} {r}" for r in ranks])
+    ax.set_ylim(-0.6, len(ranks) - 0.35)  # a rank's lanes from -0.4 to 0.4: no margin growing with the ranks
     ax.set_xlabel(xlabel)
     ax.set_title(title)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper center",
-              bbox_to_anchor=(0.5, -0.12 - 0.2 / len(ranks)), ncol=6, fontsize=8, frameon=False)
     fig.tight_layout()
+    below = 0.6 / (ax.get_position().height * fig.get_figheight())  # 0.6 inch under the axes, past the x label
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper center",
+              bbox_to_anchor=(0.5, -below), ncol=6, fontsize=8, frameon=False)
     with written(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -14,7 +15,7 @@ from sixfold import ledger
 from sixfold.cli import main
 from sixfold.config import RUN_CONFIG_HEAD, load_config
 from sixfold.logs import read_metrics
-from sixfold.pictures import LEGEND, PICTURES, _bend, _legend
+from sixfold.pictures import LEGEND, PICTURES, _bend, _legend, draw_timeline
 from sixfold.trace import overlap, overlap_table, read_chrome_trace
 from sixfold.train import train
 from helpers import TINY, sixfold, torchrun
@@ -116,6 +117,23 @@ def test_a_meshs_lines_bow_within_their_panel():
     assert _bend((0, 0), (1, 0)) == _bend((0, 0), (0, -2.6)) == 0.3
     for far in (5, 20, 64, 300):
         assert _bend((0, 0), (far, 0)) / 2 * far <= 0.6
+
+
+def test_the_timelines_margins_do_not_grow_with_the_ranks(tmp_path):
+    """The legend sat 0.12 of the axes' height under them and the rows had matplotlib's 5% margins: at 64 ranks, 3
+    blank rows above and below them and 5 inches down to the legend."""
+    heights = {}
+    for n in (8, 64):
+        events = [{"name": "F0", "cat": "compute", "ts": float(r), "dur": 100.0, "pid": r, "tid": 0,
+                   "args": {"step": 1, "mb": 0}} for r in range(n)]
+        with Image.open(draw_timeline(events, tmp_path / f"{n}.png", "t")) as image:
+            pixels = np.asarray(image.convert("RGB")).astype(int)
+        heights[n] = len(pixels)
+        frame = np.where((pixels.sum(-1) < 200).mean(1) > 0.5)[0]  # the rows of the axes' top and bottom edges
+        blue = np.where((np.abs(pixels - (0x4C, 0x72, 0xB0)).sum(-1) < 30).any(1))[0]  # F's colour, as in the legend
+        bars = blue[(blue > frame.min()) & (blue < frame.max())]
+        assert bars.min() - frame.min() < 60 and frame.max() - bars.max() < 110, n  # less than 0.7 of a rank's row
+    assert abs(heights[64] - heights[8] - 56 * 0.9 * 110) <= 2  # 56 rows more, nothing else
 
 
 def test_an_earlier_launchs_summaries_are_not_drawn_under_a_later_layout(run, tmp_path, capsys):
