@@ -683,6 +683,7 @@ def test_sigterm_ends_the_run_with_a_checkpoint_and_it_goes_on_as_if_never_stopp
     assert err.count(f"sixfold: stopped by SIGTERM after step {last} of 30; checkpoint ") == 1, err[-3000:]
     assert "checkpoint.resume=auto" in err and "(rank " not in err  # said once, by the first rank
     assert (run / "checkpoints" / "latest").read_text() == f"step_{last:07d}"
+    assert not (run / "comm_ledger.json").exists()  # the summaries come at a run's end only (docs/guide)
     assert _train(run, *LONG, "checkpoint.resume=auto", nproc=2).returncode == 0
     steps = read_metrics(run)
     assert [m["step"] for m in steps] == list(range(1, 31))
