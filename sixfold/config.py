@@ -906,4 +906,4 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"train.eval_every={t.eval_every} evaluates on the val split, which data.val_fraction=0 "
                           f"leaves empty: set data.val_fraction above 0, or train.eval_every=0")
     if cfg.log.every < 1:
-        raise ConfigError("log.every must be at least 1")
+        raise ConfigError(f"log.every={cfg.log.every} must be at least 1 (a log line every this many steps)")

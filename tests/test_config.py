@@ -251,6 +251,11 @@ def test_bad_expert_layouts_are_refused(overrides, message):
         load_config(None, overrides)
 
 
+def test_a_bad_log_every_is_refused_with_its_value():
+    with pytest.raises(ConfigError, match=r"^log.every=0 must be at least 1 \(a log line every this many steps\)$"):
+        load_config(None, ["log.every=0"])
+
+
 def test_parameter_counts_of_shipped_shapes():
     from pathlib import Path
     root = Path(__file__).parent.parent / "configs"
