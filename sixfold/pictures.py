@@ -84,12 +84,13 @@ def draw_timeline(events: list[dict], path: Path, title: str, xlabel: str = "tim
     from matplotlib.patches import Patch
 
     ranks = sorted({e["pid"] for e in events})
+    place = {r: i for i, r in enumerate(ranks)}  # each rank's row
     t0 = min(e["ts"] for e in events)
     span = max(e["ts"] + e["dur"] for e in events) - t0
     fig, ax = plt.subplots(figsize=(12, 0.9 * len(ranks) + 1.5))
     bars = defaultdict(list)  # (lane, colour, edge) -> spans: one collection each, drawn much faster
     for e in events:
-        y = ranks.index(e["pid"]) + (0.05 if e["tid"] == 0 else -0.4)
+        y = place[e["pid"]] + (0.05 if e["tid"] == 0 else -0.4)
         bars[y, _color(e), "white" if "mb" in e["args"] else "none"].append(
             ((e["ts"] - t0) / 1e3, max(e["dur"] / 1e3, 0.05)))
         if "stage" in e["args"] and e["dur"] > span / 80:  # a pipeline action wide enough: its micro-batch

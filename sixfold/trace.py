@@ -66,11 +66,13 @@ def write_chrome_trace(events: list[dict], path: Path, layout: str) -> None:
     run's, kept beside them."""
     t0 = min((e["ts"] for e in events), default=0.0)
     rows = _comm_lanes(events)
+    lanes: dict[int, int] = defaultdict(lambda: 1)  # rank -> its last communication row (once over the events)
+    for e, row in zip(events, rows):
+        lanes[e["pid"]] = max(lanes[e["pid"]], row)
     out = []
-    for rank in sorted({e["pid"] for e in events}):
+    for rank in sorted(lanes):
         out.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
-        lanes = max((r for e, r in zip(events, rows) if e["pid"] == rank), default=1)
-        for row in range(max(lanes, 1) + 1):
+        for row in range(lanes[rank] + 1):
             label = "compute" if row == 0 else "communication" + (f" {row}" if row > 1 else "")
             out.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": row, "args": {"name": label}})
     out += [{**e, "ph": "X", "ts": e["ts"] - t0, "tid": row} for e, row in zip(events, rows)]
