@@ -1,6 +1,6 @@
-"""Expert parallelism's pieces: dispatch bytes and outputs against one process; the experts' Function against
-autograd; the router's weights. Whole-run
-parity is in test_parity.py, Mixtral interop in test_hf.py, bad layouts in test_config.py."""
+"""Expert parallelism's pieces: dispatch bytes, outputs and waits for the device against one process; the experts'
+Function against autograd; the router's weights. Whole-run parity is in test_parity.py, Mixtral interop in
+test_hf.py, bad layouts in test_config.py."""
 import pytest
 import torch
 
@@ -13,7 +13,7 @@ from helpers import TINY, torchrun
 
 
 @pytest.mark.parametrize("ep", [2, 4])
-def test_dispatch_bytes_equal_the_formula_and_outputs_one_process(ep):
+def test_dispatch_bytes_equal_the_formula_outputs_one_process_and_wait_for_the_device_once(ep):
     proc = torchrun("expert_bytes.py", ep)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("expert bytes OK") == ep

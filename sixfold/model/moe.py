@@ -177,17 +177,19 @@ class MoE(nn.Module):
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)  # rows sorted by expert
         token = order // k  # the token of each row
-        counts = torch.bincount(flat, minlength=cfg.moe_experts)
+        counts = torch.zeros(cfg.moe_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # (bincount would wait for the device to size itself)
         rows, local_counts, back = self.ep.dispatch(x[token], counts)
-        out = self.ep.combine(self.experts(rows, local_counts.tolist()), back)
+        out = self.ep.combine(self.experts(rows, local_counts), back)
         y = torch.zeros_like(x).index_add(0, token, out * weights.flatten()[order, None].to(x.dtype))
         if self.shared is not None:
             y = y + self.shared(x, sp)
         if not torch.is_grad_enabled():
             return y
         total = self._global(counts, sp)
-        tokens = float(total.sum()) / k
+        tokens = total.sum() / k  # a tensor: nothing here waits for the device
         share = (total / tokens).to(probs.dtype)  # f: fraction of tokens sent to each expert (sums to k)
+        tokens = tokens.to(probs.dtype)
         balance = cfg.moe_experts * (share * probs.sum(0)).sum() / tokens
         z = logits.logsumexp(-1).pow(2).sum() / tokens
         loss = (cfg.moe_aux_weight * balance + cfg.moe_z_weight * z) / self.micro_batches

@@ -32,22 +32,22 @@ class ExpertParallel:
         self.size = comm.ctx.size("ep") if comm is not None else 1
         self.rank = comm.ctx.rank_in("ep") if comm is not None else 0
 
-    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, list[int], tuple]:
         """rows [n, dim] sorted by expert, counts [E] rows per expert -> the rows for this rank's L experts,
-        sorted by local expert, their counts [L], and what combine() needs to send the results back."""
+        sorted by local expert, their counts (L numbers), and what combine() needs to send the results back.
+        The one wait for the device: the counts, which size the all-to-all and the experts' products."""
         if self.size == 1:
-            return rows, counts, ()
+            return rows, counts.tolist(), ()
         local = counts.numel() // self.size
         mine = torch.empty_like(counts)
         self.comm.all_to_all(mine, counts, "ep", label="expert counts")  # [src, local expert] row counts
-        send = counts.view(self.size, local).sum(1).tolist()
-        by_source = mine.view(self.size, local)
-        recv = by_source.sum(1).tolist()
+        sent, by_source = torch.stack([counts, mine]).view(2, self.size, local).tolist()
+        send, recv = [sum(c) for c in sent], [sum(c) for c in by_source]
         got = _AllToAll.apply(rows, self.comm, send, recv, "dispatch")
         # received rows are grouped by source, then expert: regroup by expert, then source
-        order = torch.arange(got.shape[0], device=rows.device).split(by_source.flatten().tolist())
+        order = torch.arange(got.shape[0], device=rows.device).split([n for c in by_source for n in c])
         order = torch.cat([order[s * local + e] for e in range(local) for s in range(self.size)])
-        return got[order], by_source.sum(0), (order, send, recv)
+        return got[order], [sum(c[e] for c in by_source) for e in range(local)], (order, send, recv)
 
     def combine(self, out: torch.Tensor, back: tuple) -> torch.Tensor:
         """The experts' output rows back to the ranks and order they came from."""

@@ -1,10 +1,12 @@
 """Under torchrun with ep ranks: the all-to-all bytes of one forward and backward, summed over the ep group,
 equal tokens * k * hidden * bytes per MoE layer for each of dispatch and combine, forward and backward (plus
-the exchanged expert counts), and the expert outputs equal one process's.
+the exchanged expert counts), and the expert outputs equal one process's. An MoE layer's forward, with ep ranks
+or without, waits for the device once: for its expert counts, which size the all-to-all and the experts' products.
 
     torchrun --nproc-per-node EP expert_bytes.py
 """
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -35,5 +37,29 @@ whole = Llama(cfg)
 init_weights(whole, 4)
 with torch.no_grad():
     assert torch.allclose(model(x), whole(x), atol=1e-5)
+
+
+@contextmanager
+def device_reads():
+    """The reads of a tensor's values by the host made inside (torch.bincount's too: on a GPU it reads its input's
+    largest value to size its output)."""
+    reads = []
+    patched = {(torch.Tensor, n): getattr(torch.Tensor, n)
+               for n in ("tolist", "item", "__float__", "__int__", "__bool__", "__index__")}
+    patched[torch, "bincount"] = torch.bincount
+    for (owner, name), f in patched.items():
+        setattr(owner, name, lambda *a, _f=f, _n=name, **k: reads.append(_n) or _f(*a, **k))
+    try:
+        yield reads
+    finally:
+        for (owner, name), f in patched.items():
+            setattr(owner, name, f)
+
+
+h = torch.randn(32, cfg.dim, generator=torch.Generator().manual_seed(ctx.rank))
+for layers in (model.layers, whole.layers):
+    with device_reads() as reads:
+        layers["0"].mlp(h, False)
+    assert len(reads) == 1, reads
 print(f"rank {ctx.rank} expert bytes OK", flush=True)
 ctx.close()
