@@ -303,12 +303,12 @@ def test_shape_mismatch_is_refused(tmp_path):
         load_model(tmp_path / "ckpt")
 
 
-def hf_mixtral():
+def hf_mixtral(**extra):
     from transformers import MixtralConfig, MixtralForCausalLM
-    cfg = MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=320, num_local_experts=4, num_experts_per_tok=2,
-                        max_position_embeddings=128, rms_norm_eps=1e-5, sliding_window=None,
-                        attn_implementation="eager")
+    shape = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 320, "num_local_experts": 4, "num_experts_per_tok": 2}
+    cfg = MixtralConfig(**{**shape, "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "sliding_window": None,
+                           "attn_implementation": "eager", **extra})
     torch.manual_seed(0)
     return perturbed(MixtralForCausalLM(cfg).float().eval())
 
@@ -331,6 +331,27 @@ def test_mixtral_import_and_export_match_transformers(tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))  # experts unsaid
     with pytest.raises(CheckpointError, match="its weights do not match its config.json"):
         import_hf(tmp_path / "hf", tmp_path / "as_llama")
+
+
+def test_mixtral_balancing_loss_weighs_as_in_transformers(tmp_path):
+    """transformers takes the balancing loss once over all layers' routing, sixfold adds each layer's, so
+    model.moe_aux_weight is router_aux_loss_coef over the layers, both ways. With the routers at zero every
+    expert's probability is 1/E: transformers' loss is k, sixfold's k in each of the 3 layers."""
+    hf = hf_mixtral(num_hidden_layers=3, router_aux_loss_coef=0.03, output_router_logits=True)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.mlp.gate.weight.zero_()
+    hf.save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    model, cfg = load_model(tmp_path / "ckpt")
+    assert cfg.model.moe_aux_weight == 0.01
+    balancing = Llama(replace(cfg.model, moe_z_weight=0.0))
+    balancing.load_state_dict(model.state_dict())
+    balancing.loss_sum(tokens(), tokens())
+    ours = sum(float(layer.mlp.aux) for layer in balancing.layers.values())
+    assert math.isclose(ours, 0.03 * float(hf(tokens(), labels=tokens()).aux_loss), rel_tol=1e-6)
+    export_hf(tmp_path / "ckpt", tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["router_aux_loss_coef"] == 0.03
 
 
 @pytest.mark.parametrize("left_out", ["rope_parameters", "rms_norm_eps"])

@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -208,6 +209,10 @@ def model_config_from_hf(hf: dict, source: str | Path = "config.json") -> ModelC
     if hf.get("head_dim") not in (None, cfg.head_dim):
         raise ConfigError(f"head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads="
                           f"{cfg.head_dim}; sixfold derives head_dim from those")
+    if cfg.moe_experts > 0 and cfg.n_layers > 0 and cfg.moe_aux_weight > 0:  # (a bad one is refused as it is)
+        # transformers takes Mixtral's balancing loss once, over every layer's routing together (at even routing,
+        # one layer's value); sixfold adds each layer's: its weight is router_aux_loss_coef over the layers
+        cfg = replace(cfg, moe_aux_weight=cfg.moe_aux_weight / cfg.n_layers)
     return cfg
 
 
@@ -223,6 +228,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
            "router_jitter_noise": 0.0, "sliding_window": None} if cfg.moe_experts else {}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
             **{theirs: getattr(cfg, ours) for ours, theirs in _names(bool(cfg.moe_experts)).items()},
+            **({"router_aux_loss_coef": cfg.moe_aux_weight * cfg.n_layers} if cfg.moe_experts else {}),  # (per layer)
             "head_dim": cfg.head_dim, "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
             "mlp_bias": False,
             "rope_scaling": None if cfg.rope_scaling == "none" else
