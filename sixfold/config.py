@@ -727,8 +727,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if m.loss_chunk and p.tp > 1:
         raise ConfigError(f"model.loss_chunk={m.loss_chunk} applies at parallel.tp=1: under tp={p.tp} each rank "
                           f"holds logits for 1/tp of the vocabulary already; set model.loss_chunk=0")
-    if m.moe_experts < 0 or m.moe_every < 1:
-        raise ConfigError("model.moe_experts must be 0 or more and model.moe_every at least 1")
+    if m.moe_experts < 0:
+        raise ConfigError(f"model.moe_experts={m.moe_experts} must be 0 (a dense model) or more")
+    if m.moe_every < 1:
+        raise ConfigError(f"model.moe_every={m.moe_every} must be at least 1 (1: every block is MoE)")
     for key in ("moe_aux_weight", "moe_z_weight"):
         if not 0 <= getattr(m, key) < math.inf:
             raise ConfigError(f"model.{key}={getattr(m, key)} must be 0 (off) or a positive number")
