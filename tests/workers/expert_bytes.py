@@ -2,6 +2,8 @@
 equal tokens * k * hidden * bytes per MoE layer for each of dispatch and combine, forward and backward (plus
 the exchanged expert counts), and the expert outputs equal one process's. An MoE layer's forward, with ep ranks
 or without, waits for the device once: for its expert counts, which size the all-to-all and the experts' products.
+Routed to the same experts, every token leaves some ep ranks without rows: outputs as before, their experts' gradients
+zero.
 
     torchrun --nproc-per-node EP expert_bytes.py
 """
@@ -61,5 +63,22 @@ for layers in (model.layers, whole.layers):
     with device_reads() as reads:
         layers["0"].mlp(h, False)
     assert len(reads) == 1, reads
+
+# routers at zero: every token ties on the same k experts, so the ep ranks of the others receive no rows; outputs
+# still equal one process's, and the experts that had no rows get a gradient of zero
+for m in (model, whole):
+    with torch.no_grad():
+        for block in m.layers.values():
+            block.mlp.router.weight.zero_()
+    m.zero_grad()
+    m.loss_sum(x, x).backward()
+with torch.no_grad():
+    assert torch.allclose(model(x), whole(x), atol=1e-5)
+local = cfg.moe_experts // ep
+for mine, one in zip(model.layers.values(), whole.layers.values()):
+    idle = one.mlp.experts.w_up.grad.flatten(1).abs().amax(1) == 0
+    assert idle.view(ep, local).all(1).any() and not idle.all()  # a whole ep rank without rows, not every one
+    got = mine.mlp.experts.w_up.grad.flatten(1).abs().amax(1) == 0
+    assert torch.equal(got, idle[ctx.rank * local:(ctx.rank + 1) * local]), (got, idle)
 print(f"rank {ctx.rank} expert bytes OK", flush=True)
 ctx.close()
