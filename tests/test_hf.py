@@ -335,7 +335,8 @@ def test_mixtral_import_and_export_match_transformers(tmp_path):
 
 def test_mixtral_balancing_loss_weighs_as_in_transformers(tmp_path):
     """transformers takes the balancing loss once over all layers' routing, sixfold adds each layer's, so
-    model.moe_aux_weight is router_aux_loss_coef over the layers, both ways. With the routers at zero every
+    model.moe_aux_weight is router_aux_loss_coef over the layers, both ways; Mixtral has no router z-loss, so its
+    weight is 0. With the routers at zero every
     expert's probability is 1/E: transformers' loss is k, sixfold's k in each of the 3 layers."""
     hf = hf_mixtral(num_hidden_layers=3, router_aux_loss_coef=0.03, output_router_logits=True)
     with torch.no_grad():
@@ -344,8 +345,8 @@ def test_mixtral_balancing_loss_weighs_as_in_transformers(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "ckpt")
     model, cfg = load_model(tmp_path / "ckpt")
-    assert cfg.model.moe_aux_weight == 0.01
-    balancing = Llama(replace(cfg.model, moe_z_weight=0.0))
+    assert cfg.model.moe_aux_weight == 0.01 and cfg.model.moe_z_weight == 0  # Mixtral has no z-loss
+    balancing = Llama(cfg.model)
     balancing.load_state_dict(model.state_dict())
     balancing.loss_sum(tokens(), tokens())
     ours = sum(float(layer.mlp.aux) for layer in balancing.layers.values())

@@ -213,7 +213,7 @@ def model_config_from_hf(hf: dict, source: str | Path = "config.json") -> ModelC
         # transformers takes Mixtral's balancing loss once, over every layer's routing together (at even routing,
         # one layer's value); sixfold adds each layer's: its weight is router_aux_loss_coef over the layers
         cfg = replace(cfg, moe_aux_weight=cfg.moe_aux_weight / cfg.n_layers)
-    return cfg
+    return replace(cfg, moe_z_weight=0.0) if cfg.moe_experts else cfg  # Mixtral trains with no router z-loss
 
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:
