@@ -238,9 +238,13 @@ class Saver:
     def wait(self) -> None:
         """Wait for a background save to finish. If it failed on any rank, every rank raises that error (all call
         this at the same points: a save, the end of the run), the unfinished save removed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._thread is not None:  # rank 0's ends last (it publishes), however long it takes: the others wait
+            thread, self._thread = self._thread, None
+
+            def finish() -> None:
+                while thread.is_alive():  # (in steps: the heartbeat's error is raised between them)
+                    thread.join(1)
+            self.ctx.all_at_once(finish, "the ranks finishing the background checkpoint save")
         error, self._error = self._error, ""
         if self.background:
             error = self.ctx.first_problem(error)

@@ -579,7 +579,7 @@ def test_a_full_disk_at_the_summaries_says_the_training_is_done(tmp_path, monkey
     assert (tmp_path / "run" / "checkpoints" / "step_0000002").is_dir()
 
 
-@pytest.mark.parametrize("slow", ["pictures", "save", "resume"])
+@pytest.mark.parametrize("slow", ["pictures", "save", "async", "resume"])
 def test_ranks_wait_for_rank_0_drawing_the_pictures_saving_or_resuming_beyond_the_timeout(tmp_path, slow):
     proc = torchrun("slow_rank0.py", 2, TINY, str(tmp_path / "run"), slow)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

@@ -1,8 +1,8 @@
-"""Rank 0 draws the pictures, writes its part of a checkpoint or reads its part of one for longer than
-parallel.timeout_s (argv: config, run directory, "pictures", "save" or "resume"): the other rank waits for it,
-checking in, and both end the run without an error.
+"""Rank 0 draws the pictures, writes its part of a checkpoint, publishes a background save or reads its part of a
+checkpoint for longer than parallel.timeout_s (argv: config, run directory, "pictures", "save", "async" or
+"resume"): the other rank waits for it, checking in, and both end the run without an error.
 
-    torchrun --nproc-per-node 2 slow_rank0.py CONFIG RUN_DIR pictures|save|resume
+    torchrun --nproc-per-node 2 slow_rank0.py CONFIG RUN_DIR pictures|save|async|resume
 """
 import os
 import sys
@@ -31,7 +31,10 @@ if slow == "resume":
 else:
     if slow == "pictures":
         train_module.draw_pictures = slowly(train_module.draw_pictures)
-    else:
+    elif slow == "save":
         train_state.Saver._files = slowly(train_state.Saver._files)
+    else:
+        train_state.Saver._publish = slowly(train_state.Saver._publish)
+        common.append("checkpoint.async_save=true")
     train_module.train(load_config(config, [*common, "train.steps=2"]))
 print(f"rank {os.environ['RANK']} done", flush=True)
