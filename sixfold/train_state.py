@@ -70,18 +70,21 @@ def slice_key(name: str, start: int, stop: int) -> str:
     return f"{name}[{start}:{stop}]"
 
 
-def writers(everyone: list[list[tuple]], place) -> dict[tuple, int]:
+def writers(everyone: list[list[tuple]], place: list) -> dict[tuple, int]:
     """The rank that writes each slice (by key): of the lowest rank holding it and its data-parallel replicas (the
-    holders at the same `place(rank)`, its tp and pp coordinates: a rank reading its tp part or stage reads no
+    holders at the same `place[rank]`, its tp and pp coordinates: a rank reading its tp part or stage reads no
     other's files), the one with the fewest elements to write so far, the lowest on a tie. So replicas share the
     writing."""
     holders, load = {}, [0] * len(everyone)
     for rank, keys in enumerate(everyone):
         for key in keys:
             holders.setdefault(key, []).append(rank)
-    writer = {}
+    writer, candidates = {}, {}
     for key, ranks in holders.items():
-        writer[key] = min((r for r in ranks if place(r) == place(ranks[0])), key=lambda r: (load[r], r))
+        ranks = tuple(ranks)
+        if ranks not in candidates:
+            candidates[ranks] = [r for r in ranks if place[r] == place[ranks[0]]]
+        writer[key] = min(candidates[ranks], key=load.__getitem__)  # (the first, lowest, on a tie)
         load[writer[key]] += key[-1] - key[-2]
     return writer
 
@@ -138,7 +141,8 @@ class Saver:
         if everyone[0][1]:
             raise on_every_rank(CheckpointError(everyone[0][1]))
         dims = self.ctx.dims
-        writer = writers([keys for keys, _ in everyone], lambda r: (r % dims.tp, dims.coords(r)["pp"]))
+        place = [(r % dims.tp, dims.coords(r)["pp"]) for r in range(len(everyone))]
+        writer = writers([keys for keys, _ in everyone], place)
         snapshot = [(p, p.tensor.detach().to("cpu", copy=True)) for p in mine if writer[p.key] == self.ctx.rank]
         index = build_index([keys for keys, _ in everyone], writer) if self.ctx.is_main else None
         args = (path, snapshot, index, meta, blobs)
