@@ -802,7 +802,9 @@ def test_the_launcher_passes_on_the_first_signal_only(tmp_path):
     ready = tmp_path / "ready"
     counter = ("import signal, sys, time\nheard = []\nsignal.signal(signal.SIGINT, lambda *a: heard.append(1))\n"
                "open(sys.argv[1], 'w').close()\ntime.sleep(3)\nsys.exit(len(heard))\n")
-    launcher = ("import os, sys\nfrom sixfold.launch import _run\n"
+    # SIGINT taken as in a terminal: a shell's background job (a suite run with `&`) starts with it ignored
+    launcher = ("import os, signal, sys\nfrom sixfold.launch import _run\n"
+                "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
                 f"sys.exit(_run([sys.executable, '-c', {counter!r}, {str(ready)!r}], dict(os.environ), False, False)"
                 ".returncode)")
     job = subprocess.Popen([sys.executable, "-c", launcher], cwd=ROOT, stderr=subprocess.PIPE, text=True)
