@@ -66,8 +66,8 @@ def test_bad_pipeline_settings_are_refused(overrides, message):
         load_config(TINY, overrides)
 
 
-@pytest.mark.parametrize("pp,micro", [(2, 4), (4, 8)])
+@pytest.mark.parametrize("pp,micro", [(2, 4), (4, 8), (2, 1)])  # (2, 1): zb-v filled greedily, no interleaved
 def test_runtime_gradients_in_flight_and_bytes(pp, micro):
     proc = torchrun("pipeline_runtime.py", pp, str(micro))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count(" OK") == 12 * pp
+    assert proc.stdout.count(" OK") == (10 if micro % pp else 12) * pp

@@ -114,6 +114,10 @@ def test_zb_v_bubble_is_near_zero():
             assert sim.makespan == 6 * m + pp - 1
             assert sim.bubble == pytest.approx((pp - 1) / (6 * m + pp - 1))
             assert sim.bubble <= simulate(build("zb-h1", pp, 1, m)).bubble
+        if m < pp:  # fewer micro-batches than ranks: the V filled greedily idles less than zb-h1 (was as much)
+            assert sim.bubble < simulate(build("zb-h1", pp, 1, m)).bubble, (pp, m)
+    assert simulate(build("zb-v", 4, 2, 1)).makespan == 17  # one micro-batch's path, 4p + 1, the least possible
+    assert simulate(build("zb-v", 4, 2, 3)).makespan == 23  # zb-h1's 13 units are 26 of these
     assert bubbles("zb-v", 4, 2, 8) == pytest.approx([3 / 51] * 4)
 
 

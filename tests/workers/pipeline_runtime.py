@@ -43,6 +43,8 @@ sum(reference.loss_sum(x, y) for x, y, _ in micro).div(scale).backward()
 expected = {n: p.grad for n, p in reference.named_parameters()}
 
 for (name, v), together in itertools.product(CASES, (False, True)):
+    if name == "interleaved" and m % pp:  # refused: its micro-batches are a multiple of pp
+        continue
     schedule = schedules.build(name, pp, v, m)
     comm = Comm(ctx, Tracer(False, ctx.rank))
     stages = [s for s in split_stages(cfg, pp * v, 16) if schedule.placement[s.index] == rank]

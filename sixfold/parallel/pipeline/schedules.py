@@ -226,7 +226,10 @@ def zb_h1(pp: int, v: int, m: int) -> list[list[Action]]:
 def zb_v(pp: int, v: int, m: int) -> list[list[Action]]:
     """ZB-V (Qi et al. 2023, section 6): rank r holds stages r and 2pp-1-r, so the loss is on rank 0;
     B and W split. Warm-up fills the V with forwards, the steady phase runs F B W on both stages, the
-    cool-down fills with W's. Built for at least 2pp-1 micro-batches, the extra ones then dropped."""
+    cool-down fills with W's. Built for at least 2pp-1 micro-batches, the extra ones then dropped; with fewer
+    micro-batches than ranks, whose dropped slots would leave most of the V idle, filled greedily (_fill_v)."""
+    if m < pp:
+        return _fill_v(pp, m)
     n = max(m, 2 * pp - 1)
     orders = []
     for r in range(pp):
@@ -251,6 +254,28 @@ def zb_v(pp: int, v: int, m: int) -> list[list[Action]]:
         put(*[(B, first), (W, first)] * (pp - r))
         put(*[(W, second)] * (n - done[W, second]) + [(W, first)] * (n - done[W, first]))
         orders.append([a for a in order if a.micro < m])
+    return orders
+
+
+def _fill_v(pp: int, m: int) -> list[list[Action]]:
+    """ZB-V's V filled greedily at unit costs: whenever free, a rank runs the first ready of a B (of its first stage
+    first), an F (of its second stage first) and a W. With m < pp a rank holds fewer than 1F1B's 2pp pairs."""
+    last = 2 * pp - 1
+    ends: dict[Action, int] = {}
+    counts: dict[tuple[str, int], int] = {}
+    orders: list[list[Action]] = [[] for _ in range(pp)]
+    t = 0
+    while len(ends) < 6 * pp * m:
+        for r, order in enumerate(orders):
+            first, second = r, last - r
+            steps = [(B, first), (B, second), (F, second), (F, first), (W, first), (W, second)]
+            ready = [Action(kind, s, counts.get((kind, s), 0)) for kind, s in steps if counts.get((kind, s), 0) < m]
+            ready = [a for a in ready if all(ends.get(d, t + 1) <= t for d in _deps(a, last))]
+            if ready:
+                a = ready[0]
+                ends[a], counts[a.kind, a.stage] = t + 1, a.micro + 1
+                order.append(a)
+        t += 1
     return orders
 
 
