@@ -342,9 +342,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, labels, tp: TensorParallel, first: int, vocab_size: int):
         comm = tp.comm
         logits = logits.float()
-        if first + logits.shape[1] > vocab_size:  # padded rows of the last piece
+        if first + logits.shape[1] > vocab_size:  # padded rows (a piece past the vocabulary's end: all of them)
             logits = logits.clone()
-            logits[:, vocab_size - first:] = float("-inf")
+            logits[:, max(vocab_size - first, 0):] = float("-inf")
         top = logits.max(dim=1).values
         comm.all_reduce(top, "tp", label="loss max", op=dist.ReduceOp.MAX)
         exp = (logits - top[:, None]).exp_()

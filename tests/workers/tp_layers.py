@@ -1,5 +1,6 @@
 """Under torchrun with tp ranks: the tp collectives' bytes equal the formula, deferred weight gradients equal
-immediate ones, and the saved activations (written as JSON for the test to compare across runs).
+immediate ones, the vocab-parallel loss equals cross-entropy over the whole vocabulary, and the saved activations
+(written as JSON for the test to compare across runs).
 
     torchrun --nproc-per-node TP tp_layers.py SEQUENCE(0|1) OUT.json
 """
@@ -8,13 +9,14 @@ import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from sixfold.activations import SavedTensors
 from sixfold.comm import Comm
 from sixfold.config import ParallelConfig, load_config
 from sixfold.mesh import ParallelContext
 from sixfold.model.llama import Llama, init_weights
-from sixfold.parallel.tensor import TensorParallel, comm_bytes
+from sixfold.parallel.tensor import IGNORE_INDEX, TensorParallel, comm_bytes, cross_entropy
 from sixfold.trace import Tracer
 
 sequence = sys.argv[1] == "1"
@@ -46,6 +48,20 @@ model.tp.weight_grads.run()
 assert len(deferred_now) == 7 * cfg.n_layers, deferred_now  # every linear weight but the head's (logits-sized dy)
 for n, p in model.named_parameters():
     assert torch.equal(p.grad, immediate[n]), n
+
+# vocabularies padded to a multiple of tp, small enough that at tp 4 the last piece begins past the end (5: rows 6, 7)
+for vocab in (tp_size + 1, 2 * tp_size - 1, cfg.vocab_size):
+    full = torch.randn(9, vocab, generator=g)
+    labels = torch.randint(0, vocab, (9,), generator=g).index_fill(0, torch.tensor([2, 5]), IGNORE_INDEX)
+    split = model.tp.split(0, vocab, pad=True)
+    piece = split.local(full.t()).t().clone().requires_grad_()
+    cross_entropy(model.tp, piece, labels, split.index * split.size, vocab).backward()
+    whole = full.clone().requires_grad_()
+    expected = F.cross_entropy(whole, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    expected.backward()
+    assert torch.allclose(piece.grad, split.local(whole.grad.t()).t(), rtol=0, atol=1e-6), (vocab, piece.grad)
+    total = cross_entropy(model.tp, piece.detach(), labels, split.index * split.size, vocab)
+    assert abs(float(total - expected)) <= 1e-6 * float(expected), (vocab, float(total), float(expected))
 
 tokens_here = batch * seq // tp_size if sequence else batch * seq
 split = saved.token_rows_nbytes(tokens_here, cfg.dim)
