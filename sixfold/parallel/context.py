@@ -59,10 +59,19 @@ class ContextParallel:
         """Global positions of this rank's tokens."""
         return self.positions_of(self.rank, local_len, device)
 
-    def _in_position_order(self, local_len: int, device) -> torch.Tensor:
+    def _in_position_order(self, local_len: int, device) -> torch.Tensor | None:
         """Indices that put every rank's tokens, as gathers deliver them (rank after rank), in the order of their
-        positions."""
+        positions; None where they are in that order already (contiguous chunks)."""
+        if not self.zigzag:
+            return None
         return torch.cat([self.positions_of(r, local_len, device) for r in range(self.size)]).argsort()
+
+    def pieces(self, local_len: int) -> list[tuple[int, slice]]:
+        """The sequence's chunks in the order of their positions, each as where a gather holds it: (rank, its
+        tokens' slice of that rank's local ones)."""
+        n = local_len // len(self.chunks)
+        where = {c: (r, slice(j * n, (j + 1) * n)) for r in range(self.size) for j, c in enumerate(self.chunks_of(r))}
+        return [where[c] for c in range(self.n_chunks)]
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
         """Causal attention of local queries over the whole sequence; q [b, hq, local, d], k/v [b, hkv, local, d].
@@ -112,7 +121,7 @@ class ContextParallel:
     # all-gather KV --------------------------------------------------------------------------------
     def _allgather(self, q, k, v, mask):
         # [2, b, hkv, cp*local, d]: the ranks' chunks gathered in rank order, then put in the order of their positions
-        keys = _GatherKV.apply(torch.stack([k, v]), self)[:, :, :, self._in_position_order(q.shape[2], q.device)]
+        keys = _GatherKV.apply(torch.stack([k, v]), self)
         # attention saves q: a copy of its own (in q's layout, which SDPA's output takes, and the output projection
         # reads without a copy), or q's storage, the heads' buffer, would keep the local k and v too
         q = q.clone()
@@ -137,9 +146,9 @@ class ContextParallel:
         if k.shape[1] % self.size:  # fewer kv heads than cp: each rank receives the one its queries need
             k, v = (t.repeat_interleave(self.size // t.shape[1], dim=1) for t in (k, v))
         order = self._in_position_order(q.shape[2], q.device)
-        q, k, v = (t[:, :, order] for t in _ToTokens.apply(self, q, k, v))
+        q, k, v = (t if order is None else t[:, :, order] for t in _ToTokens.apply(self, q, k, v))
         out = causal_attention(q, k, v) if mask is None else within_documents(q, k, v, mask)
-        return _ToHeads.apply(out[:, :, order.argsort()], self)
+        return _ToHeads.apply(out if order is None else out[:, :, order.argsort()], self)
 
 
 def _heads_to_tokens(xs: list[torch.Tensor], cp: ContextParallel) -> torch.Tensor:
@@ -194,22 +203,26 @@ class _ToHeads(torch.autograd.Function):
 
 
 class _GatherKV(torch.autograd.Function):
-    """Forward: all-gather of stacked [k, v] along the sequence; backward: reduce-scatter of their gradients."""
+    """Forward: all-gather of stacked [k, v] along the sequence, put in the order of positions in one copy;
+    backward: their gradients put back in rank order in one copy, then reduce-scattered."""
 
     @staticmethod
     def forward(ctx, kv, cp):
-        ctx.cp = cp
+        ctx.cp, ctx.pieces = cp, cp.pieces(kv.shape[3])
         full = kv.new_empty((cp.size * kv.shape[0], *kv.shape[1:]))
         cp.comm.all_gather(full, kv.contiguous(), "cp", label="kv")
-        return full.view(cp.size, *kv.shape).permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
+        ranks = full.view(cp.size, *kv.shape)
+        return torch.cat([ranks[r, :, :, :, tokens] for r, tokens in ctx.pieces], dim=3)
 
     @staticmethod
     def backward(ctx, grad):
         cp = ctx.cp
         two, b, h, total, d = grad.shape
-        per_rank = grad.view(two, b, h, cp.size, total // cp.size, d).permute(3, 0, 1, 2, 4, 5).contiguous()
-        out = per_rank.new_empty(per_rank.shape[1:])
-        cp.comm.reduce_scatter(out, per_rank.flatten(0, 1), "cp", label="kv grads")
+        ranks = grad.new_empty((cp.size, two, b, h, total // cp.size, d))
+        for (r, tokens), piece in zip(ctx.pieces, grad.chunk(len(ctx.pieces), dim=3)):
+            ranks[r, :, :, :, tokens] = piece
+        out = ranks.new_empty(ranks.shape[1:])
+        cp.comm.reduce_scatter(out, ranks.flatten(0, 1), "cp", label="kv grads")
         return out, None
 
 
