@@ -152,11 +152,15 @@ def _size(b: float) -> str:
         b /= 1024
 
 
-def _bend(a: tuple[float, float], z: tuple[float, float]) -> float:
-    """How much a line between the boxes at a and z bows (matplotlib's arc3 rad: its curve passes rad / 2 of their
-    distance off the straight line): around the boxes between, by at most 0.6 of a box, so that a long one (ranks
-    far apart on a large mesh) stays in its panel rather than cross the legend below it."""
-    return min(0.3, 1.2 / math.dist(a, z))
+def _arc(a: tuple[float, float], z: tuple[float, float]):
+    """The line between the boxes at a and z: a quadratic curve (matplotlib's arc3) whose middle passes rad / 2 of
+    their distance off the straight line, bowing around the boxes between by at most 0.6 of a box, so that a long
+    one (ranks far apart on a large mesh) stays in its panel rather than cross the legend below it."""
+    from matplotlib.path import Path as Curve
+    rad = min(0.3, 1.2 / math.dist(a, z))
+    (x1, y1), (x2, y2) = a, z
+    control = ((x1 + x2) / 2 + rad * (y2 - y1), (y1 + y2) / 2 - rad * (x2 - x1))
+    return Curve([a, control, z], [Curve.MOVETO, Curve.CURVE3, Curve.CURVE3])
 
 
 def _ranks(group: tuple[int, ...]) -> str:
@@ -181,6 +185,7 @@ def draw_mesh(dims: ParallelDims, data: dict, path: Path, title: str) -> Path:
     """One panel per kind of group that carried traffic: the ranks on the grid, each group in its own colour,
     its members joined by a line as thick as its bytes per training step; each rank shows its own."""
     plt = _pyplot()
+    from matplotlib.collections import PatchCollection, PathCollection
     from matplotlib.lines import Line2D
     from matplotlib.patches import Rectangle
 
@@ -201,26 +206,30 @@ def draw_mesh(dims: ParallelDims, data: dict, path: Path, title: str) -> Path:
     fig, axes = plt.subplots(rows, cols, figsize=(cols * panel_w, rows * panel_h), squeeze=False, layout="constrained")
     for ax in axes.flat:
         ax.set_axis_off()
-    for ax, kind in zip(axes.flat, kinds):
-        colour, sizes = {}, []
+    for ax, kind in zip(axes.flat, kinds):  # boxes and lines as one artist each: a large mesh has thousands
+        colour, sizes, arcs, arc_colours, widths = {}, [], [], [], []
         for i, g in enumerate(groups[kind]):
             c, b = plt.cm.tab10(i % 10), sum(sent(r, kind) for r in g)
             colour.update({r: c for r in g})
             sizes.append(b)
-            for a, z in zip(g, g[1:]):
-                ax.annotate("", places[z], places[a], arrowprops=dict(arrowstyle="-", color=c, alpha=0.8,
-                            lw=1 + 7 * b / heaviest, connectionstyle=f"arc3,rad={_bend(places[a], places[z])}",
-                            shrinkA=0, shrinkB=0))
+            arcs += [_arc(places[a], places[z]) for a, z in zip(g, g[1:])]
+            arc_colours += [c] * (len(g) - 1)
+            widths += [1 + 7 * b / heaviest] * (len(g) - 1)
+        ax.add_collection(PathCollection(arcs, facecolors="none", edgecolors=arc_colours, linewidths=widths,
+                                         alpha=0.8, zorder=2))
         labels = _legend(groups[kind], sizes)
         handles = [Line2D([], [], color=plt.cm.tab10(i % 10), lw=3, label=label) for i, label in enumerate(labels)]
         if len(labels) < len(sizes):  # the last line sums up the other groups: no colour of its own
             handles[-1].set_color("none")
-        for r, (x, y) in places.items():
-            ax.add_patch(Rectangle((x - 0.35, y - 0.35), 0.7, 0.7, facecolor=colour.get(r, "#dddddd"), alpha=0.9,
-                                   edgecolor="black", linewidth=0.6, zorder=3))
-            ax.text(x, y + 0.12, str(r), ha="center", va="center", fontsize=9, weight="bold", zorder=4)
-            ax.text(x, y - 0.18, _size(sent(r, kind)) if r in colour else "", ha="center", va="center",
-                    fontsize=6, zorder=4)
+        boxes = [Rectangle((x - 0.35, y - 0.35), 0.7, 0.7) for x, y in places.values()]
+        ax.add_collection(PatchCollection(boxes, facecolors=[colour.get(r, "#dddddd") for r in places], alpha=0.9,
+                                          edgecolors="black", linewidths=0.6, zorder=3))
+        for r, (x, y) in places.items():  # inside the panel: left out of the layout's measuring
+            ax.text(x, y + 0.12, str(r), ha="center", va="center", fontsize=9, weight="bold", zorder=4,
+                    in_layout=False)
+            if r in colour:
+                ax.text(x, y - 0.18, _size(sent(r, kind)), ha="center", va="center", fontsize=6, zorder=4,
+                        in_layout=False)
         ops = sorted({key.split("/")[1] for part in per_step.values() for key in part if key.split("/")[0] == kind})
         within = f" ({' x '.join(GROUP_DIMS[kind])})" if kind in GROUP_DIMS and len(GROUP_DIMS[kind]) > 1 else ""
         ax.set_title(f"{kind}{within}\n{', '.join(ops)}", fontsize=9)  # two lines: panels sit close

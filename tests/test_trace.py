@@ -2,6 +2,7 @@
 trace.json is Chrome trace format with one track per rank, its pictures are drawn and `sixfold trace` redraws
 them, and every rank's ledger gives each training step the bytes of the formulas in docs/guide."""
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -15,7 +16,7 @@ from sixfold import ledger
 from sixfold.cli import main
 from sixfold.config import RUN_CONFIG_HEAD, load_config
 from sixfold.logs import read_metrics
-from sixfold.pictures import LEGEND, PICTURES, _bend, _legend, draw_timeline
+from sixfold.pictures import LEGEND, PICTURES, _arc, _legend, draw_timeline
 from sixfold.trace import overlap, overlap_table, read_chrome_trace, write_chrome_trace
 from sixfold.train import train
 from helpers import TINY, sixfold, torchrun
@@ -114,9 +115,13 @@ def test_a_large_meshs_legend_names_a_few_groups_and_sums_up_the_others():
 def test_a_meshs_lines_bow_within_their_panel():
     """A line's arc passes rad / 2 of its length off the straight line: at rad 0.3 one across 64 boxes (pp groups of
     a 128-rank mesh) bowed 10 boxes down, through the legend; at most 0.6 of a box now, short ones as they were."""
-    assert _bend((0, 0), (1, 0)) == _bend((0, 0), (0, -2.6)) == 0.3
+    def bow(a, z):  # the curve's middle, off the straight line's
+        v = _arc(a, z).vertices
+        return math.dist(0.25 * v[0] + 0.5 * v[1] + 0.25 * v[2], ((a[0] + z[0]) / 2, (a[1] + z[1]) / 2))
+
+    assert math.isclose(bow((0, 0), (1, 0)), 0.15) and math.isclose(bow((0, 0), (0, -2.6)), 0.15 * 2.6)
     for far in (5, 20, 64, 300):
-        assert _bend((0, 0), (far, 0)) / 2 * far <= 0.6
+        assert math.isclose(bow((0, 0), (far, 0)), 0.6)
 
 
 def test_the_timelines_margins_do_not_grow_with_the_ranks(tmp_path):
