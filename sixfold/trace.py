@@ -221,12 +221,28 @@ def overlap_table(events: list[dict]) -> str:
     if not groups:
         rows.append("  none traced")
     for group, ranks in sorted(groups.items()):
-        cells = ", ".join(f"r{r} {ms:.1f} ms {share:.0%}" for r, (ms, share, _) in sorted(ranks.items()))
+        cells = _rank_cells(ranks)
         total = sum(ms for ms, _, _ in ranks.values())
         hidden = sum(ms * share for ms, share, _ in ranks.values()) / total if total else 1.0
         late = sum(p for _, _, p in ranks.values())
         rows.append(f"  {group:<13} {hidden:4.0%} of {total:.1f} ms, {late:.1f} ms waiting for peers | {cells}")
     return "\n".join(rows)
+
+
+CELLS = 8  # the ranks a row of the overlap table names; of more, those that hide the least and a summary
+
+
+def _rank_cells(ranks: dict[int, tuple[float, float, float]]) -> str:
+    """A group's ranks in the overlap table: each one, or of more than CELLS + 1 the CELLS that hide the least
+    and one cell for the others' range (a row of 1024 ranks would run to 20,000 characters)."""
+    def cell(r: int) -> str:
+        return f"r{r} {ranks[r][0]:.1f} ms {ranks[r][1]:.0%}"
+    if len(ranks) <= CELLS + 1:
+        return ", ".join(map(cell, sorted(ranks)))
+    least = sorted(ranks, key=lambda r: (ranks[r][1], r))
+    rest = [ranks[r][1] for r in least[CELLS:]]
+    return ", ".join(map(cell, sorted(least[:CELLS]))) + \
+        f"; the {len(rest)} other ranks hide {min(rest):.0%} to {max(rest):.0%}"
 
 
 SPAN = {"name": str, "cat": str, "ts": float, "dur": float, "pid": int, "tid": int, "args": dict}

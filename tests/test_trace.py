@@ -425,3 +425,15 @@ def test_completion_is_stamped_before_the_wait_on_gloo():
     proc = torchrun("completion.py", 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("completion OK") == 2
+
+
+def test_an_overlap_row_of_many_ranks_names_those_that_hide_the_least():
+    def comm(rank, waited):
+        args = {"group": "fsdp", "waited_us": waited, "step": 1, "async": True}
+        return {"pid": rank, "cat": "comm", "name": "all_reduce fsdp", "ts": 0, "dur": 1000, "args": args}
+    row = overlap_table([comm(r, 50 * r) for r in range(20)]).splitlines()[1]  # rank r hides 1 - r / 20
+    assert row.endswith("| " + ", ".join(f"r{r} 1.0 ms {1 - r / 20:.0%}" for r in range(12, 20)) +
+                        "; the 12 other ranks hide 45% to 100%")
+    assert len(overlap_table([comm(r, r) for r in range(1024)]).splitlines()[1]) < 300
+    few = overlap_table([comm(r, 0) for r in range(9)]).splitlines()[1]
+    assert few.endswith(", ".join(f"r{r} 1.0 ms 100%" for r in range(9)))
