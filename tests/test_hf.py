@@ -181,6 +181,18 @@ def test_a_sliding_window_is_refused_for_mixtral_only():
     with pytest.raises(ConfigError, match="sliding_window=1024 is shorter than max_position_embeddings=2048"):
         model_config_from_hf({**mixtral, "sliding_window": 1024})
     assert model_config_from_hf({**mixtral, "sliding_window": 2048}) == model_config_from_hf(mixtral)
+    assert model_config_from_hf({**llama, "sliding_window": "none"}) == model_config_from_hf(llama)  # not read
+    with pytest.raises(ConfigError, match="sliding_window='none' must be an integer"):
+        model_config_from_hf({**mixtral, "sliding_window": "none"})
+
+
+def test_a_mixtrals_router_jitter_is_imported_with_a_warning():
+    """transformers jitters the router's input in training; sixfold does not: the import says so."""
+    mixtral = hf_config_from_model(ModelConfig(moe_experts=4, moe_top_k=2))
+    with pytest.warns(UserWarning, match="router_jitter_noise=0.01: .* sixfold's routers train without noise"):
+        assert model_config_from_hf({**mixtral, "router_jitter_noise": 0.01}) == model_config_from_hf(mixtral)
+    with pytest.raises(ConfigError, match="router_jitter_noise='x' must be a number"):
+        model_config_from_hf({**mixtral, "router_jitter_noise": "x"})
 
 
 @pytest.mark.parametrize("field,value", [

@@ -140,7 +140,7 @@ def _rope(hf: dict, defaults: dict) -> dict:
 INTEGERS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "intermediate_size", "max_position_embeddings", "num_local_experts", "num_experts_per_tok", "head_dim",
             "sliding_window")
-NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range", "router_aux_loss_coef")
+NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range", "router_aux_loss_coef", "router_jitter_noise")
 # a model setting's name in a transformers config.json; those of MOE are Mixtral's alone
 HF_NAMES = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
             "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "ffn_dim": "intermediate_size",
@@ -192,7 +192,13 @@ def model_config_from_hf(hf: dict, source: str | Path = "config.json") -> ModelC
             raise ConfigError(f"{flag}=true: sixfold's linear layers have no bias")
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' two names for one function
         raise ConfigError(f"hidden_act={hf['hidden_act']!r}: sixfold's MLP uses silu (SwiGLU)")
+    if hf["model_type"] == "llama":  # a field transformers' Llama ignores (_check_numbers would judge it)
+        hf.pop("sliding_window", None)
     _check_numbers(hf, source)
+    if hf["model_type"] == "mixtral" and hf.get("router_jitter_noise", 0.0) > 0:
+        warnings.warn(f"{source}'s router_jitter_noise={hf['router_jitter_noise']}: transformers multiplies an MoE "
+                      f"layer's input by noise of that size in training; sixfold's routers train without noise "
+                      f"(outside training both are the same)")
     given = {**defaults, "tie_word_embeddings": False, **hf}
     if given["num_key_value_heads"] is None and "num_attention_heads" in given:  # transformers: one per head
         given["num_key_value_heads"] = given["num_attention_heads"]
