@@ -116,6 +116,8 @@ def test_zb_v_bubble_is_near_zero():
             assert sim.bubble <= simulate(build("zb-h1", pp, 1, m)).bubble
         if m < pp:  # fewer micro-batches than ranks: the V filled greedily idles less than zb-h1 (was as much)
             assert sim.bubble < simulate(build("zb-h1", pp, 1, m)).bubble, (pp, m)
+        if m == pp:  # filled greedily too: the least possible (as built for 2p - 1, pp = 4 took 30 units)
+            assert sim.makespan == 6 * m + pp - 1
     assert simulate(build("zb-v", 4, 2, 1)).makespan == 17  # one micro-batch's path, 4p + 1, the least possible
     assert simulate(build("zb-v", 4, 2, 3)).makespan == 23  # zb-h1's 13 units are 26 of these
     assert bubbles("zb-v", 4, 2, 8) == pytest.approx([3 / 51] * 4)

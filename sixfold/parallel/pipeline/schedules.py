@@ -226,9 +226,9 @@ def zb_h1(pp: int, v: int, m: int) -> list[list[Action]]:
 def zb_v(pp: int, v: int, m: int) -> list[list[Action]]:
     """ZB-V (Qi et al. 2023, section 6): rank r holds stages r and 2pp-1-r, so the loss is on rank 0;
     B and W split. Warm-up fills the V with forwards, the steady phase runs F B W on both stages, the
-    cool-down fills with W's. Built for at least 2pp-1 micro-batches, the extra ones then dropped; with fewer
-    micro-batches than ranks, whose dropped slots would leave most of the V idle, filled greedily (_fill_v)."""
-    if m < pp:
+    cool-down fills with W's. Built for at least 2pp-1 micro-batches, the extra ones then dropped; with no more
+    micro-batches than ranks, whose dropped slots would leave much of the V idle, filled greedily (_fill_v)."""
+    if m <= pp:
         return _fill_v(pp, m)
     n = max(m, 2 * pp - 1)
     orders = []
@@ -259,7 +259,8 @@ def zb_v(pp: int, v: int, m: int) -> list[list[Action]]:
 
 def _fill_v(pp: int, m: int) -> list[list[Action]]:
     """ZB-V's V filled greedily at unit costs: whenever free, a rank runs the first ready of a B (of its first stage
-    first), an F (of its second stage first) and a W. With m < pp a rank holds fewer than 1F1B's 2pp pairs."""
+    first), an F (of its second stage first) and a W. With m <= pp a rank holds at most 1F1B's 2pp pairs, and at
+    m = pp each rank idles pp - 1 units, the least possible (the V built as for 2pp - 1 idles more: 6 at pp = 4)."""
     last = 2 * pp - 1
     ends: dict[Action, int] = {}
     counts: dict[tuple[str, int], int] = {}
