@@ -227,13 +227,15 @@ class Report:
             "",
             f"fp32 layouts: {STEPS} steps; loss = the largest `|layout - reference| / |reference|` over the "
             f"steps, weight = the largest per-parameter `RMS(layout - reference) / RMS(reference)` after the last "
-            f"step, against the single-process run of the same global batch. bf16 layouts: {LEARN_STEPS} steps; "
-            f"loss = the last loss's relative difference from the fp32 reference (weights shown, not checked). A "
+            f"step, grad norm = the largest relative difference of a step's gradient norm, against the single-process "
+            f"run of the same global batch. bf16 layouts: {LEARN_STEPS} steps; loss = the last loss's relative "
+            f"difference from the fp32 reference (weights shown, not checked; grad norms not compared). A "
             f"resumed layout starts from its source's checkpoint of step {RESUME_AT}, in another layout. Seconds: "
             f"the layout's training in the shared job (start-up excluded).",
             "",
-            "| layout | ranks | mesh | check | max loss diff | max weight diff | seconds | result |",
-            "|---|---:|---|---|---:|---:|---:|---|",
+            "| layout | ranks | mesh | check | max loss diff | max weight diff | max grad-norm diff | seconds | "
+            "result |",
+            "|---|---:|---|---|---:|---:|---:|---:|---|",
         ]
         for row in rows:
             r = row.result
@@ -242,8 +244,9 @@ class Report:
                 kind += f", resumed from {row.layout.resumes}"
             loss = f"{r.loss_rel:.1e}" if r else "-"
             weight = f"{r.weight_rel:.1e}" if r else "-"
+            norm = f"{r.norm_rel:.1e}" if r and not row.layout.bf16 else "-"
             verdict = "ok" if row.ok else f"FAILED: {row.error.splitlines()[0] if row.error else 'over tolerance'}"
-            lines.append(f"| {row.layout.name} | {row.ranks} | {row.describe} | {kind} | {loss} | {weight} | "
+            lines.append(f"| {row.layout.name} | {row.ranks} | {row.describe} | {kind} | {loss} | {weight} | {norm} | "
                          f"{row.seconds:.1f} | {verdict} |")
         return "\n".join(lines) + "\n"
 

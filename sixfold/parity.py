@@ -3,7 +3,11 @@
 Metrics (fp32):
 - losses: relative difference |layout - reference| / |reference| at every step, at most LOSS_RTOL (a step both
   skipped without a loss, nan, as a batch of prompts only is, agrees);
-- weights: per parameter, RMS(layout - reference) / RMS(reference) after the last step, at most WEIGHT_RTOL.
+- weights: per parameter, RMS(layout - reference) / RMS(reference) after the last step, at most WEIGHT_RTOL;
+- gradient norms (before clipping): relative difference at every step, at most NORM_RTOL. AdamW's update hardly
+  changes when every step's gradients are scaled alike, so a norm off by one factor throughout (counted twice
+  over replicas: sqrt(2)) leaves losses and weights within theirs, yet clips at another threshold and logs another
+  grad_norm.
 A run resumed from a checkpoint is compared from the step it resumed at.
 
 bf16 runs are held to a looser promise, that they learn like fp32: the last loss within BF16_LOSS_RTOL of the
@@ -31,6 +35,7 @@ from .train import train
 
 LOSS_RTOL = 1e-5
 WEIGHT_RTOL = 1e-5
+NORM_RTOL = 1e-5
 BF16_LOSS_RTOL = 0.02
 LEARNED = 1.0
 LEARN_STEPS = 50  # bf16 learns like fp32 over as many steps
@@ -55,10 +60,12 @@ class ParityResult:
     weight_tol: float = WEIGHT_RTOL  # inf: not checked
     kept: str = ""  # where the two runs were left to look into, if not where asked
     loss_of: str = "max"  # which steps' losses loss_rel compares: "max" over all, or "last" (bf16 against fp32)
+    norm_rel: float = 0.0  # the largest relative difference of a step's gradient norm
+    norm_tol: float = NORM_RTOL  # inf: not checked
 
     @property
     def ok(self) -> bool:
-        return self.loss_rel <= self.loss_tol and self.weight_rel <= self.weight_tol
+        return self.loss_rel <= self.loss_tol and self.weight_rel <= self.weight_tol and self.norm_rel <= self.norm_tol
 
     def line(self) -> str:
         weight_tol = "not checked" if math.isinf(self.weight_tol) else f"tol {self.weight_tol:.0e}"
@@ -66,6 +73,8 @@ class ParityResult:
         return (f"parity {'OK' if self.ok else 'FAILED'}: {self.layout}, {self.steps} steps, "
                 f"{self.loss_of} loss rel diff {self.loss_rel:.2e} (tol {self.loss_tol:.0e}), max weight rms-rel diff "
                 f"{self.weight_rel:.2e} ({weight_tol}, {worst})"
+                + ("" if math.isinf(self.norm_tol) else
+                   f", max grad-norm rel diff {self.norm_rel:.2e} (tol {self.norm_tol:.0e})")
                 + (f"; both runs are in {self.kept}" if self.kept else ""))
 
 
@@ -134,6 +143,13 @@ def _rel(loss: float, reference: float) -> float:
     return math.inf if math.isnan(rel) else rel
 
 
+def _norm_rel(norm: float, reference: float) -> float:
+    """_rel() of two gradient norms; 0 where they are equal (0 at a skipped step, nan at a non-finite one in both)."""
+    if norm == reference or (math.isnan(norm) and math.isnan(reference)):
+        return 0.0
+    return _rel(norm, reference) if reference else math.inf
+
+
 def _lossless(step: dict) -> bool:
     return step.get("skipped", False) and math.isnan(step["loss"])
 
@@ -141,7 +157,8 @@ def _lossless(step: dict) -> bool:
 def compare(layout_dir: Path, reference_dir: Path, layout: str) -> ParityResult:
     a, b = _steps(layout_dir, reference_dir)
     loss_rel = max(0.0 if _lossless(x) and _lossless(y) else _rel(x["loss"], y["loss"]) for x, y in zip(a, b))
-    return ParityResult(layout, len(a), loss_rel, *_weight_diff(layout_dir, reference_dir))
+    norm_rel = max(_norm_rel(x["grad_norm"], y["grad_norm"]) for x, y in zip(a, b))
+    return ParityResult(layout, len(a), loss_rel, *_weight_diff(layout_dir, reference_dir), norm_rel=norm_rel)
 
 
 def compare_learning(layout_dir: Path, reference_dir: Path, layout: str) -> ParityResult:
@@ -154,7 +171,7 @@ def compare_learning(layout_dir: Path, reference_dir: Path, layout: str) -> Pari
                           "few steps to tell whether bf16 learns (sixfold check: give more --steps)")
     loss_rel = _rel(pairs[-1][0]["loss"], last)
     return ParityResult(layout, len(a), loss_rel, *_weight_diff(layout_dir, reference_dir), loss_tol=BF16_LOSS_RTOL,
-                        weight_tol=math.inf, loss_of="last")
+                        weight_tol=math.inf, loss_of="last", norm_tol=math.inf)
 
 
 @contextlib.contextmanager

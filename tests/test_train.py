@@ -400,17 +400,41 @@ def test_a_batch_of_prompts_only_is_skipped_and_a_validation_of_prompts_only_is_
 def test_a_step_that_only_one_run_has_a_loss_for_fails_parity(monkeypatch):
     """Skipped in both (a batch of prompts only, loss nan) agrees; a nan in one run only, at any step, does not;
     bf16 is compared at the last step with a loss."""
-    reference = [{"loss": 6.0}, {"loss": 4.0}, {"loss": math.nan, "skipped": True}]
-    layout = [{"loss": 6.0}, {"loss": math.nan, "skipped": True}, {"loss": math.nan, "skipped": True}]
+    reference = [{"loss": 6.0, "grad_norm": 2.0}, {"loss": 4.0, "grad_norm": 1.0},
+                 {"loss": math.nan, "skipped": True, "grad_norm": 0.0}]
+    layout = [{"loss": 6.0, "grad_norm": 2.0}, {"loss": math.nan, "skipped": True, "grad_norm": 0.0},
+              {"loss": math.nan, "skipped": True, "grad_norm": 0.0}]
     monkeypatch.setattr(parity, "_weight_diff", lambda *dirs: (0.0, "head.weight"))
     for runs, rel in (((reference, reference), 0.0), ((layout, reference), math.inf)):
         monkeypatch.setattr(parity, "_steps", lambda *dirs: runs)
         assert parity.compare(None, None, "a layout").loss_rel == rel
-    bf16 = [{"loss": 6.1}, {"loss": 4.02}, {"loss": math.nan, "skipped": True}]
+    bf16 = [{"loss": 6.1, "grad_norm": 2.1}, {"loss": 4.02, "grad_norm": 1.1}, {"loss": math.nan, "skipped": True,
+                                                                            "grad_norm": 0.0}]
     monkeypatch.setattr(parity, "_steps", lambda *dirs: (bf16, reference))  # bf16 learns: the steps with a loss
     learned = parity.compare_learning(None, None, "bf16")
     assert learned.loss_rel == pytest.approx(0.005) and "3 steps, last loss rel diff 5.00e-03 (tol" in learned.line()
     assert "3 steps, max loss rel diff 1.67e-02" in parity.compare(None, None, "bf16").line()  # fp32: every step
+
+
+def test_a_gradient_norm_off_by_one_factor_fails_parity(monkeypatch):
+    """A norm counted twice over replicas (sqrt(2) too large at every step) leaves AdamW's updates, and so the losses
+    and weights, as they were: parity compares the norms themselves, at every step, and bf16 does not."""
+    reference = [{"loss": 6.0, "grad_norm": 2.0}, {"loss": 4.0, "grad_norm": 1.0},
+                 {"loss": math.nan, "skipped": True, "grad_norm": math.nan}]
+    monkeypatch.setattr(parity, "_weight_diff", lambda *dirs: (0.0, "head.weight"))
+    for norms, rel in (([2.0, 1.0, math.nan], 0.0), ([2.0, 1.0 + 5e-6, math.nan], 5e-6),
+                       ([2.0 * math.sqrt(2), 1.0 * math.sqrt(2), math.nan], math.sqrt(2) - 1),
+                       ([2.0, 1.0, 3.0], math.inf)):
+        layout = [{**step, "grad_norm": norm} for step, norm in zip(reference, norms)]
+        monkeypatch.setattr(parity, "_steps", lambda *dirs: (layout, reference))
+        result = parity.compare(None, None, "a layout")
+        assert result.loss_rel == 0 and result.norm_rel == pytest.approx(rel) and result.ok == (rel <= LOSS_RTOL)
+        assert f"max grad-norm rel diff {result.norm_rel:.2e} (tol 1e-05)" in result.line()
+        learned = parity.compare_learning(None, None, "bf16")
+        assert learned.ok and "grad-norm" not in learned.line()
+    monkeypatch.setattr(parity, "_steps", lambda *dirs: ([{"loss": 6.0, "grad_norm": 1.0}], [{"loss": 6.0,
+                                                                                              "grad_norm": 0.0}]))
+    assert parity.compare(None, None, "a layout").norm_rel == math.inf  # a norm where the reference had none
 
 
 def test_final_weights_that_are_nan_or_missing_fail_parity(monkeypatch):
