@@ -92,6 +92,10 @@ def test_the_matrix_covers_every_pair_of_dimensions_and_the_big_combinations():
     tp = [name for name, p in layouts.items() if p.tp > 1]
     assert all(layouts[n].sequence_parallel or "no-sequence-tp" in n for n in tp)
     assert any(p.cp_mode == "ulysses" and p.tp > 1 and p.pp > 1 for p in layouts.values())
+    models = {layout.name: load_config(TINY, list(layout.overrides)).model for layout in matrix.LAYOUTS}
+    padded = [n for n, p in layouts.items()
+              if p.zero and models[n].vocab_size * models[n].dim % (16 * p.dp_shard * p.cp)]
+    assert padded, "no ZeRO layout pads its flat buffers (the embedding's unit, at least)"
     for schedule in ("interleaved", "zb-v"):
         assert any(p.pp_schedule == schedule and p.tp > 1 and p.cp > 1 for p in layouts.values())
 
