@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import socket
 import time
 from datetime import timedelta
@@ -14,10 +15,12 @@ import torch.distributed as dist
 # before any group exists: the default group of its functions would pin the world group
 import torch.distributed.nn  # noqa: F401
 
+from .config import ConfigError
 from .errors import collective
 from .rollcall import RollCall
 
 POST_EVERY_S = 1.0  # how often rank 0 posts a start's number again to the ranks that have not taken it
+JOB_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets for each rank (env://)
 
 
 def pick_device() -> tuple[str, torch.device]:
@@ -25,7 +28,6 @@ def pick_device() -> tuple[str, torch.device]:
     if torch.cuda.is_available():
         local, count = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
         if local >= count:
-            from .config import ConfigError
             raise ConfigError(f"local rank {local} has no GPU of its own: this machine shows {count} (CUDA_VISIBLE_"
                               f"DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most {count} "
                               f"ranks on it (torchrun --nproc-per-node), over more machines, or set parallel.* to a "
@@ -35,6 +37,37 @@ def pick_device() -> tuple[str, torch.device]:
     return "gloo", torch.device("cpu")
 
 
+def _whole(name: str, low: int, high: int | None = None) -> int:
+    """Environment variable `name`, a whole number from `low` (to `high`): refused, named, if it is not one."""
+    text = os.environ[name].strip()
+    if not re.fullmatch(r"[0-9]+", text) or int(text) < low or (high is not None and int(text) > high):
+        limit = f"from {low} to {high}" if high is not None else f"of at least {low}"
+        raise _env_error(f"{name}={os.environ[name]!r} is not a whole number {limit}")
+    return int(text)
+
+
+def _env_error(problem: str) -> ConfigError:
+    return ConfigError(f"{problem}: each rank of a job needs {', '.join(JOB_ENV[:-1])} and {JOB_ENV[-1]} as torchrun "
+                       f"sets them; start the ranks with torchrun (or on one machine with sixfold train --nproc N), "
+                       f"or set them so")
+
+
+def job_world() -> int:
+    """The job's WORLD_SIZE (1 where it is not set: one process alone)."""
+    return _whole("WORLD_SIZE", 1) if "WORLD_SIZE" in os.environ else 1
+
+
+def job_env() -> tuple[int, int, str, int]:
+    """This rank's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; one missing or not a number (a rank started by
+    hand, or by another launcher) is refused, named."""
+    missing = [name for name in JOB_ENV if not os.environ.get(name, "").strip()]
+    if missing:
+        one = len(missing) == 1
+        raise _env_error(f"{' and '.join(missing)} {'is' if one else 'are'} not set")
+    world = _whole("WORLD_SIZE", 1)
+    return _whole("RANK", 0, world - 1), world, os.environ["MASTER_ADDR"].strip(), _whole("MASTER_PORT", 1, 65535)
+
+
 def _agent_store() -> bool:
     """Whether torchrun's agent hosts the job's store (then it outlives the ranks, through restarts)."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -42,8 +75,8 @@ def _agent_store() -> bool:
 
 def _store(timeout: timedelta, rank: int = -1, world: int | None = None) -> dist.TCPStore:
     """The job's rendezvous store: the agent's, or rank 0's."""
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                         is_master=rank == 0 and not _agent_store(), timeout=timeout)
+    address, port = job_env()[2:]
+    return dist.TCPStore(address, port, world, is_master=rank == 0 and not _agent_store(), timeout=timeout)
 
 
 def _attempt_store(store: dist.TCPStore, rank: int, world: int, timeout: timedelta) -> dist.Store:
@@ -124,8 +157,8 @@ def _started() -> float:
 
 def join_job(timeout: timedelta) -> tuple[int, RollCall]:
     """Join the torchrun job (its world group); returns this process's rank and its roll call in the job's store."""
+    rank, world = job_env()[:2]
     backend, device = pick_device()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     hint = (f"Check MASTER_ADDR and MASTER_PORT (torchrun's --rdzv-endpoint), and that every rank started within "
             f"parallel.timeout_s ({timeout.total_seconds():g} s; raise it where they start further apart, as on a busy "
             f"machine); see their logs")

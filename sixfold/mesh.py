@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .config import ConfigError, ParallelConfig, check_world_size
 from .errors import PeerStopped, collective, on_every_rank
 from .heartbeat import PeerFailed, PeerLost, in_turn
-from .join import join_job, leave_job, pick_device
+from .join import job_world, join_job, leave_job, pick_device
 from .launch import under_torchrun
 from .rollcall import RollCall
 
@@ -183,7 +183,7 @@ class ParallelContext:
     def initialize(cls, parallel: ParallelConfig) -> "ParallelContext":
         """Join the torchrun job (if any) and build every named group, deduplicated."""
         dims = ParallelDims.from_config(parallel)
-        world = int(os.environ.get("WORLD_SIZE", 1))
+        world = job_world()
         try:
             n = parallel.world_size
             check_world_size(parallel, world, remedy=f"start {n} rank{'s' if n > 1 else ''} in all (torchrun's "
