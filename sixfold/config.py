@@ -241,7 +241,8 @@ ALIAS_NOTES = {"batch_size": "the sequences of a step over all ranks together, n
 def _unknown(key: str, obj, where: str, root) -> ConfigError:
     """Names the keys it may stand for: our name for another framework's (ALIASES), the same key in another section
     of `root` (train.tp: parallel.tp), those it begins (dp: dp_replicate, dp_shard), else the closest, else (a key
-    given without its section: steps, dp) the sections' keys it begins; a one-letter key begins none."""
+    given without its section: steps, dp, max_steps) the sections' keys it begins, or for another framework's name,
+    ours; a one-letter key begins none."""
     choices, ours = _fields(obj), ALIASES.get(key, key)
     others = [s for s in _fields(root) if dataclasses.is_dataclass(section := getattr(root, s)) and section is not obj]
     near = [where + ALIASES[key]] if ALIASES.get(key) in choices else \
@@ -249,10 +250,11 @@ def _unknown(key: str, obj, where: str, root) -> ConfigError:
         sorted(where + c for c in choices if len(key) > 1 and c.startswith(key)) or \
         [where + c for c in difflib.get_close_matches(key, list(choices), n=1, cutoff=0.5)] or \
         sorted(f"{c}.{k}" for c in choices if dataclasses.is_dataclass(getattr(obj, c))
-               for k in _fields(getattr(obj, c)) if len(key) > 1 and k.startswith(key))
+               for k in _fields(getattr(obj, c)) if k == ours or (len(key) > 1 and key not in ALIASES and
+                                                                  k.startswith(key)))
     named = " or ".join(f"'{c}'" for c in near)
     hint = f"; did you mean {named}?" if near else f"; valid keys: {', '.join(sorted(choices))}"
-    if ALIASES.get(key) in choices and key in ALIAS_NOTES:
+    if key in ALIAS_NOTES and near and all(c.rsplit(".", 1)[-1] == ours for c in near):
         hint += f" (here: {ALIAS_NOTES[key]})"
     return ConfigError(f"unknown config key '{where}{key}'{hint}")
 

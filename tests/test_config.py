@@ -44,6 +44,12 @@ def test_unknown_key_names_nearest(tmp_path):
         load_config(None, ["train.batch_size=16"])  # another framework's name
     with pytest.raises(ConfigError, match="'train.micro_batches'\\? \\(here: the parts train.global_batch is cut into"):
         load_config(None, ["train.gradient_accumulation_steps=4"])  # theirs multiplies the batch, ours cuts it
+    for key, meant in (("max_steps", "train.steps"), ("hidden_size", "model.dim"),
+                       ("tensor_model_parallel_size", "parallel.tp")):  # another framework's name, its section left out
+        with pytest.raises(ConfigError, match=f"^unknown config key '{key}'; did you mean '{meant}'\\?$"):
+            load_config(None, [f"{key}=2"])
+    with pytest.raises(ConfigError, match="'batch_size'; did you mean 'train.global_batch'\\? \\(here: the sequences"):
+        load_config(None, ["batch_size=16"])
     for key, meant in (("train.tp", "parallel.tp"), ("model.precision", "train.precision"),
                        ("train.resume", "checkpoint.resume")):  # a key of another section
         with pytest.raises(ConfigError, match=f"unknown config key '{key}'; did you mean '{meant}'\\?"):
