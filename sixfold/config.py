@@ -275,7 +275,10 @@ def _multiples(value: int, k: int) -> str:
 
 def _coerce(value, typ, name: str):
     if typ == bool | None:
-        return None if value is None or value == "" else _coerce(value, bool, name)
+        try:
+            return None if value is None or value == "" else _coerce(value, bool, name)
+        except ConfigError:
+            raise ConfigError(f"{name} must be true, false or null (unset), got {value!r}") from None
     if typ is bool:
         if isinstance(value, bool):
             return value

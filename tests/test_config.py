@@ -137,6 +137,9 @@ def test_bad_values(tmp_path):
         load_config(binary)
     with pytest.raises(ConfigError, match="model.tie_embeddings must be true or false"):
         load_config(None, ["model.tie_embeddings=maybe"])
+    with pytest.raises(ConfigError, match="^parallel.reshard_after_forward must be true, false or null \\(unset\\), "
+                                          "got 'None'$"):  # Python's spelling of null
+        load_config(None, ["parallel.reshard_after_forward=None"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent.yaml")
     with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory: give a YAML file"):
