@@ -85,6 +85,13 @@ def _relaunch(args, argv: list[str], cfg) -> int | None:
     nproc = args.nproc or cfg.parallel.world_size
     if nproc == 1:
         return None
+    from .join import job_world
+    if (world := job_world()) > 1:  # another launcher's: a job of our own here would train apart from its others
+        raise ConfigError(f"WORLD_SIZE={world} makes this process one rank of a job of {world}, and LOCAL_RANK, "
+                          f"which torchrun sets, is not set: sixfold train would start {nproc} ranks of its own here, "
+                          f"apart from the job's others. Start each machine's ranks with torchrun, set LOCAL_RANK "
+                          f"(and RANK, MASTER_ADDR, MASTER_PORT) in each rank started otherwise, or unset WORLD_SIZE "
+                          f"to train on this machine alone")
     from .data import load_data
     from .train import check_inputs, data_settings
     said = []

@@ -63,7 +63,8 @@ def job_env() -> tuple[int, int, str, int]:
     missing = [name for name in JOB_ENV if not os.environ.get(name, "").strip()]
     if missing:
         one = len(missing) == 1
-        raise _env_error(f"{' and '.join(missing)} {'is' if one else 'are'} not set")
+        raise _env_error(f"{', '.join(missing[:-1])}{'' if one else ' and '}{missing[-1]} {'is' if one else 'are'} "
+                         f"not set")
     world = _whole("WORLD_SIZE", 1)
     return _whole("RANK", 0, world - 1), world, os.environ["MASTER_ADDR"].strip(), _whole("MASTER_PORT", 1, 65535)
 

@@ -554,14 +554,18 @@ def test_a_rank_that_never_joins_ends_the_others_with_an_error_naming_the_timeou
 
 
 def test_a_rank_started_without_the_jobs_environment_is_refused_naming_what_is_missing(tmp_path, monkeypatch):
-    """A rank started by hand or by another launcher than torchrun: no traceback of a KeyError or of int()."""
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
-    proc = subprocess.run([sys.executable, "-m", "sixfold.cli", "train", TINY, "parallel.dp_replicate=2",
-                           f"log.run_dir={tmp_path / 'run'}"], env=env, text=True, capture_output=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == (
-        "sixfold error (rank 0): MASTER_ADDR and MASTER_PORT are not set: each rank of a job needs RANK, WORLD_SIZE, "
-        "MASTER_ADDR and MASTER_PORT as torchrun sets them; start the ranks with torchrun (or on one machine with "
-        "sixfold train --nproc N), or set them so"), proc.stderr[-2000:]
+    """A rank started by hand or by another launcher than torchrun: no traceback of a KeyError or of int(); without
+    LOCAL_RANK (srun with RANK=$SLURM_PROCID), no job of its own started on this machine, apart from the others."""
+    for given, said in ((["LOCAL_RANK=0"], "(rank 0): MASTER_ADDR and MASTER_PORT are not set: each rank of a job "
+                                           "needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun sets them"),
+                        ([], "(rank 0): WORLD_SIZE=2 makes this process one rank of a job of 2, and LOCAL_RANK, which "
+                             "torchrun sets, is not set: sixfold train would start 2 ranks of its own here")):
+        env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", **dict(g.split("=") for g in given)}
+        proc = subprocess.run([sys.executable, "-m", "sixfold.cli", "train", TINY, "parallel.dp_replicate=2",
+                               f"log.run_dir={tmp_path / 'run'}"], env=env, text=True, capture_output=True,
+                              timeout=120)
+        assert proc.returncode == 2 and proc.stderr.splitlines()[-1].startswith(f"sixfold error {said}"), \
+            proc.stderr[-2000:]
     from sixfold.join import job_env, job_world
     job = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     for name, value in job.items():
@@ -569,7 +573,8 @@ def test_a_rank_started_without_the_jobs_environment_is_refused_naming_what_is_m
     assert job_env() == (1, 2, "127.0.0.1", 29500) and job_world() == 2
     for name, value, said in (("WORLD_SIZE", "two", "WORLD_SIZE='two' is not a whole number of at least 1"),
                               ("RANK", "2", "RANK='2' is not a whole number from 0 to 1"),
-                              ("MASTER_PORT", "0x10", "MASTER_PORT='0x10' is not a whole number from 1 to 65535")):
+                              ("MASTER_PORT", "0x10", "MASTER_PORT='0x10' is not a whole number from 1 to 65535"),
+                              ("RANK", "", "RANK is not set")):
         monkeypatch.setenv(name, value)
         with pytest.raises(ConfigError, match=f"^{said}: each rank of a job needs RANK"):
             job_world() if name == "WORLD_SIZE" else job_env()
