@@ -69,7 +69,7 @@ def time_run(cfg: Config, threads: str | None = None) -> dict:
     kept busy meanwhile, and the accelerator."""
     job = launch(cfg, threads)
     if job.oom:
-        raise BenchError(f"{cfg.parallel.describe()} ran out of CUDA memory; lower train.seq_len or "
+        raise BenchError(f"{cfg.parallel.describe()} ran out of memory; lower train.seq_len or "
                          f"train.global_batch (sixfold bench --max-seq finds the longest sequence that fits)")
     first = job.ranks[0]
     return {"step_s": statistics.mean(first["step_s"][WARMUP:]), "wall_s": per_step(first["elapsed_s"]),

@@ -1,5 +1,5 @@
 """One job of `sixfold bench`: a config trained for its steps by fresh processes, one per rank, each reporting
-its step times and peak memory, or that CUDA ran out of memory.
+its step times and peak memory, or that it ran out of memory (CUDA's, or an allocation that failed on CPU).
 
     python -m sixfold.benchjob DIR    (DIR holds config.yaml; rank r writes rank{r}.json there)
 
@@ -19,11 +19,12 @@ from pathlib import Path
 import yaml
 
 from .config import FRESH_START, Config, load_config
+from .errors import OutOfMemory
 from .launch import run_ranks
 from .measure import mark_memory, others_while, peak_mb
 
 NO_RESUME = tuple(f"checkpoint.{k}=" for k in FRESH_START)  # a job starts afresh: checked as such (a BPE it trains)
-OOM_EXIT = 3  # a rank out of CUDA memory exits with it, so that torchrun stops the ranks waiting for it
+OOM_EXIT = 3  # a rank out of memory exits with it, so that torchrun stops the ranks waiting for it
 QUIET = {"log": {"progress": False, "tensorboard": False, "trace": False, "sample_tokens": 0},
          "checkpoint": {"every": 0, "save_final": False, **FRESH_START}, "train": {"eval_every": 0}}
 
@@ -84,7 +85,7 @@ def main(job: str) -> None:
     save = Path(job) / f"rank{ctx.rank}.json"
     try:
         history = run(cfg, ctx, data)
-    except torch.cuda.OutOfMemoryError:
+    except (OutOfMemory, torch.OutOfMemoryError):  # the trainer's, from a step; or torch's, from elsewhere
         save.write_text(json.dumps({**out, "oom": True}))
         os._exit(OOM_EXIT)
     peak = torch.cuda.max_memory_allocated(ctx.device) if cuda else peak_mb(base) * 2**20

@@ -31,6 +31,10 @@ class TrainingError(RuntimeError):
     """Training cannot go on (non-finite losses, memory, a full disk); the message says what to change."""
 
 
+class OutOfMemory(TrainingError):
+    """A rank ran out of memory in a step (torch.OutOfMemoryError on CUDA, a failed allocation on CPU)."""
+
+
 class PeerStopped(RuntimeError):
     """A rank stopped while the ranks ran a step in turn, because another failed, died or did not answer."""
 

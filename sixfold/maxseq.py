@@ -1,8 +1,8 @@
 """`sixfold bench --max-seq`: the longest train.seq_len that a layout fits on this machine, found by probes
 (fresh jobs of PROBE_STEPS training steps, benchjob.py), beside the planner's prediction for the same layout.
 
-A probe fits on CUDA unless a rank runs out of memory (and, with --budget-gb, every rank's
-max_memory_allocated is within the budget); on CPU if every rank's resident-set growth is within --budget-gb.
+A probe fits unless a rank runs out of memory, and then on CUDA with --budget-gb if every rank's
+max_memory_allocated is within the budget, on CPU if every rank's resident-set growth is within --budget-gb.
 The search doubles train.seq_len from --min until a probe does not fit (or --max is reached), then bisects
 that bracket down to 1/SPLITS of its width or the layout's multiple of train.seq_len, whichever is larger.
 Only lengths that config.validate accepts for the layout are probed; model.max_seq_len is raised with the
@@ -130,7 +130,7 @@ def max_seq(path: str, overrides: list[str], budget_gb: float | None, lo: int | 
         device_bytes.append(job.ranks[0]["device_bytes"])
         peaks = [r["peak_bytes"] for r in job.ranks if not r["oom"]]
         fits = not job.oom and (budget_gb is None or max(peaks) <= budget_gb * GB)
-        seen = "CUDA out of memory" if job.oom else f"peak GB per rank {', '.join(f'{p / GB:.3f}' for p in peaks)}"
+        seen = "out of memory" if job.oom else f"peak GB per rank {', '.join(f'{p / GB:.3f}' for p in peaks)}"
         planned = predicted_peak(c, not cuda)
         print(f"  seq {seq:>7}: {'fits' if fits else 'does not fit'} ({seen}); planner: {planned / GB:.3f} GB",
               flush=True)

@@ -25,7 +25,7 @@ from .determinism import make_deterministic, unsupported
 from .data import (BatchLoader, BPETokenizer, ByteTokenizer, DataError, TokenData, eval_batches, load_data,
                    with_tokenizer)
 from .logs import RunLog
-from .errors import CommError, PeerStopped, TrainingError, on_every_rank
+from .errors import CommError, OutOfMemory, PeerStopped, TrainingError, on_every_rank
 from .generate import prompt_ids, sample_text
 from .mesh import ParallelContext
 from .model.hf import carried_files, end_ids, imported
@@ -542,7 +542,7 @@ class Trainer:
 
     def _step_in_memory(self) -> dict:
         """train_step(), its running out of memory (or into an operation train.deterministic cannot run) a
-        TrainingError naming what to change and what was saved."""
+        TrainingError (OutOfMemory) naming what to change and what was saved."""
         try:
             return self.train_step()
         except (MemoryError, RuntimeError) as e:
@@ -551,7 +551,7 @@ class Trainer:
             if not _out_of_memory(e):
                 raise
             t = self.cfg.train
-            raise TrainingError(
+            raise OutOfMemory(
                 f"rank {self.ctx.rank} ran out of memory in step {self.step + 1} ({t.global_batch} sequences of "
                 f"{t.seq_len} tokens a step in {t.micro_batches} micro-batch(es)); hold less at once: raise "
                 f"train.micro_batches, set model.recompute=full (or selective), shard more (parallel.zero=3, tp, pp, "

@@ -99,6 +99,24 @@ def test_max_seq_looks_no_further_than_the_corpus_holds(capsys, monkeypatch):
 
 
 @cpu_only
+def test_a_probe_that_runs_out_of_memory_does_not_fit():
+    """A real allocation that fails in a step (the address space capped at 3.5 GB; 64 sequences of 256 tokens ask
+    for 2.1 GB of logits at once over 32,768 words), which the trainer turns into its OutOfMemory (as it does
+    torch's on CUDA): the probe does not fit, and the search answers, instead of failing with the job."""
+    import resource
+
+    def capped():
+        resource.setrlimit(resource.RLIMIT_AS, (3_500_000_000, 3_500_000_000))
+    proc = subprocess.run([sys.executable, "-m", "sixfold.cli", "bench", "--max-seq", TINY, "train.global_batch=64",
+                           "model.vocab_size=32768", "--budget-gb", "100", "--min", "256", "--max", "256"], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True, capture_output=True, timeout=300,
+                          preexec_fn=capped)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "seq     256: does not fit (out of memory)" in proc.stdout
+    assert "measured in 1 probes: none: the shortest, 256, does not fit" in proc.stdout
+
+
+@cpu_only
 def test_max_seq_on_cpu_needs_a_budget(capsys):
     assert main(["bench", "--max-seq", TINY]) == 2
     assert "sixfold bench --max-seq on CPU needs --budget-gb" in capsys.readouterr().err
