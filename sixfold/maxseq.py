@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 from typing import Callable
 
 from .benchjob import NO_RESUME, launch, quiet
 from .config import Config, ConfigError, check_available, load_config, validate
+from .measure import machine_bytes
 
 PROBE_STEPS = 2
 SPLITS = 16
@@ -94,6 +96,12 @@ def max_seq(path: str, overrides: list[str], budget_gb: float | None, lo: int | 
     if not cuda and budget_gb is None:
         raise ConfigError("sixfold bench --max-seq on CPU needs --budget-gb X: how many GB each rank's resident "
                           "memory may grow by (there is no device memory to run out of)")
+    world, total = cfg.parallel.world_size, machine_bytes()
+    if not cuda and budget_gb * world * GB > total:
+        most = math.floor(total / world / GB * 10) / 10
+        raise ConfigError(f"--budget-gb {budget_gb:g} for each of {world} rank(s) is more than this machine's "
+                          f"{total / GB:.1f} GB of memory: a probe would run out of it before a rank reached the "
+                          f"budget; give --budget-gb {most:g} at most")
     lo, hi = lo or cfg.train.seq_len, hi or MAX
     if lo > hi:
         default = " (by default, train.seq_len)" if lo == cfg.train.seq_len else ""

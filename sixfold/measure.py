@@ -36,6 +36,11 @@ def mark_memory() -> int:
     return _status_kb("VmRSS")
 
 
+def machine_bytes() -> int:
+    """This machine's physical memory (bytes)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def peak_mb(base_kb: int) -> float:
     """Peak RSS since mark_memory() above its RSS then, in MB (2**20 bytes)."""
     return (_status_kb("VmHWM") - base_kb) / 1024

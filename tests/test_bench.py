@@ -1,4 +1,5 @@
 """sixfold bench: a layout's step time and memory, the longest sequence that fits, and its refusals."""
+import math
 import os
 import re
 import signal
@@ -108,7 +109,7 @@ def test_a_probe_that_runs_out_of_memory_does_not_fit():
     def capped():
         resource.setrlimit(resource.RLIMIT_AS, (3_500_000_000, 3_500_000_000))
     proc = subprocess.run([sys.executable, "-m", "sixfold.cli", "bench", "--max-seq", TINY, "train.global_batch=64",
-                           "model.vocab_size=32768", "--budget-gb", "100", "--min", "256", "--max", "256"], cwd=ROOT,
+                           "model.vocab_size=32768", "--budget-gb", "1", "--min", "256", "--max", "256"], cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True, capture_output=True, timeout=300,
                           preexec_fn=capped)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -120,6 +121,18 @@ def test_a_probe_that_runs_out_of_memory_does_not_fit():
 def test_max_seq_on_cpu_needs_a_budget(capsys):
     assert main(["bench", "--max-seq", TINY]) == 2
     assert "sixfold bench --max-seq on CPU needs --budget-gb" in capsys.readouterr().err
+
+
+@cpu_only
+def test_max_seq_refuses_a_cpu_budget_the_machine_does_not_hold(capsys, monkeypatch):
+    """2 ranks of 5,000 GB each: no probe could grow that far before the machine ran out."""
+    from sixfold.measure import machine_bytes
+    monkeypatch.setattr(maxseq, "launch", lambda *a: pytest.fail("a job started"))
+    assert main(["bench", "--max-seq", TINY, "parallel.dp_replicate=2", "--budget-gb", "5000"]) == 2
+    most = math.floor(machine_bytes() / 2 / 1e8) / 10
+    assert (f"--budget-gb 5000 for each of 2 rank(s) is more than this machine's {machine_bytes() / 1e9:.1f} GB of "
+            f"memory: a probe would run out of it before a rank reached the budget; give --budget-gb {most:g} at "
+            f"most") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [
