@@ -5,8 +5,9 @@ A benchmark (bench/dp.py, bench/fsdp.py, bench/tp.py) describes itself in a `Ben
 
 Each run is its own torchrun job (OMP_NUM_THREADS=1 per rank); sixfold and the torch side alternate.
 A run's time is rank 0's mean step time after the warm-up steps; a layout's time is the median over
-its runs. Memory is the peak RSS of a rank above its RSS just before the model is built, max over
-ranks. The table goes into docs/benchmarks.md between the benchmark's markers.
+its runs. Memory is the peak RSS of a rank above its RSS just before the model is built, file-backed
+pages left out (sixfold/measure.py), max over ranks. The table goes into docs/benchmarks.md between the
+benchmark's markers.
 """
 from __future__ import annotations
 

@@ -129,8 +129,9 @@ def report(rows: dict, args, rev: str, peer: Peer) -> str:
              f"Seconds per step, median over runs (range); lower is better. {peer.note} Where a side has several "
              f"ways of a row, \"sixfold / {name}\" divides the fastest of sixfold's by the fastest of {name}'s; "
              "paired: each round's run of the one over the other's, median (range). Peak MB: the largest rank's "
-             "resident-set growth from just before the model is built, median over runs; its ratio is of the ways "
-             f"the time ratio compares. The last column is {name} as issue #11 gives it.",
+             "resident-set growth from just before the model is built (file-backed pages left out), median over "
+             f"runs; its ratio is of the ways the time ratio compares. The last column is {name} as issue #11 gives "
+             "it.",
              "",
              f"| layout | sixfold | {name} here | sixfold / {name} | paired | sixfold peak MB | {name} peak MB | "
              f"memory ratio | {name}, issue #11 |",

@@ -117,7 +117,7 @@ def report(results: list[list[dict]], argv: list[str], rev: str, steps: int) -> 
         "(`configs/bench.yaml`, 4 sequences of 256 tokens per data-parallel rank, fp32, CPU, gloo); \"sixfold / "
         "fastest peer\" below 1 means sixfold is faster. dp is `parallel.dp_replicate`; the pp layouts run 1F1B "
         "with 4 micro-batches. Peak MB: the largest rank's peak memory (CPU: resident-set growth from just before "
-        "the model is built; CUDA: max_memory_allocated).",
+        "the model is built, file-backed pages left out; CUDA: max_memory_allocated).",
         "",
         f"| layout | sixfold | {' | '.join(PEERS)} | sixfold / fastest peer | sixfold peak MB | other load (cores) |",
         "|---|---|---|---|---|---|---|---|",

@@ -4,7 +4,7 @@ its step times and peak memory, or that it ran out of memory (CUDA's, or an allo
     python -m sixfold.benchjob DIR    (DIR holds config.yaml; rank r writes rank{r}.json there)
 
 Peak memory: on CUDA torch.cuda.max_memory_allocated; on CPU the peak resident set (VmHWM) above the resident
-set just before the model is built (the corpus already loaded).
+set just before the model is built (the corpus already loaded), file-backed pages left out (measure.py).
 """
 from __future__ import annotations
 

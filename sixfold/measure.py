@@ -27,13 +27,14 @@ def _status_kb(field: str) -> int:
 
 
 def mark_memory() -> int:
-    """Reset this process's peak RSS to its current RSS and return that RSS (kB). The libraries torch loads on first
-    use (torch._dynamo and sympy, some 70 MB: by torch.optim, a checkpointed block's or a pipeline stage's first
-    backward) are loaded first, so that a peak counts the training's memory, not library code."""
+    """Reset this process's peak RSS to its current RSS and return that RSS less its file-backed pages (kB). The
+    libraries torch loads on first use (torch._dynamo and sympy, some 70 MB: by torch.optim, a checkpointed block's or
+    a pipeline stage's first backward) are loaded first, so that a peak counts the training's memory, not library
+    code."""
     importlib.import_module("torch._dynamo")
 
     Path("/proc/self/clear_refs").write_text("5")
-    return _status_kb("VmRSS")
+    return _status_kb("VmRSS") - _status_kb("RssFile")
 
 
 def machine_bytes() -> int:
@@ -42,8 +43,12 @@ def machine_bytes() -> int:
 
 
 def peak_mb(base_kb: int) -> float:
-    """Peak RSS since mark_memory() above its RSS then, in MB (2**20 bytes)."""
-    return (_status_kb("VmHWM") - base_kb) / 1024
+    """Peak RSS since mark_memory() less the file-backed pages resident now, above mark_memory()'s, in MB (2**20
+    bytes). File-backed pages are library code run for the first time (some 15 MB of torch's in a DDP step) or a
+    memory-mapped corpus: the kernel drops and reads them again at will, and the side whose setup ran more kernels
+    before the mark would count less of them. They only grow in a run: those resident now are at least those at the
+    peak, so the peak falls short by no more than what was first read after it."""
+    return (_status_kb("VmHWM") - _status_kb("RssFile") - base_kb) / 1024
 
 
 # ---- load of the machine ----
