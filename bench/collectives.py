@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 from common import ROOT, add_write, save_result, torchrun, write_doc
@@ -53,10 +54,10 @@ def worker(args) -> None:
 
 
 def report(results: dict[int, list[dict]], args) -> str:
-    lines = [f"Command: `python bench/collectives.py --ranks {' '.join(map(str, args.ranks))}`  ",
+    lines = [f"Command: `python bench/collectives.py {' '.join(sys.argv[1:])}`  ",
              f"Machine: {machine()}  ", f"sixfold: {revision()}  ",
-             f"{args.blocks} alternating blocks of {args.repeats} calls per side and size; OMP_NUM_THREADS=1 per "
-             "rank. Times are ms per call (median of the blocks' means).", "",
+             f"Date: {time.strftime('%Y-%m-%d')}; {args.blocks} alternating blocks of {args.repeats} calls per side "
+             "and size; OMP_NUM_THREADS=1 per rank. Times are ms per call (median of the blocks' means).", "",
              "| ranks, input per rank | torch reduce_scatter_tensor ms | sixfold ms | time ratio | "
              "relative difference |",
              "|---|---|---|---|---|"]

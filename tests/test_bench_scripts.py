@@ -3,6 +3,7 @@ ratios back from docs/benchmarks.md."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -81,6 +82,19 @@ def test_every_section_in_the_docs_gives_numbers():
     pp = run_all.ratios(run_all.section(text, "pp"), run_all.COMPARISONS["pp"])
     schedules = ["gpipe", "1f1b", "interleaved", "breadth-first", "zb-v"]
     assert [label for label, *_ in pp] == [f"pp={n}, {s}" for n in (2, 4) for s in schedules]
+
+
+def test_collectives_section_gives_its_command_and_date(monkeypatch):
+    """bench/collectives.py's section names the command as run (run_all's quick one here) and its date, which the
+    summary reads back."""
+    import collectives
+
+    monkeypatch.setattr(sys, "argv", ["bench/collectives.py", "--ranks", "2", "--blocks", "1", "--write"])
+    args = type("Args", (), {"blocks": 1, "repeats": 10})
+    body = collectives.report({2: [{"kb": 256, "torch": 0.002, "sixfold": 0.001, "error": 1e-7}]}, args)
+    assert body.startswith("Command: `python bench/collectives.py --ranks 2 --blocks 1 --write`  \n"), body
+    assert run_all.measured(body).startswith(time.strftime("%Y-%m-%d") + ", commit "), body
+    assert run_all.ratios(body, run_all.COMPARISONS["collectives"]) == [("2 ranks, 256 KB", "0.500", "-")]
 
 
 def test_torchtitan_comparison_reads_step_times_and_is_skipped_without_torchtitan():
