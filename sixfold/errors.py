@@ -23,8 +23,17 @@ def collective(name: str, ranks, hint: str = "", roll_call=None):
         yield
     except CommError:
         raise
-    except RuntimeError as e:  # torch.distributed's DistError too
+    except RuntimeError as e:  # torch.distributed's DistError too; an allocation that failed stays what it is
+        if out_of_memory(e):
+            raise
         raise CommError(name, tuple(ranks), e, hint, roll_call.absent(name, ranks) if roll_call else "") from None
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is an allocation that failed (torch.OutOfMemoryError on CUDA, known by name: this module does
+    not import torch; a RuntimeError on CPU)."""
+    return isinstance(e, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(e).__mro__) or \
+        "can't allocate memory" in str(e)
 
 
 class TrainingError(RuntimeError):

@@ -25,7 +25,7 @@ from .determinism import make_deterministic, unsupported
 from .data import (BatchLoader, BPETokenizer, ByteTokenizer, DataError, TokenData, eval_batches, load_data,
                    with_tokenizer)
 from .logs import RunLog
-from .errors import CommError, OutOfMemory, PeerStopped, TrainingError, on_every_rank
+from .errors import CommError, OutOfMemory, PeerStopped, TrainingError, on_every_rank, out_of_memory
 from .generate import prompt_ids, sample_text
 from .mesh import ParallelContext
 from .model.hf import carried_files, end_ids, imported
@@ -52,11 +52,6 @@ TRACE_STEPS = 3
 # train.* settings of the learning-rate schedule and AdamW: a resume that changes them is told so
 SCHEDULE = ("steps", "lr", "min_lr", "warmup_steps", "schedule", "decay_steps", "weight_decay", "beta1", "beta2",
             "eps", "grad_clip")
-
-
-def _out_of_memory(e: BaseException) -> bool:
-    """Whether `e` is an allocation that failed (torch.OutOfMemoryError on CUDA; a RuntimeError on CPU)."""
-    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
 
 
 class Trainer:
@@ -532,7 +527,7 @@ class Trainer:
         try:
             return make()
         except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            if not _out_of_memory(e):
+            if not out_of_memory(e):
                 raise
             n = self.cfg.model.num_params()
             raise ConfigError(f"rank {self.ctx.rank} ran out of memory building the model ({n:,} parameters, "
@@ -548,7 +543,7 @@ class Trainer:
         except (MemoryError, RuntimeError) as e:
             if said := unsupported(e):
                 raise TrainingError(f"{said}. {self._kept()}") from None
-            if not _out_of_memory(e):
+            if not out_of_memory(e):
                 raise
             t = self.cfg.train
             raise OutOfMemory(

@@ -31,6 +31,7 @@ from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
 from sixfold.slices import Reader
 from sixfold.stop import Stopped, StopSignal
 from sixfold.data import DataError, load_data
+from sixfold.errors import CommError, collective
 from sixfold.train import TrainingError, check_inputs, data_settings, train
 from helpers import LONG, ROOT, TINY, children, free_port, sixfold, torchrun
 
@@ -497,6 +498,18 @@ def test_check_stopped_by_a_signal_removes_its_temporary_runs(tmp_path, monkeypa
     with pytest.raises(Stopped):
         parity.check(load_config(TINY, ["parallel.dp_replicate=2"]), 1)
     assert not list(tmp_path.iterdir())
+
+
+def test_running_out_of_memory_inside_a_collective_is_not_taken_for_a_failed_collective():
+    """A collective's own allocation (NCCL's buffers, a CPU reduce-scatter's staging) that fails is running out of
+    memory, which the step reports as such, not a group that failed."""
+    for failed in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                   RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes")):
+        with pytest.raises(type(failed), match="memory"), collective("all_gather fsdp", (0, 1)):
+            raise failed
+    with pytest.raises(CommError, match="all_gather fsdp over ranks \\[0, 1\\] failed: Connection reset"):
+        with collective("all_gather fsdp", (0, 1)):
+            raise RuntimeError("Connection reset by peer")
 
 
 def test_a_hung_peer_ends_the_collective_with_an_error_naming_its_group_and_the_rank_to_look_at():
