@@ -8,6 +8,7 @@ from sixfold.config import ConfigError, load_config
 from sixfold.logs import read_metrics
 from sixfold.mesh import ParallelContext
 from sixfold.model.head_loss import chunked_head_loss
+from sixfold.model.llama import Llama, init_weights
 from sixfold.parity import LOSS_RTOL, WEIGHT_RTOL
 from sixfold.train import Trainer
 from helpers import TINY, sixfold
@@ -89,6 +90,20 @@ def test_compiled_blocks_still_defer_weight_gradients():
         out.backward()
         wg.defer = False
         assert len(wg.take()) == (4 if defer else 0)  # qkv, wo, gate and up, down
+
+
+def test_a_compiled_block_runs_without_gradients_in_one_graph():
+    """Evaluation and the sample: the stacked products are plain linear layers inside the block's graph (their
+    Function broke it at each product, and dynamo printed a warning of it), as eager gives."""
+    model, eager = Llama(load_config(TINY).model), Llama(load_config(TINY).model)
+    init_weights(model, 0)
+    init_weights(eager, 0)
+    torch._dynamo.reset()
+    model.compile_blocks(backend="eager", fullgraph=True)
+    x = torch.randn(64, model.cfg.dim)
+    with torch.no_grad():
+        out = model.layers["0"](x, model.tokens(2, 32, x.device))
+        assert torch.allclose(out, eager.layers["0"](x, eager.tokens(2, 32, x.device)), atol=1e-6, rtol=0)
 
 
 def test_loss_chunk_under_tp_is_refused():

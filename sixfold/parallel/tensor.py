@@ -262,6 +262,8 @@ def linear(tp: TensorParallel, x: torch.Tensor, weights: list[torch.Tensor], mod
     # and never defer, and it cannot trace the collectives (their ledger, timing and roll call); kept out of its
     # graphs, the Function runs them, and its backward reads `defer` when it runs
     outside = may_defer or (tp.size > 1 and mode != "plain")
+    if not outside and not torch.is_grad_enabled():  # (traced by torch.compile, the Function breaks its graph)
+        return F.linear(x, _stacked(weights, laid_out))
     apply = outside_compile() if outside and "torch._dynamo" in sys.modules else _Linear.apply
     fn, kept = (None, ()) if again is None else again
     return apply(x, tp, mode, sp and tp.size > 1, head, laid_out, fn, len(kept), *kept, *weights)
