@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from sixfold.config import ConfigError, load_config
+from sixfold.generate import generate
 from sixfold.logs import read_metrics
 from sixfold.mesh import ParallelContext
 from sixfold.model.head_loss import chunked_head_loss
@@ -104,6 +105,20 @@ def test_a_compiled_block_runs_without_gradients_in_one_graph():
     with torch.no_grad():
         out = model.layers["0"](x, model.tokens(2, 32, x.device))
         assert torch.allclose(out, eager.layers["0"](x, eager.tokens(2, 32, x.device)), atol=1e-6, rtol=0)
+
+
+def test_a_compiled_model_generates_without_compiling_again():
+    """Generation's KV cache grows with every token: the compiled blocks leave it to eager code (each layer and
+    length compiled again), and the tokens are eager's."""
+    model, eager = Llama(load_config(TINY).model), Llama(load_config(TINY).model)
+    init_weights(model, 0)
+    init_weights(eager, 0)
+    torch._dynamo.reset()
+    model.compile_blocks(backend="eager")
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        model.loss_sum(*torch.randint(0, 320, (2, 2, 32)))  # compiled once, without gradients, as evaluation is
+        got = generate(model, [1, 2, 3], 6)
+    assert got == generate(eager, [1, 2, 3], 6)
 
 
 def test_loss_chunk_under_tp_is_refused():

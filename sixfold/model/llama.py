@@ -279,7 +279,7 @@ class Llama(nn.Module):
             if isinstance(block.mlp, MoE):
                 block.mlp.forward = torch.compiler.disable(block.mlp.forward)
             block.attn.context_attention = torch.compiler.disable(block.attn.context_attention)
-            block.forward = torch.compile(block.forward, **options)
+            block.forward = _unless_generating(block.forward, torch.compile(block.forward, **options))
 
     @property
     def head_layer(self) -> nn.Module:
@@ -319,6 +319,12 @@ class Llama(nn.Module):
                  documents: torch.Tensor | None = None) -> torch.Tensor:
         t = self.tokens(*tokens.shape, tokens.device, documents=documents)
         return self.loss(self.run(whole(self.cfg), tokens, t), labels, t.sequence_tp)
+
+
+def _unless_generating(eager, compiled):
+    """A block's compiled forward, but eager with a KV cache: the cache grows with every token, and a compiled block
+    would compile again for each layer and length until dynamo's limit (8), then run eager anyway."""
+    return lambda x, t: eager(x, t) if t.cache is not None else compiled(x, t)
 
 
 def full_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
