@@ -49,7 +49,7 @@ def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int
     tokens = torch.tensor([prompt_ids], device=device)
     out: list[int] = []
     while len(out) < max_new_tokens and len(prompt_ids) + len(out) < limit:
-        logits = model(tokens, cache)[0, -1, :vocab].float().cpu()
+        logits = model(tokens, cache, last=True)[0, -1, :vocab].float().cpu()
         token = pick(logits, temperature, top_k, gen)
         if agree is not None and (token := agree(token)) is None:
             break

@@ -32,6 +32,14 @@ def test_greedy_cache_equals_recompute():
     assert out == greedy_without_cache(model, PROMPT, 20)
 
 
+def test_last_token_logits_are_the_whole_sequences_last():
+    """Generation makes the logits of each sequence's last token only (a prompt's [s, vocab] never)."""
+    model, x = tiny(), torch.randint(0, 320, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        last, whole = model(x, last=True), model(x)
+    assert last.shape == (2, 1, 320) and torch.allclose(last, whole[:, -1:], rtol=0, atol=1e-5)
+
+
 def test_sampling_is_seeded():
     model = tiny()
     a = generate(model, PROMPT, 20, temperature=1.0, seed=1)

@@ -290,10 +290,19 @@ class Llama(nn.Module):
         """This rank's logits [tokens, vocab piece] from the head's input."""
         return linear(self.tp, h, [self.head_layer.weight], "column", sp, head=True)
 
-    def local_logits(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Logits [b*s, this rank's vocab piece] for tokens [b, s], through the whole model."""
+    def head_input(self, h: torch.Tensor, t: Tokens, last: bool) -> tuple[torch.Tensor, bool]:
+        """The head's input from the last stage's output h, and whether it is split over tp (sequence-TP): every
+        token's, or with `last` each sequence's last token's (generation's: a prompt's logits are never made)."""
+        if not last:
+            return h, t.sequence_tp
+        b, s = t.shape
+        return self.tp.gather(h, t.sequence_tp)[0].view(b, s, -1)[:, -1], False
+
+    def local_logits(self, tokens: torch.Tensor, cache: KVCache | None = None, last: bool = False) -> torch.Tensor:
+        """Logits [b*s, this rank's vocab piece] for tokens [b, s] through the whole model ([b, ...] with `last`:
+        each sequence's last token's)."""
         t = self.tokens(*tokens.shape, tokens.device, cache)
-        logits = self.logits(self.run(whole(self.cfg), tokens, t), t.sequence_tp)
+        logits = self.logits(*self.head_input(self.run(whole(self.cfg), tokens, t), t, last))
         if cache is not None:
             cache.length += tokens.shape[1]
         return logits
@@ -302,9 +311,10 @@ class Llama(nn.Module):
         """Full logits from this rank's vocab piece (gathered over tp, without gradient there)."""
         return gather_vocab(self.tp, local, self.cfg.vocab_size)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Full logits [b, s, vocab]."""
-        return self.full_logits(self.local_logits(tokens, cache)).view(*tokens.shape, -1)
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, last: bool = False) -> torch.Tensor:
+        """Full logits [b, s, vocab]; with `last`, [b, 1, vocab], each sequence's last token's."""
+        return self.full_logits(self.local_logits(tokens, cache, last)).view(len(tokens), 1 if last else -1,
+                                                                            self.cfg.vocab_size)
 
     def loss(self, h: torch.Tensor, labels: torch.Tensor, sp: bool) -> torch.Tensor:
         """Sum of token cross-entropies in fp32 (labels equal to IGNORE_INDEX count for nothing) from the head's

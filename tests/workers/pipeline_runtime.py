@@ -3,7 +3,8 @@ micro-batches in flight equals the simulator's, W actions compute the deferred w
 without one send their input gradient before their weight gradient, and the bytes it sends equal its SEND
 actions' payload. Each unit's reduction starts in the action that completes its gradients (a W, or an early
 sender's weight gradient, as it reports them), none after it. All of it both with each run's receives posted on
-their own (gloo's order) and in the batch of the run's sends (`Pipeline.together`, NCCL's order).
+their own (gloo's order) and in the batch of the run's sends (`Pipeline.together`, NCCL's order). Generation's
+last-token logits through the stages and a KV cache equal one process's.
 
     torchrun --nproc-per-node PP pipeline_runtime.py MICRO_BATCHES
 """
@@ -16,7 +17,7 @@ import torch
 from sixfold.comm import Comm
 from sixfold.config import ParallelConfig, load_config
 from sixfold.mesh import ParallelContext
-from sixfold.model.llama import Llama, init_weights
+from sixfold.model.llama import KVCache, Llama, init_weights
 from sixfold.parallel.context import ContextParallel
 from sixfold.parallel.pipeline import schedules
 from sixfold.parallel.pipeline.runtime import Pipeline
@@ -78,4 +79,12 @@ for (name, v), together in itertools.product(CASES, (False, True)):
     assert comm.ledger.total["pp", "send_recv"] == sends * hidden, (name, dict(comm.ledger.total))
     print(f"rank {rank} {name}{' together' * together}: in flight {pipeline.peak_in_flight}, sent {sends} OK",
           flush=True)
+
+# generation through the last pipeline's stages: each token's logits through the KV cache equal one process's
+prompt = torch.randint(0, cfg.vocab_size, (1, 12), generator=g)
+cache, alone = KVCache(cfg.n_layers), KVCache(cfg.n_layers)
+with torch.no_grad():
+    for a, b in ((0, 8), (8, 9), (9, 10), (10, 11), (11, 12)):
+        got, want = pipeline(prompt[:, a:b], cache, last=True), reference(prompt[:, a:b], alone, last=True)
+        assert got.shape == want.shape and torch.equal(got, want), (b, got - want)
 ctx.close()

@@ -1,6 +1,7 @@
 """Under torchrun with tp ranks: the tp collectives' bytes equal the formula, deferred weight gradients equal
-immediate ones, the vocab-parallel loss equals cross-entropy over the whole vocabulary, and the saved activations
-(written as JSON for the test to compare across runs).
+immediate ones, the vocab-parallel loss equals cross-entropy over the whole vocabulary, generation's last-token
+logits through a KV cache equal one process's, and the saved activations (written as JSON for the test to compare
+across runs).
 
     torchrun --nproc-per-node TP tp_layers.py SEQUENCE(0|1) OUT.json
 """
@@ -15,7 +16,7 @@ from sixfold.activations import SavedTensors
 from sixfold.comm import Comm
 from sixfold.config import ParallelConfig, load_config
 from sixfold.mesh import ParallelContext
-from sixfold.model.llama import Llama, init_weights
+from sixfold.model.llama import KVCache, Llama, init_weights
 from sixfold.parallel.tensor import IGNORE_INDEX, TensorParallel, comm_bytes, cross_entropy
 from sixfold.trace import Tracer
 
@@ -62,6 +63,16 @@ for vocab in (tp_size + 1, 2 * tp_size - 1, cfg.vocab_size):
     assert torch.allclose(piece.grad, split.local(whole.grad.t()).t(), rtol=0, atol=1e-6), (vocab, piece.grad)
     total = cross_entropy(model.tp, piece.detach(), labels, split.index * split.size, vocab)
     assert abs(float(total - expected)) <= 1e-6 * float(expected), (vocab, float(total), float(expected))
+
+# generation: each token's logits through the KV cache (the prompt's 8 under sequence-TP) equal one process's
+reference = Llama(cfg)
+init_weights(reference, 7)
+prompt = torch.randint(0, cfg.vocab_size, (1, 12), generator=g)
+cache, alone = KVCache(cfg.n_layers), KVCache(cfg.n_layers)
+with torch.no_grad():
+    for a, b in ((0, 8), (8, 9), (9, 10), (10, 11), (11, 12)):
+        got, want = model(prompt[:, a:b], cache, last=True), reference(prompt[:, a:b], alone, last=True)
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-6), (b, got - want)
 
 tokens_here = batch * seq // tp_size if sequence else batch * seq
 split = saved.token_rows_nbytes(tokens_here, cfg.dim)

@@ -59,8 +59,8 @@ class Pipeline:
     def device(self) -> torch.device:
         return self.comm.ctx.device
 
-    def __call__(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
-        return self.forward(tokens, cache=cache)
+    def __call__(self, tokens: torch.Tensor, cache=None, last: bool = False) -> torch.Tensor:
+        return self.forward(tokens, cache=cache, last=last)
 
     def _launch_points(self) -> dict[int, list]:
         """Action index -> the units whose gradients for the step are complete after it, last unit first."""
@@ -206,9 +206,11 @@ class Pipeline:
         return loss
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, cache=None, documents=None):
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, cache=None, documents=None,
+                last: bool = False):
         """One batch through every stage in order, on every pp rank: with labels the loss sum (a float),
-        else the full logits [b, s, vocab]; with `documents` (ids [b, S]), attention within each document."""
+        else the full logits [b, s, vocab] (with `last`, [b, 1, vocab]: each sequence's last token's); with
+        `documents` (ids [b, S]), attention within each document."""
         self.sharded.gather_all()
         model = self.model
         t = model.tokens(*tokens.shape, tokens.device, cache, documents)
@@ -228,8 +230,9 @@ class Pipeline:
         if labels is not None:
             (total,) = self.comm.sum_scalars([float(model.loss(x, labels, t.sequence_tp)) if owner else 0.0], "pp")
             return total
-        logits = model.full_logits(model.logits(x, t.sequence_tp)).float().view(*tokens.shape, -1) if owner else \
-            torch.empty(*tokens.shape, model.cfg.vocab_size, device=tokens.device)
+        shape = (len(tokens), 1 if last else tokens.shape[1], model.cfg.vocab_size)
+        logits = model.full_logits(model.logits(*model.head_input(x, t, last))).float().view(shape) if owner else \
+            torch.empty(shape, device=tokens.device)
         self.comm.broadcast(logits, "pp", self.place[self.last])
         return logits
 
