@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from .config import (FRESH_START, PICTURES, Config, ConfigError, check_available, check_tensorboard, check_text,
                      check_world_size, load_config, make_run_dir, override, seed_problem, temperature_problem,
-                     validate, writable_dir)
+                     top_p_problem, validate, writable_dir)
 from .console import gone, mute
 from .launch import end, run_torchrun, under_torchrun
 from .run_lock import check_free
@@ -45,15 +45,17 @@ def _seed(text: str) -> int:
     return value
 
 
-def _temperature(text: str) -> float:
-    """An argparse type: a sampling temperature, 0 (greedy) or a positive finite number."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if said := temperature_problem(value):
-        raise argparse.ArgumentTypeError(f"{text} {said}")
-    return value
+def _number(problem):
+    """An argparse type: a float that problem(value) finds nothing wrong with (config.py's *_problem)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if said := problem(value):
+            raise argparse.ArgumentTypeError(f"{text} {said}")
+        return value
+    return parse
 
 
 def _split(items: list[str]) -> tuple[str | None, list[str]]:
@@ -289,7 +291,8 @@ def cmd_generate(args, argv) -> int:
         warnings.warn(f"--max-new-tokens {args.max_new_tokens}: the model's max_seq_len={limit} "
                       f"leaves room for {room} after the prompt; at most {room} are generated")
     stop = end_ids(carried_files(checkpoint))  # an instruct model's end of turn, say
-    print(sample_text(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, stop))
+    print(sample_text(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, stop,
+                      top_p=args.top_p))
     return 0
 
 
@@ -389,10 +392,12 @@ def parser() -> argparse.ArgumentParser:
                                                                    "checkpoint")
     g.add_argument("--prompt", required=True, help="the text to continue")
     g.add_argument("--max-new-tokens", type=_at_least(0), default=200, help="tokens to generate (default 200)")
-    g.add_argument("--temperature", type=_temperature, default=0.8, help="sampling temperature (default 0.8); 0: "
-                                                                          "greedy, the most likely token each time")
+    g.add_argument("--temperature", type=_number(temperature_problem), default=0.8,
+                   help="sampling temperature (default 0.8); 0: greedy, the most likely token each time")
     g.add_argument("--top-k", type=_at_least(0), default=40, help="sample among the k most likely tokens (default "
                                                                   "40); 0: among all")
+    g.add_argument("--top-p", type=_number(top_p_problem), default=1.0,
+                   help="then among the fewest most likely whose probabilities reach p (default 1: all)")
     g.add_argument("--seed", type=_seed, default=0, help="the sampling's random seed (default 0)")
     g.set_defaults(fn=cmd_generate)
     i = sub.add_parser("import-hf", help="convert a transformers LlamaForCausalLM or MixtralForCausalLM directory "

@@ -524,6 +524,11 @@ def temperature_problem(temperature: float) -> str:
     return "" if 0 <= temperature < float("inf") else "must be 0 (greedy) or a positive number"
 
 
+def top_p_problem(top_p: float) -> str:
+    """What is wrong with a nucleus-sampling probability, to follow its name ("" for one above 0, at most 1)."""
+    return "" if 0 < top_p <= 1 else "must be above 0 and at most 1 (1: every token)"
+
+
 def bpe_size_problem(size: int) -> str:
     """What is wrong with a BPE vocabulary to train, to follow its name ("" for one that holds the bytes and an
     end of text)."""

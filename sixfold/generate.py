@@ -1,17 +1,18 @@
-"""Autoregressive generation with a KV cache: greedy or temperature / top-k sampling."""
+"""Autoregressive generation with a KV cache: greedy or temperature / top-k / top-p sampling."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
 import torch
 
-from .config import seed_problem, temperature_problem
+from .config import seed_problem, temperature_problem, top_p_problem
 from .model.llama import KVCache, Llama
 from .parallel.pipeline.runtime import Pipeline
 
 
-def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
-    """The next token from fp32 CPU logits [vocab]."""
+def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator, top_p: float = 1.0) -> int:
+    """The next token from fp32 CPU logits [vocab]: among the top_k most likely (0: all), then among the fewest most
+    likely whose probabilities reach top_p (nucleus sampling, as transformers' top_p)."""
     if temperature == 0:
         return int(logits.argmax())
     # in float64, where any positive temperature is a number (in fp32, 1e-300 is 0): a tiny one tends to greedy
@@ -19,7 +20,11 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Genera
     if top_k > 0:  # exactly k: of tokens tied with the k-th, those topk takes (a threshold would keep them all)
         top = torch.topk(logits, min(top_k, logits.numel()))
         logits = torch.full_like(logits, float("-inf")).index_copy_(0, top.indices, top.values)
-    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+    probs = torch.softmax(logits, -1)
+    if top_p < 1:  # those after the first whose cumulative probability reaches top_p are dropped
+        ranked, order = probs.sort(descending=True, stable=True)
+        probs[order[ranked.cumsum(0) - ranked >= top_p]] = 0
+    return int(torch.multinomial(probs, 1, generator=gen))
 
 
 def prompt_problem(tokens: int, limit: int) -> str:
@@ -31,7 +36,7 @@ def prompt_problem(tokens: int, limit: int) -> str:
 @torch.no_grad()
 def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, stop: Collection[int] = (), vocab: int | None = None,
-             agree: Callable[[int], int | None] | None = None) -> list[int]:
+             agree: Callable[[int], int | None] | None = None, top_p: float = 1.0) -> list[int]:
     """New tokens after prompt_ids (ending with a stop token if one was drawn); the total stays within max_seq_len.
     `model` is the whole model, or a pipeline run on every one of its ranks. `vocab`: the tokenizer's size, the ids
     from which on (a model's vocabulary padded beyond its tokenizer's) are never drawn. `agree(token)`, asked of each
@@ -41,6 +46,8 @@ def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int
         raise ValueError(f"the prompt has {said}")
     if said := temperature_problem(temperature):
         raise ValueError(f"temperature={temperature} {said}")
+    if said := top_p_problem(top_p):
+        raise ValueError(f"top_p={top_p} {said}")
     if said := seed_problem(seed):
         raise ValueError(f"seed={seed} {said}")
     device = model.device
@@ -50,7 +57,7 @@ def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int
     out: list[int] = []
     while len(out) < max_new_tokens and len(prompt_ids) + len(out) < limit:
         logits = model(tokens, cache, last=True)[0, -1, :vocab].float().cpu()
-        token = pick(logits, temperature, top_k, gen)
+        token = pick(logits, temperature, top_k, gen, top_p)
         if agree is not None and (token := agree(token)) is None:
             break
         out.append(token)
@@ -68,12 +75,12 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 def sample_text(model: Llama | Pipeline, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
                 top_k: int = 40, seed: int = 0, stop: Collection[int] = (),
-                agree: Callable[[int], int | None] | None = None) -> str:
+                agree: Callable[[int], int | None] | None = None, top_p: float = 1.0) -> str:
     """The prompt followed by a sampled continuation, which ends at the end of text or a token of `stop` (left
     out), or where `agree` says (generate)."""
     ids = prompt_ids(tokenizer, prompt)
     stop = {tokenizer.eot, *stop}
-    out = generate(model, ids, max_new_tokens, temperature, top_k, seed, stop, tokenizer.vocab_size, agree)
+    out = generate(model, ids, max_new_tokens, temperature, top_k, seed, stop, tokenizer.vocab_size, agree, top_p)
     if out and out[-1] in stop:
         out = out[:-1]
     return continued(tokenizer, prompt, ids, out)

@@ -78,6 +78,8 @@ def test_bad_generate_options_are_refused_before_the_checkpoint_is_read(capsys):
     from sixfold.cli import main
     cases = [(["--temperature", "-1"], "argument --temperature: -1 must be 0 (greedy) or a positive number"),
              (["--temperature", "nan"], "argument --temperature: nan must be 0 (greedy) or a positive number"),
+             (["--top-p", "0"], "argument --top-p: 0 must be above 0 and at most 1 (1: every token)"),
+             (["--top-p", "1.5"], "argument --top-p: 1.5 must be above 0 and at most 1 (1: every token)"),
              (["--seed", "-1"], "argument --seed: -1 must be at least 0"),
              (["--seed", str(2**63)], f"argument --seed: {2**63} must be from 0 to 2**63 - 1")]
     for options, message in cases:

@@ -60,6 +60,19 @@ def test_top_k_keeps_k_tokens_when_logits_tie():
     assert len({pick(tied, 1.0, 2, g) for _ in range(50)}) == 2
 
 
+def test_top_p_keeps_the_fewest_most_likely_tokens_that_reach_it():
+    """As transformers' top_p: probabilities 0.5, 0.3, 0.2 keep the first at p 0.5, two at 0.6, all three at 0.81;
+    a tiny p is greedy."""
+    g, logits = torch.Generator().manual_seed(0), torch.tensor([0.5, 0.3, 0.2]).log()
+    for p, kept in ((0.5, {0}), (0.6, {0, 1}), (0.81, {0, 1, 2}), (1.0, {0, 1, 2})):
+        assert {pick(logits, 1.0, 0, g, p) for _ in range(100)} == kept, p
+    model = tiny()
+    assert generate(model, PROMPT, 10, temperature=1.0, seed=3, top_p=1e-9) == generate(model, PROMPT, 10)
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="must be above 0 and at most 1"):
+            generate(model, PROMPT, 1, top_p=bad)
+
+
 def test_stops_at_eot():
     model = tiny()
     full = generate(model, PROMPT, 20)
