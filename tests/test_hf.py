@@ -4,6 +4,7 @@ import math
 import re
 import warnings
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -343,6 +344,20 @@ def test_mixtral_import_and_export_match_transformers(tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))  # experts unsaid
     with pytest.raises(CheckpointError, match="its weights do not match its config.json"):
         import_hf(tmp_path / "hf", tmp_path / "as_llama")
+
+
+@pytest.mark.parametrize("make", [partial(hf_model, False), hf_mixtral], ids=["llama", "mixtral"])
+def test_greedy_generation_is_transformers_token_for_token(tmp_path, make):
+    """An imported model's greedy tokens through the KV cache are transformers' generate(do_sample=False)'s, to
+    max_seq_len (a wide init peaks the logits, so no argmax is decided by rounding)."""
+    from sixfold.generate import generate
+    hf = make(initializer_range=0.3, eos_token_id=None)
+    hf.save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    prompt = tokens()[0, :12].tolist()
+    ours = generate(load_model(tmp_path / "ckpt")[0], prompt, 200)
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=116, do_sample=False)[0, 12:].tolist()
+    assert len(ours) == 116 and ours == theirs
 
 
 def test_mixtral_balancing_loss_weighs_as_in_transformers(tmp_path):
