@@ -52,7 +52,7 @@ def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int
         raise ValueError(f"seed={seed} {said}")
     device = model.device
     gen = torch.Generator().manual_seed(seed)
-    cache = KVCache(model.cfg.n_layers)
+    cache = KVCache(model.cfg.n_layers, min(limit, len(prompt_ids) + max_new_tokens))
     tokens = torch.tensor([prompt_ids], device=device)
     out: list[int] = []
     while len(out) < max_new_tokens and len(prompt_ids) + len(out) < limit:

@@ -5,7 +5,7 @@ import torch
 from sixfold.config import ModelConfig
 from sixfold.data import BPETokenizer, ByteTokenizer
 from sixfold.generate import continued, generate, pick, sample_text
-from sixfold.model.llama import Llama, init_weights
+from sixfold.model.llama import KVCache, Llama, init_weights
 
 PROMPT = [5, 17, 200, 3, 64]
 
@@ -38,6 +38,20 @@ def test_last_token_logits_are_the_whole_sequences_last():
     with torch.no_grad():
         last, whole = model(x, last=True), model(x)
     assert last.shape == (2, 1, 320) and torch.allclose(last, whole[:, -1:], rtol=0, atol=1e-5)
+
+
+def test_the_cache_is_made_once_as_long_as_generation_may_reach():
+    """Each token's keys and values are written into the layer's tensors, not copied with those before them."""
+    model = tiny()
+    cache = KVCache(model.cfg.n_layers, len(PROMPT) + 3)
+    with torch.no_grad():
+        model(torch.tensor([PROMPT]), cache, last=True)
+        held = cache.k[0].data_ptr()
+        for token in (1, 2, 3):
+            model(torch.tensor([[token]]), cache, last=True)
+        assert cache.k[0].data_ptr() == held and cache.k[0].shape[2] == cache.length == len(PROMPT) + 3
+        with pytest.raises(ValueError, match="the KV cache holds 8 tokens; 9 were given"):
+            model(torch.tensor([[4]]), cache)
 
 
 def test_sampling_is_seeded():

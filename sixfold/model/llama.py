@@ -67,19 +67,23 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
 
 
 class KVCache:
-    """Keys and values of the tokens seen so far, per layer, for generation."""
+    """Keys and values of the tokens seen so far, per layer, for generation of at most `size` tokens in all: each
+    layer's are written into tensors of that length, made at its first tokens (no copy of those before per token)."""
 
-    def __init__(self, n_layers: int):
+    def __init__(self, n_layers: int, size: int):
         self.k: list[torch.Tensor | None] = [None] * n_layers
         self.v: list[torch.Tensor | None] = [None] * n_layers
-        self.length = 0
+        self.length, self.size = 0, size
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k[layer] is not None:
-            k = torch.cat([self.k[layer], k], dim=2)
-            v = torch.cat([self.v[layer], v], dim=2)
-        self.k[layer], self.v[layer] = k, v
-        return k, v
+        """The keys and values [b, heads, tokens so far, head_dim] with k and v [b, heads, new tokens, head_dim]."""
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.size:
+            raise ValueError(f"the KV cache holds {self.size} tokens; {end} were given")
+        if self.k[layer] is None:
+            self.k[layer], self.v[layer] = (x.new_empty(*x.shape[:2], self.size, x.shape[3]) for x in (k, v))
+        self.k[layer][:, :, start:end], self.v[layer][:, :, start:end] = k, v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
 @dataclass

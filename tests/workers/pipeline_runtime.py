@@ -82,7 +82,7 @@ for (name, v), together in itertools.product(CASES, (False, True)):
 
 # generation through the last pipeline's stages: each token's logits through the KV cache equal one process's
 prompt = torch.randint(0, cfg.vocab_size, (1, 12), generator=g)
-cache, alone = KVCache(cfg.n_layers), KVCache(cfg.n_layers)
+cache, alone = KVCache(cfg.n_layers, 12), KVCache(cfg.n_layers, 12)
 with torch.no_grad():
     for a, b in ((0, 8), (8, 9), (9, 10), (10, 11), (11, 12)):
         got, want = pipeline(prompt[:, a:b], cache, last=True), reference(prompt[:, a:b], alone, last=True)

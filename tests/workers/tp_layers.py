@@ -68,7 +68,7 @@ for vocab in (tp_size + 1, 2 * tp_size - 1, cfg.vocab_size):
 reference = Llama(cfg)
 init_weights(reference, 7)
 prompt = torch.randint(0, cfg.vocab_size, (1, 12), generator=g)
-cache, alone = KVCache(cfg.n_layers), KVCache(cfg.n_layers)
+cache, alone = KVCache(cfg.n_layers, 12), KVCache(cfg.n_layers, 12)
 with torch.no_grad():
     for a, b in ((0, 8), (8, 9), (9, 10), (10, 11), (11, 12)):
         got, want = model(prompt[:, a:b], cache, last=True), reference(prompt[:, a:b], alone, last=True)
