@@ -45,6 +45,21 @@ def _seed(text: str) -> int:
     return value
 
 
+def _device(text: str) -> str:
+    """An argparse type: a device of this machine the model can run on."""
+    import torch
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: give cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text}: give cpu, cuda or cuda:N")
+    if device.type == "cuda" and (device.index or 0) >= (n := torch.cuda.device_count()):
+        others = f" or cuda:0 to cuda:{n - 1}" if n else ""
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {n} CUDA device(s); give cpu{others}")
+    return text
+
+
 def _number(problem):
     """An argparse type: a float that problem(value) finds nothing wrong with (config.py's *_problem)."""
     def parse(text: str) -> float:
@@ -285,7 +300,8 @@ def cmd_generate(args, argv) -> int:
     given, limit = len(prompt_ids(tok, args.prompt)), cfg.model.max_seq_len
     if said := prompt_problem(given, limit):
         raise ConfigError(f"--prompt is {said}")
-    model = load_model(checkpoint)[0]
+    import torch
+    model = load_model(checkpoint, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))[0]
     room = limit - given
     if args.max_new_tokens > room:
         warnings.warn(f"--max-new-tokens {args.max_new_tokens}: the model's max_seq_len={limit} "
@@ -399,6 +415,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=_number(top_p_problem), default=1.0,
                    help="then among the fewest most likely whose probabilities reach p (default 1: all)")
     g.add_argument("--seed", type=_seed, default=0, help="the sampling's random seed (default 0)")
+    g.add_argument("--device", type=_device, default=None,
+                   help="where the model runs: cpu, cuda or cuda:N (default: the first GPU if there is one, else cpu)")
     g.set_defaults(fn=cmd_generate)
     i = sub.add_parser("import-hf", help="convert a transformers LlamaForCausalLM or MixtralForCausalLM directory "
                                          "to a checkpoint")

@@ -2,6 +2,7 @@ import os
 import re
 
 import pytest
+import torch
 
 from sixfold.config import ConfigError, load_config, validate
 
@@ -81,7 +82,12 @@ def test_bad_generate_options_are_refused_before_the_checkpoint_is_read(capsys):
              (["--top-p", "0"], "argument --top-p: 0 must be above 0 and at most 1 (1: every token)"),
              (["--top-p", "1.5"], "argument --top-p: 1.5 must be above 0 and at most 1 (1: every token)"),
              (["--seed", "-1"], "argument --seed: -1 must be at least 0"),
-             (["--seed", str(2**63)], f"argument --seed: {2**63} must be from 0 to 2**63 - 1")]
+             (["--seed", str(2**63)], f"argument --seed: {2**63} must be from 0 to 2**63 - 1"),
+             (["--device", "gpu"], "argument --device: 'gpu' is not a device: give cpu, cuda or cuda:N"),
+             (["--device", "meta"], "argument --device: meta: give cpu, cuda or cuda:N"),
+             (["--device", f"cuda:{torch.cuda.device_count()}"],
+              f"argument --device: cuda:{torch.cuda.device_count()}: this machine has {torch.cuda.device_count()} "
+              f"CUDA device(s); give cpu")]
     for options, message in cases:
         with pytest.raises(SystemExit) as ended:  # (runs/nowhere is not there: not read)
             main(["generate", "runs/nowhere", "--prompt", "a", *options])

@@ -714,7 +714,8 @@ def test_generate_reads_one_checkpoint_while_the_run_saves_another(tmp_path, mon
         return problem(*args)
 
     monkeypatch.setattr(generate, "prompt_problem", saving)
-    monkeypatch.setattr(hf, "load_model", lambda source: (read.append(opened(source).path), load(source))[1])
+    monkeypatch.setattr(hf, "load_model", lambda source, device: (read.append(opened(source).path),
+                                                                  load(source, device))[1])
     read = []
-    assert cli.main(["generate", str(run), "--prompt", "a", "--max-new-tokens", "2"]) == 0
+    assert cli.main(["generate", str(run), "--prompt", "a", "--max-new-tokens", "2", "--device", "cpu"]) == 0
     assert [p.name for p in read] == [first] and latest.read_text() == second
