@@ -57,6 +57,10 @@ def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int
     out: list[int] = []
     while len(out) < max_new_tokens and len(prompt_ids) + len(out) < limit:
         logits = model(tokens, cache, last=True)[0, -1, :vocab].float().cpu()
+        if not logits.isfinite().all():  # argmax would take a NaN, multinomial fail with no word of why
+            raise ValueError(f"the model's logits for new token {len(out) + 1} are not all finite (NaN or inf): its "
+                             f"weights hold such values or its activations overflowed; generate from an earlier "
+                             f"checkpoint, one saved before the losses went non-finite")
         token = pick(logits, temperature, top_k, gen, top_p)
         if agree is not None and (token := agree(token)) is None:
             break

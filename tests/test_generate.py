@@ -54,6 +54,15 @@ def test_the_cache_is_made_once_as_long_as_generation_may_reach():
             model(torch.tensor([[4]]), cache)
 
 
+def test_a_model_whose_logits_are_not_finite_is_refused_with_why():
+    model = tiny()
+    with torch.no_grad():
+        model.norm.weight[3] = float("nan")
+    for temperature in (0.0, 0.8):
+        with pytest.raises(ValueError, match="logits for new token 1 are not all finite"):
+            generate(model, PROMPT, 5, temperature=temperature)
+
+
 def test_sampling_is_seeded():
     model = tiny()
     a = generate(model, PROMPT, 20, temperature=1.0, seed=1)
