@@ -227,7 +227,7 @@ class Trainer:
         t = self.cfg.train
         batches = eval_batches(self.data.val, t.seq_len, t.global_batch, t.eval_batches,
                                self.ctx.batch_index, self.ctx.size("batch"), self.data.shift, self._eot)
-        total = count = 0.0
+        losses, counts = [], []  # read once all batches are launched: the host does not wait for each
         tracing, self.tracer.enabled = self.tracer.enabled, False
         try:
             for batch in batches:
@@ -235,10 +235,10 @@ class Trainer:
                     self.sharded.release()
                     return None
                 x, y, ids = self._local(*batch)
-                total += self.pipeline.forward(x, y, documents=ids) if self.pipeline else \
-                    float(self.model.loss_sum(x, y, ids))
-                count += int((y != IGNORE_INDEX).sum())
-            total, count = self.comm.sum_scalars([total, count], "loss")
+                losses.append(self.pipeline.forward(x, y, documents=ids) if self.pipeline else
+                              self.model.loss_sum(x, y, ids))
+                counts.append((y != IGNORE_INDEX).sum())
+            total, count = self.comm.sum_scalars([sum(map(float, losses)), sum(map(int, counts))], "loss")
             self.sharded.release()  # ZeRO-3 holds no whole model between steps
         finally:
             self.tracer.enabled = tracing
