@@ -50,6 +50,9 @@ def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int
         raise ValueError(f"top_p={top_p} {said}")
     if said := seed_problem(seed):
         raise ValueError(f"seed={seed} {said}")
+    for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k)):
+        if value < 0:
+            raise ValueError(f"{name}={value} must be at least 0" + (" (0: every token)" if name == "top_k" else ""))
     device = model.device
     gen = torch.Generator().manual_seed(seed)
     cache = KVCache(model.cfg.n_layers, min(limit, len(prompt_ids) + max_new_tokens))

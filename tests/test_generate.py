@@ -63,6 +63,13 @@ def test_a_model_whose_logits_are_not_finite_is_refused_with_why():
             generate(model, PROMPT, 5, temperature=temperature)
 
 
+def test_negative_counts_are_refused():
+    with pytest.raises(ValueError, match="max_new_tokens=-1 must be at least 0"):
+        generate(tiny(), PROMPT, -1)
+    with pytest.raises(ValueError, match=r"top_k=-2 must be at least 0 \(0: every token\)"):
+        generate(tiny(), PROMPT, 3, temperature=1.0, top_k=-2)
+
+
 def test_sampling_is_seeded():
     model = tiny()
     a = generate(model, PROMPT, 20, temperature=1.0, seed=1)
