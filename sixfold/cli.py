@@ -292,7 +292,7 @@ def cmd_matrix(args, argv) -> int:
 def cmd_generate(args, argv) -> int:
     from .checkpoint import Checkpoint
     from .generate import checkpoint_tokenizer, prompt_ids, prompt_problem, sample_text
-    from .model.hf import carried_files, end_ids, load_model, saved_config
+    from .model.hf import carried_files, end_ids, load_model, sampling, saved_config
     check_text(args.prompt, "--prompt")
     checkpoint = Checkpoint(args.checkpoint)  # opened once: a run saving meanwhile moves its `latest` on
     cfg = saved_config(checkpoint)  # the tokenizer and prompt refused before the weights are read
@@ -300,16 +300,34 @@ def cmd_generate(args, argv) -> int:
     given, limit = len(prompt_ids(tok, args.prompt)), cfg.model.max_seq_len
     if said := prompt_problem(given, limit):
         raise ConfigError(f"--prompt is {said}")
+    carried = carried_files(checkpoint)
+    stop = end_ids(carried)  # an instruct model's end of turn, say
+    chosen = {k: v for k, v in vars(args).items() if k in SAMPLING and v is not None}
+    settings = {**SAMPLING, **_recommended(sampling(carried), checkpoint.path), **chosen}
     import torch
     model = load_model(checkpoint, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))[0]
     room = limit - given
     if args.max_new_tokens > room:
         warnings.warn(f"--max-new-tokens {args.max_new_tokens}: the model's max_seq_len={limit} "
                       f"leaves room for {room} after the prompt; at most {room} are generated")
-    stop = end_ids(carried_files(checkpoint))  # an instruct model's end of turn, say
-    print(sample_text(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, stop,
-                      top_p=args.top_p))
+    print(sample_text(model, tok, args.prompt, args.max_new_tokens, settings["temperature"], settings["top_k"],
+                      args.seed, stop, top_p=settings["top_p"]))
     return 0
+
+
+SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 1.0}  # sixfold generate's, where the checkpoint gives none
+
+
+def _recommended(settings: dict, where) -> dict:
+    """A carried generation_config.json's sampling settings, each refused by name if out of range."""
+    problems = {"temperature": temperature_problem, "top_p": top_p_problem,
+                "top_k": lambda k: "" if isinstance(k, int) and k >= 0 else "must be an integer of at least 0"}
+    for key, value in settings.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if said := problems[key](value) if number else "is not a number":
+            raise ConfigError(f"{where}'s generation_config.json has {key}={value!r}, which {said}; give "
+                              f"--{key.replace('_', '-')}")
+    return settings
 
 
 def cmd_import_hf(args, argv) -> int:
@@ -408,12 +426,14 @@ def parser() -> argparse.ArgumentParser:
                                                                    "checkpoint")
     g.add_argument("--prompt", required=True, help="the text to continue")
     g.add_argument("--max-new-tokens", type=_at_least(0), default=200, help="tokens to generate (default 200)")
-    g.add_argument("--temperature", type=_number(temperature_problem), default=0.8,
-                   help="sampling temperature (default 0.8); 0: greedy, the most likely token each time")
-    g.add_argument("--top-k", type=_at_least(0), default=40, help="sample among the k most likely tokens (default "
-                                                                  "40); 0: among all")
-    g.add_argument("--top-p", type=_number(top_p_problem), default=1.0,
-                   help="then among the fewest most likely whose probabilities reach p (default 1: all)")
+    g.add_argument("--temperature", type=_number(temperature_problem), default=None,
+                   help="sampling temperature (default 0.8, or what the checkpoint's generation_config.json samples "
+                        "with); 0: greedy, the most likely token each time")
+    g.add_argument("--top-k", type=_at_least(0), default=None, help="sample among the k most likely tokens (default "
+                                                                    "40, or the checkpoint's); 0: among all")
+    g.add_argument("--top-p", type=_number(top_p_problem), default=None,
+                   help="then among the fewest most likely whose probabilities reach p (default 1: all, or the "
+                        "checkpoint's)")
     g.add_argument("--seed", type=_seed, default=0, help="the sampling's random seed (default 0)")
     g.add_argument("--device", type=_device, default=None,
                    help="where the model runs: cpu, cuda or cuda:N (default: the first GPU if there is one, else cpu)")

@@ -637,6 +637,32 @@ def test_generate_refuses_a_checkpoint_without_its_tokenizer_before_it_reads_the
     assert "imported from Hugging Face without a tokenizer" in capsys.readouterr().err
 
 
+def test_generate_samples_as_the_checkpoints_generation_config_says_unless_told(tmp_path, monkeypatch, capsys):
+    """An instruction-tuned model's generation_config.json samples (do_sample) with its temperature and top_p, and
+    transformers' top_k of 50: sixfold generate takes them where no option is given; without do_sample, its own."""
+    from sixfold import cli, generate
+    from sixfold.model import hf
+    hf_model(False).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text(llama2_style_tokenizer(["<s>", "</s>"]))
+    drawn = []
+    monkeypatch.setattr(generate, "sample_text", lambda *a, top_p: drawn.append((a[4], a[5], top_p)) or "")
+    for n, (generation, options, settings) in enumerate([
+            ({"do_sample": True, "temperature": 0.6, "top_p": 0.9}, [], (0.6, 50, 0.9)),
+            ({"do_sample": True, "temperature": 0.6, "top_p": 0.9}, ["--temperature", "0", "--top-k", "3"],
+             (0, 3, 0.9)),
+            ({"temperature": 0.6, "top_p": 0.9}, [], (0.8, 40, 1.0))]):
+        (tmp_path / "hf" / "generation_config.json").write_text(json.dumps(generation))
+        import_hf(tmp_path / "hf", tmp_path / f"ckpt{n}")
+        assert cli.main(["generate", str(tmp_path / f"ckpt{n}"), "--prompt", "a", *options]) == 0
+        assert drawn.pop() == settings
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": -1}))
+    import_hf(tmp_path / "hf", tmp_path / "bad")
+    monkeypatch.setattr(hf, "load_model", lambda *args: pytest.fail("the weights were read"))
+    assert cli.main(["generate", str(tmp_path / "bad"), "--prompt", "a"]) == 2
+    assert "generation_config.json has temperature=-1, which must be 0 (greedy) or a positive number; give " \
+           "--temperature" in capsys.readouterr().err
+
+
 def test_a_bpe_model_exports_a_tokenizer_that_transformers_reads_with_its_eos(tmp_path):
     from transformers import AutoTokenizer
     run = tmp_path / "run"

@@ -437,6 +437,19 @@ def special_ids(carried: dict[str, bytes]) -> dict:
     return {k: generation[k] for k in ("bos_token_id", "eos_token_id") if k in generation}
 
 
+HF_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # transformers' GenerationConfig defaults
+
+
+def sampling(carried: dict[str, bytes]) -> dict:
+    """The temperature, top_k and top_p a carried generation_config.json samples with, as transformers reads it (its
+    defaults for those it leaves out), where its do_sample is true; else none (transformers then decodes greedily,
+    which an instruction-tuned model's file does not ask for)."""
+    generation = json.loads(carried.get("generation_config.json", b"{}"))
+    if generation.get("do_sample") is not True:
+        return {}
+    return {k: default if generation.get(k) is None else generation[k] for k, default in HF_SAMPLING.items()}
+
+
 def _write_hf(out_dir: Path, model: Llama, hf: dict, tok, carried: dict[str, bytes], cfg: Config, dtype: str,
               shard_bytes: int) -> None:
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
