@@ -9,9 +9,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from typing import NoReturn
 
-from .stop import Stopped, put_back, take
+from .stop import Interrupted, Stopped, put_back, take
 
 
 def under_torchrun() -> bool:
@@ -50,10 +51,10 @@ def _end_with_parent():
 
 
 def _run(cmd: list[str], env: dict[str, str], capture: bool, stops: bool) -> subprocess.CompletedProcess:
-    """Run a job in its own session and pass SIGTERM, SIGINT (Ctrl-C) or SIGHUP on to it, the first one only (torchrun,
-    given another while it stops its ranks, gives up waiting for them and leaves them running unseen); torchrun sends
-    it to its ranks: training ones finish the step, write a checkpoint and end (stop.py). Without this a scheduler's
-    SIGTERM to this launcher alone would leave the job running; if the launcher is killed outright, the job gets
+    """Run a job in its own session and pass SIGTERM, SIGINT (Ctrl-C) or SIGHUP on to it, each one: torchrun (this
+    module's, _Signals) stops its ranks on the first, whenever it comes, and waits for them through the later ones;
+    training ranks finish the step, write a checkpoint and end (stop.py). Without this a scheduler's SIGTERM to
+    this launcher alone would leave the job running; if the launcher is killed outright, the job gets
     SIGTERM all the same (_end_with_parent). A job run for its results (`stops`: a bench, check or matrix job)
     ends this process too once it has stopped: Stopped, its temporary files removed on the way out."""
     pipe = subprocess.PIPE if capture else None
@@ -63,9 +64,8 @@ def _run(cmd: list[str], env: dict[str, str], capture: bool, stops: bool) -> sub
 
     def forward(signum, frame) -> None:
         heard.append(signal.Signals(signum).name)
-        if len(heard) == 1:
-            job.send_signal(signum)
-        elif len(heard) == 2:
+        job.send_signal(signum)
+        if len(heard) == 2:
             print(f"sixfold: stopping on {heard[0]} already: the ranks finish the step under way and write their "
                   "checkpoint, and torchrun kills any that is still running after its grace time (30 s by default)",
                   file=sys.stderr, flush=True)
@@ -90,15 +90,94 @@ def run_ranks(nproc: int, module: str, argv: list[str], threads: str | None = No
     return _run([sys.executable, "-m", module, *argv], _env(threads), capture=True, stops=True)
 
 
+HOLD = "SIXFOLD_TEST_HOLD_RANKS"  # tests: a file torchrun writes once its ranks are started, then it awaits a signal
+UNSAID = ("Received %s death signal, shutting down workers", "Got termination signal: %s")  # torchrun's: said below
+
+
+class _Signals:
+    """torchrun's SIGTERM, SIGINT, SIGHUP (and SIGQUIT), none lost. torchrun's own handler, taken over as it starts
+    its ranks, raises at once: a signal that came while they were being started ended torchrun with the ranks
+    started so far unseen (none stopped, they trained on), and Ctrl-C's KeyboardInterrupt before could be caught on
+    the way. Here the first signal ends torchrun before any rank starts (Interrupted), or, when it comes as they
+    start, once all have started: torchrun stops them with it. Later ones act the same until torchrun stops its
+    ranks, and are noted only after (raised, they ended its wait for the ranks and left them running unseen;
+    passed on, they cut a rank's way out short, past its checkpoint)."""
+
+    def __init__(self):
+        self.heard: list[signal.Signals] = []
+        self.agent = None  # torchrun's, once it starts ranks
+        self.starting = False
+        self.closing = False  # torchrun is stopping its ranks (or they have ended)
+
+    def take_torchruns(self) -> None:
+        """The signals torchrun takes as it starts its ranks (its handler this one)."""
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+        from torch.distributed.elastic.multiprocessing import api
+        api._terminate_process_handler = self.note
+        start, close = LocalElasticAgent._start_workers, LocalElasticAgent._shutdown
+
+        def start_workers(agent, group):
+            if self.heard:  # one came before, and was caught on the way
+                raise Interrupted(self.heard[0].name)
+            self.agent, self.starting = agent, True
+            try:
+                pids = start(agent, group)
+                if os.environ.get(HOLD):
+                    self._hold(os.environ[HOLD])
+            finally:
+                self.starting = False
+            if self.heard:  # ended by SIGTERM, which they do not take yet: at once and unsaid (not Python's traceback)
+                self._stop(signal.SIGTERM)
+            return pids
+
+        def shutdown(agent, *args, **kwargs):
+            self.closing = True
+            return close(agent, *args, **kwargs)
+
+        LocalElasticAgent._start_workers, LocalElasticAgent._shutdown = start_workers, shutdown
+
+    def note(self, signum, frame) -> None:
+        self.heard.append(signal.Signals(signum))
+        if self.starting:
+            return
+        if len(self.heard) == 1 or not self.closing:  # the first, or a later one if the first was caught on the way
+            self._stop()
+
+    def _stop(self, send: signal.Signals | None = None) -> NoReturn:
+        """End torchrun on the first signal heard, which it sends its ranks (or `send`)."""
+        first = self.heard[0]
+        if self.agent is None or self.agent._pcontext is None:
+            raise Interrupted(first.name)
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        raise SignalException(f"Process {os.getpid()} got signal: {first}", sigval=send or first)
+
+    def unsaid(self, sent: signal.Signals) -> bool:
+        """Whether the signal `sent` ended each rank (as it started, before it took signals: it has said nothing)."""
+        pcontext = self.agent and self.agent._pcontext
+        codes = [h.proc.returncode for h in pcontext.subprocess_handlers.values()] if pcontext else []
+        return bool(codes) and all(c == -sent for c in codes)
+
+    def _hold(self, path: str) -> None:
+        """Stay where a signal was lost (the ranks started, torchrun not yet told of them) until one comes."""
+        with open(path, "w"):
+            pass
+        while not self.heard:
+            time.sleep(0.01)
+
+
 def torchrun(argv: list[str]) -> int:
     """torchrun ARGV, ending with the ranks' own exit code (the first failed rank's; 128 + the signal when torchrun
     itself is stopped by one) instead of torchrun's traceback and 1: each rank has said what went wrong. Its
     directory of the ranks' error files is removed at the end (torchrun leaves one in the temporary directory at
     every run) unless ARGV names one (--log-dir)."""
+    signals = _Signals()
+    take(signals.note)  # until torch is loaded: Interrupted
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
+    signals.take_torchruns()
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)  # said below
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(lambda r: r.msg not in UNSAID)
     named = any(a.split("=")[0] in ("--log-dir", "--log_dir") for a in argv)
     logs = None if named else tempfile.mkdtemp(prefix="sixfold_torchrun_")
     try:
@@ -109,8 +188,11 @@ def torchrun(argv: list[str]) -> int:
             return first.exitcode
         print(_killed(rank, first.pid, first.signal_name()), file=sys.stderr)
         return 128 - first.exitcode
-    except SignalException as e:
-        return 128 + int(e.sigval)
+    except SignalException as e:  # the ranks it stopped have said so, unless it ended them before they could
+        first = signals.heard[0] if signals.heard else e.sigval
+        if signals.unsaid(e.sigval):
+            print(f"sixfold: stopped by {first.name} as the ranks started", file=sys.stderr, flush=True)
+        return 128 + int(first)
     finally:
         if logs is not None:
             shutil.rmtree(logs, ignore_errors=True)
@@ -135,6 +217,8 @@ def end(code: int) -> NoReturn:
 if __name__ == "__main__":
     try:
         code = torchrun(sys.argv[1:])
-    except KeyboardInterrupt:  # a Ctrl-C passed on before torchrun took SIGINT over: no traceback
-        code = 128 + signal.SIGINT
+    except KeyboardInterrupt as e:  # Interrupted too: before any rank started
+        name = getattr(e, "signal_name", "SIGINT")
+        print(f"sixfold: stopped by {name} before any rank started", file=sys.stderr, flush=True)
+        code = 128 + signal.Signals[name]
     end(code)

@@ -32,6 +32,7 @@ from sixfold.slices import Reader
 from sixfold.stop import Stopped, StopSignal
 from sixfold.data import DataError, load_data
 from sixfold.errors import CommError, collective
+from sixfold.launch import HOLD
 from sixfold.train import TrainingError, check_inputs, data_settings, train
 from helpers import LONG, ROOT, TINY, children, free_port, sixfold, torchrun
 
@@ -861,9 +862,9 @@ def test_ctrl_c_to_the_launcher_stops_its_ranks_after_a_step_with_a_checkpoint(t
     assert (run / "checkpoints" / "latest").read_text() == f"step_{last:07d}"
 
 
-def test_the_launcher_passes_on_the_first_signal_only(tmp_path):
-    """torchrun given a second signal while it stops its ranks gives up waiting for them and leaves them running
-    unseen, so the launcher passes on only the first: a job that counts the SIGINTs it hears hears one of three."""
+def test_the_launcher_passes_on_every_signal(tmp_path):
+    """The launcher passes on each signal (torchrun, sixfold.launch's, notes the later ones and waits on for its
+    ranks), saying once that it is stopping already: a job that counts the SIGINTs it hears hears three."""
     ready = tmp_path / "ready"
     counter = ("import signal, sys, time\nheard = []\nsignal.signal(signal.SIGINT, lambda *a: heard.append(1))\n"
                "open(sys.argv[1], 'w').close()\ntime.sleep(3)\nsys.exit(len(heard))\n")
@@ -879,7 +880,29 @@ def test_the_launcher_passes_on_the_first_signal_only(tmp_path):
         job.send_signal(signal.SIGINT)
         time.sleep(0.1)
     _, err = job.communicate(timeout=60)
-    assert job.returncode == 1 and err.count("sixfold: stopping on SIGINT already") == 1, err
+    assert job.returncode == 3 and err.count("sixfold: stopping on SIGINT already") == 1, err
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_as_the_ranks_start_stops_them(tmp_path, presses):
+    """Ctrl-C that reaches torchrun while it starts the ranks, before it has noted them (where its own handler
+    ended it and left them training unseen), stops them once all have started: none trains a step. torchrun waits
+    there (HOLD) until the signal has come; a second press changes nothing."""
+    run, held = tmp_path / "run", tmp_path / "held"
+    cmd = [sys.executable, "-m", "sixfold.cli", "train", TINY, f"log.run_dir={run}", *LONG, "--nproc", "2"]
+    job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", HOLD: str(held)},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    while job.poll() is None and not held.exists():
+        time.sleep(0.02)
+    for _ in range(presses):
+        job.send_signal(signal.SIGINT)
+        time.sleep(0.1)
+    _, err = job.communicate(timeout=300)
+    assert job.returncode == 128 + signal.SIGINT and not (run / "metrics.jsonl").exists(), err[-3000:]
+    lines = err.splitlines()  # (in either order: the launcher says it is stopping already as torchrun ends)
+    assert len(lines) == presses and lines.count("sixfold: stopped by SIGINT as the ranks started") == 1, err[-3000:]
+    assert err.count("sixfold: stopping on SIGINT already") == presses - 1, err[-3000:]
 
 
 def test_a_closed_terminal_stops_the_run_after_a_step_with_a_checkpoint(tmp_path):
@@ -1138,3 +1161,4 @@ def test_a_hung_rank_ends_the_run_with_the_checkpoint_to_go_on_from(tmp_path):
                      "parallel.timeout_s", err), err[-3000:]
     newest = max((run / "checkpoints").glob("step_*"))
     assert f"The newest checkpoint, {newest}, stays (checkpoint.resume=auto goes on from it)." in err, err[-3000:]
+
