@@ -169,7 +169,7 @@ def torchrun(argv: list[str]) -> int:
     """torchrun ARGV, ending with the ranks' own exit code (the first failed rank's; 128 + the signal when torchrun
     itself is stopped by one) instead of torchrun's traceback and 1: each rank has said what went wrong. Its
     directory of the ranks' error files is removed at the end (torchrun leaves one in the temporary directory at
-    every run) unless ARGV names one (--log-dir)."""
+    every run) unless ARGV names one (--log-dir, before the module run)."""
     signals = _Signals()
     take(signals.note)  # until torch is loaded: Interrupted
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -178,7 +178,8 @@ def torchrun(argv: list[str]) -> int:
     signals.take_torchruns()
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)  # said below
     logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(lambda r: r.msg not in UNSAID)
-    named = any(a.split("=")[0] in ("--log-dir", "--log_dir") for a in argv)
+    own = argv[:argv.index("-m")] if "-m" in argv else argv
+    named = any(a.split("=")[0] in ("--log-dir", "--log_dir") for a in own)
     logs = None if named else tempfile.mkdtemp(prefix="sixfold_torchrun_")
     try:
         main(argv if named else [f"--log-dir={logs}", *argv])

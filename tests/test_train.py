@@ -1162,3 +1162,14 @@ def test_a_hung_rank_ends_the_run_with_the_checkpoint_to_go_on_from(tmp_path):
     newest = max((run / "checkpoints").glob("step_*"))
     assert f"The newest checkpoint, {newest}, stays (checkpoint.resume=auto goes on from it)." in err, err[-3000:]
 
+
+def test_a_log_dir_among_the_modules_arguments_is_not_torchruns(tmp_path):
+    """A `--log-dir` after `-m MODULE` is the module's: torchrun still gets a directory of its own for its ranks'
+    error files, removed at the end (taken for torchrun's, it left one in the temporary directory)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    cmd = [sys.executable, "-m", "sixfold.launch", "--standalone", "--nproc-per-node=1", "-m", "platform",
+           f"--log-dir={tmp_path / 'mine'}"]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith(("torchelastic_", "sixfold_torchrun_"))]
