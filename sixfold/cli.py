@@ -80,6 +80,17 @@ def _split(items: list[str]) -> tuple[str | None, list[str]]:
     return None, items
 
 
+def _keys(override: str) -> list[str]:
+    """The section.key names an override sets (as override() reads them): a section's mapping sets each of its."""
+    key, raw = (part.strip() for part in override.split("=", 1))
+    if "." not in key:
+        import yaml
+        with contextlib.suppress(yaml.YAMLError):
+            if isinstance(value := yaml.safe_load(raw), dict):
+                return [f"{key}.{k}" for k in value]
+    return [key]
+
+
 def _without_nproc(argv: list[str]) -> list[str]:
     """argv without `--nproc N` or `--nproc=N` (the ranks started must not start ranks again)."""
     out, skip = [], False
@@ -493,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         args.config += extra  # overrides after the flags
     elif extra:
         _unrecognized(cli.commands[args.command], extra)
-    given = [a.split("=", 1)[0].strip() for a in getattr(args, "config", []) if "=" in a]  # as override() reads them
+    given = [k for a in getattr(args, "config", []) if "=" in a for k in _keys(a)]
     twice = sorted({k for k in given if given.count(k) > 1})
     if twice:
         cli.commands[args.command].error(f"{', '.join(twice)} given more than once; give each key once")

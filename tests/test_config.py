@@ -67,7 +67,9 @@ def test_an_unknown_option_gets_the_commands_usage_and_the_nearest_it_takes(caps
               "unrecognized option --max-tokens (did you mean --max-new-tokens?)"),
              (["train"], "sixfold train: error: name a config file"),  # not a run of the defaults on the stdlib
              (["check", "configs/tiny.yaml", "train.steps=3", "parallel.tp=2", "train.steps=2"],
-              "sixfold check: error: train.steps given more than once; give each key once")]
+              "sixfold check: error: train.steps given more than once; give each key once"),
+             (["check", "configs/tiny.yaml", "parallel={tp: 2, zero: 1}", "parallel.tp=4"],
+              "sixfold check: error: parallel.tp given more than once; give each key once")]
     for argv, message in cases:
         with pytest.raises(SystemExit) as ended:
             main(argv)
