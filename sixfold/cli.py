@@ -74,8 +74,10 @@ def _number(problem):
 
 
 def _split(items: list[str]) -> tuple[str | None, list[str]]:
-    """An optional YAML path first, then key=value overrides."""
-    if items and "=" not in items[0]:
+    """An optional YAML path first (one with a `=` in it, lr=3e-4.yaml, if it is a file or has a directory before
+    the `=`), then key=value overrides."""
+    first = items[0] if items else ""
+    if first and ("=" not in first or Path(first).is_file() or "/" in first.split("=", 1)[0]):
         return items[0], items[1:]
     return None, items
 
@@ -504,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         args.config += extra  # overrides after the flags
     elif extra:
         _unrecognized(cli.commands[args.command], extra)
-    given = [k for a in getattr(args, "config", []) if "=" in a for k in _keys(a)]
+    given = [k for a in _split(getattr(args, "config", []))[1] if "=" in a for k in _keys(a)]
     twice = sorted({k for k in given if given.count(k) > 1})
     if twice:
         cli.commands[args.command].error(f"{', '.join(twice)} given more than once; give each key once")

@@ -77,6 +77,19 @@ def test_an_unknown_option_gets_the_commands_usage_and_the_nearest_it_takes(caps
         assert ended.value.code == 2 and message in err and err.startswith("usage: sixfold " + argv[0]), err
 
 
+def test_a_config_path_holding_an_equals_sign_is_read_as_the_config(tmp_path, monkeypatch):
+    """A config file named for its setting (lr=3e-4.yaml) was read as an override of a key `lr`."""
+    from sixfold.cli import _split
+    (tmp_path / "lr=3e-4.yaml").write_text("train: {steps: 7}\n")
+    monkeypatch.chdir(tmp_path)
+    for path in ("lr=3e-4.yaml", str(tmp_path / "lr=3e-4.yaml")):
+        assert _split([path, "train.seq_len=32"]) == (path, ["train.seq_len=32"])
+        assert load_config(*_split([path, "train.seq_len=32"])).train.steps == 7
+    assert _split(["train.steps=3", "train.seq_len=32"]) == (None, ["train.steps=3", "train.seq_len=32"])
+    with pytest.raises(ConfigError, match="config file .*runs/lr=1.yaml"):  # not there: said as a config file
+        load_config(*_split(["runs/lr=1.yaml"]))
+
+
 def test_bad_generate_options_are_refused_before_the_checkpoint_is_read(capsys):
     from sixfold.cli import main
     cases = [(["--temperature", "-1"], "argument --temperature: -1 must be 0 (greedy) or a positive number"),
