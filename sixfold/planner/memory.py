@@ -329,8 +329,9 @@ def _reducing(rank: Rank, early: int) -> dict[int, int]:
     """Each block's "reducing" buffers as its backward runs, with the `early` ones: without pipelining
     (Sharded.launch), its own units' full gradients (ZeRO-2/3) and, of the units whose backward is done, the last
     REDUCING that wait for their reduction: their full gradients, their copies in the reduction's dtype and on a CPU
-    the input their reduce-scatter stages (Comm.reduce_scatter); under pipelining, at every block, the copies of
-    the REDUCING + 1 largest units (their full gradients are early)."""
+    the input their reduce-scatter stages (Comm.reduce_scatter) and gloo's copy of the gathers it starts
+    (_gathering); under pipelining, at every block, the copies of the REDUCING + 1 largest units (their full
+    gradients are early)."""
     if rank.schedule is not None:
         copies = sorted(_copy(rank, u) for u in rank.sharded.units)
         return dict.fromkeys(rank.blocks, early + sum(copies[-(REDUCING + 1):]))
@@ -339,7 +340,8 @@ def _reducing(rank: Rank, early: int) -> dict[int, int]:
     for units in rank.sharded.layers:  # in the order the backward reaches them
         layer = next((of_block[id(m)] for u in units for m in u.modules if id(m) in of_block), None)
         if layer is not None:
-            out[layer] = early + sum(_later(rank, u) for u in units) + sum(_held(rank, u) for u in done[-REDUCING:])
+            out[layer] = early + sum(_later(rank, u) for u in units) + sum(_held(rank, u) for u in done[-REDUCING:]) + \
+                _gathering(rank, units)
         done += [u for u in units if u.zero >= 2 or _held(rank, u)]
     return out
 
@@ -347,8 +349,9 @@ def _reducing(rank: Rank, early: int) -> dict[int, int]:
 def _launches(rank: Rank, early: int) -> list[tuple[int | None, int]]:
     """Without pipelining, as the reductions of each layer's units start, its backward done (its block, or None for
     the ends): the "reducing" buffers of those units and of the REDUCING started before them, all in flight until
-    Sharded.launch waits for the oldest; and the `early` ones but of the units reduced by then (ZeRO-2/3 free
-    their full gradients)."""
+    Sharded.launch waits for the oldest; the `early` ones but of the units reduced by then (ZeRO-2/3 free
+    their full gradients); and gloo's copy of the gathers its backward started, waited for by the next layer's
+    (_gathering)."""
     if rank.schedule is not None:
         return []
     of_block, out, done = _of_block(rank), [], []
@@ -357,8 +360,20 @@ def _launches(rank: Rank, early: int) -> list[tuple[int | None, int]]:
         layer = next((of_block[id(m)] for u in units for m in u.modules if id(m) in of_block), None)
         freed = sum(rank.compute_bytes * u.padded for u in done[:-(REDUCING + 1)] if u.zero >= 2 and not
                     _later(rank, u))
-        out.append((layer, early - freed + sum(_held(rank, u) for u in done[-(REDUCING + 1):])))
+        out.append((layer, early - freed + sum(_held(rank, u) for u in done[-(REDUCING + 1):]) +
+                    _gathering(rank, units)))
     return out
+
+
+def _gathering(rank: Rank, units) -> int:
+    """On a CPU, bytes gloo holds for the ZeRO-3 gathers a layer's backward starts (the next layer's weights,
+    prefetched) until they complete: its all-gather receives into a flat tensor of the output's size, then copies
+    it out (ProcessGroupGloo). None on a GPU."""
+    if not rank.cpu:
+        return 0
+    s = rank.sharded
+    started = s.prefetch.get(units[0].index, []) + s.prefetch_after.get(units[-1].index, [])
+    return sum(rank.compute_bytes * u.padded for u in started if u.gathers_for_backward and not u.keep_gathered)
 
 
 def _of_block(rank: Rank) -> dict[int, int]:
