@@ -408,14 +408,15 @@ def _buffers(rank: Rank) -> dict[str, int]:
     """Transient buffers, each alive at the moments step() names: "early", ZeRO-2/3 gradients from forward (with
     pipelining, or several micro-batches not reduced each, every unit's from the step's start); "held" through the
     step, ZeRO-3 gathered weights (all of the rank's under pipelining; else those kept through the step, and of the
-    rest a layer's units and the next layer's, prefetched: the two largest, at most), less those gathered before
+    rest a layer's units and the next layer's, prefetched: the two largest, at most, of those the backward gathers
+    again, not an embedding's, freed after its forward), less those gathered before
     the step (in persistent()), and under pipelining the most hidden states the rank's sends keep alive at once
     (until the data is known received, delivery.py). Those of the reductions: _reducing."""
     b, units = rank.compute_bytes, rank.sharded.units
     early = sum(b * u.padded for u in units if u.zero >= 2 and not _later(rank, u))
     gathered = [b * u.padded for u in units if u.zero == 3 and (u.keep_gathered or rank.schedule is not None)]
     if rank.schedule is None:
-        gathered += sorted(sum(b * u.padded for u in layer if u.zero == 3 and not u.keep_gathered)
+        gathered += sorted(sum(b * u.padded for u in layer if u.gathers_for_backward and not u.keep_gathered)
                            for layer in rank.sharded.layers)[-2:]
     before = sum(b * u.padded for u in rank.sharded.ahead)  # gathered in the step before, in persistent()
     sends = held_sends(rank.schedule, rank.ctx.rank_in("pp")) if rank.schedule else 0
