@@ -429,11 +429,14 @@ def end_ids(carried: dict[str, bytes]) -> list[int]:
     return [] if eos is None else eos if isinstance(eos, list) else [eos]
 
 
+def _generation(carried: dict[str, bytes]) -> dict:
+    """A carried generation_config.json's settings ({} if none is carried)."""
+    return json.loads(carried.get("generation_config.json", b"{}"))
+
+
 def special_ids(carried: dict[str, bytes]) -> dict:
     """The bos_token_id and eos_token_id (an id, or a list of them) of a carried generation_config.json."""
-    if "generation_config.json" not in carried:
-        return {}
-    generation = json.loads(carried["generation_config.json"])
+    generation = _generation(carried)
     return {k: generation[k] for k in ("bos_token_id", "eos_token_id") if k in generation}
 
 
@@ -444,7 +447,7 @@ def sampling(carried: dict[str, bytes]) -> dict:
     """The temperature, top_k and top_p a carried generation_config.json samples with, as transformers reads it (its
     defaults for those it leaves out), where its do_sample is true; else none (transformers then decodes greedily,
     which an instruction-tuned model's file does not ask for)."""
-    generation = json.loads(carried.get("generation_config.json", b"{}"))
+    generation = _generation(carried)
     if generation.get("do_sample") is not True:
         return {}
     return {k: default if generation.get(k) is None else generation[k] for k, default in HF_SAMPLING.items()}
