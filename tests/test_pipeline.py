@@ -66,7 +66,8 @@ def test_bad_pipeline_settings_are_refused(overrides, message):
         load_config(TINY, overrides)
 
 
-@pytest.mark.parametrize("pp,micro", [(2, 4), (4, 8), (2, 1)])  # (2, 1): zb-v filled greedily, no interleaved
+# zb-v filled greedily at (2, 1) (no interleaved) and (2, 2)
+@pytest.mark.parametrize("pp,micro", [(2, 4), (4, 8), (2, 1), (2, 2)])
 def test_runtime_gradients_in_flight_and_bytes(pp, micro):
     proc = torchrun("pipeline_runtime.py", pp, str(micro))
     assert proc.returncode == 0, proc.stderr[-3000:]
