@@ -22,14 +22,30 @@ from sixfold.mesh import ParallelContext
 from sixfold.train import Trainer
 
 
+def refs(t: torch.Tensor) -> tuple[int, int]:
+    """References to t: all, and all but its views' (a view holds its base and, as every tensor on it, the storage)."""
+    count = t._use_count()
+    return count, count - torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
 class Settled:
     """A collective's work whose wait() returns once gloo's thread has let go of its tensors too. That thread holds
     them until it next runs: a moment after the collective ended or, with every core busy, many milliseconds. Were
     this thread to drop them first, they would be freed there, when the scheduler lets it, and not where this
-    rank's program lets go of them (more or less at the peak each run)."""
+    rank's program lets go of them (more or less at the peak each run). Let go: the references are back to those
+    before the collective, or, where the work holds a tensor itself, those beside the views made of it since (the
+    ring of context parallelism reads the blocks it sends)."""
 
-    def __init__(self, work, tensors: list[torch.Tensor], counts: list[int]):
-        self.work, self.tensors, self.counts = work, tensors, counts
+    def __init__(self, work, tensors: list[torch.Tensor], before: list[tuple[int, int]]):
+        self.work, self.tensors, self.before = work, tensors, before
+        self.holds = [refs(t)[1] > b[1] for t, b in zip(tensors, before)]  # the work, not a view of its own
+
+    def _let_go(self) -> bool:
+        for t, (count, beside_views), holds in zip(self.tensors, self.before, self.holds):
+            now, now_beside_views = refs(t)
+            if now > count and not (holds and now_beside_views <= beside_views):
+                return False
+        return True
 
     def wait(self) -> None:
         if self.work is None:
@@ -37,7 +53,7 @@ class Settled:
         self.work.wait()
         self.work = None
         deadline = time.monotonic() + 10
-        while any(t._use_count() > n for t, n in zip(self.tensors, self.counts)) and time.monotonic() < deadline:
+        while not self._let_go() and time.monotonic() < deadline:
             time.sleep(1e-4)
 
     def __getattr__(self, name):  # get_future, is_completed
@@ -49,8 +65,8 @@ def settled(collective):
     waited for unless asked not to."""
     def call(*args, async_op=False, **kwargs):
         tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
-        counts = [t._use_count() for t in tensors]  # before the collective holds them
-        work = Settled(collective(*args, async_op=True, **kwargs), tensors, counts)
+        before = [refs(t) for t in tensors]
+        work = Settled(collective(*args, async_op=True, **kwargs), tensors, before)
         if async_op:
             return work
         work.wait()
@@ -59,10 +75,10 @@ def settled(collective):
 
 def settled_batch(ops: list[dist.P2POp], batch=dist.batch_isend_irecv) -> list[Settled]:
     """torch.distributed.batch_isend_irecv with Settled works (gloo's: one for each op)."""
-    counts = [op.tensor._use_count() for op in ops]
+    before = [refs(op.tensor) for op in ops]
     works = batch(ops)
     assert len(works) == len(ops)
-    return [Settled(work, [op.tensor], [n]) for work, op, n in zip(works, ops, counts)]
+    return [Settled(work, [op.tensor], [b]) for work, op, b in zip(works, ops, before)]
 
 
 dist.all_reduce, dist.broadcast, dist.all_to_all_single, comm._all_gather = (
