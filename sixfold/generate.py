@@ -1,6 +1,7 @@
 """Autoregressive generation with a KV cache: greedy or temperature / top-k / top-p sampling."""
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Collection
 
 import torch
@@ -8,6 +9,7 @@ import torch
 from .config import seed_problem, temperature_problem, top_p_problem
 from .model.llama import KVCache, Llama
 from .parallel.pipeline.runtime import Pipeline
+from .parallel.sharding import Sharded
 
 
 def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator, top_p: float = 1.0) -> int:
@@ -36,11 +38,13 @@ def prompt_problem(tokens: int, limit: int) -> str:
 @torch.no_grad()
 def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, stop: Collection[int] = (), vocab: int | None = None,
-             agree: Callable[[int], int | None] | None = None, top_p: float = 1.0) -> list[int]:
+             agree: Callable[[int], int | None] | None = None, top_p: float = 1.0,
+             sharded: Sharded | None = None) -> list[int]:
     """New tokens after prompt_ids (ending with a stop token if one was drawn); the total stays within max_seq_len.
     `model` is the whole model, or a pipeline run on every one of its ranks. `vocab`: the tokenizer's size, the ids
     from which on (a model's vocabulary padded beyond its tokenizer's) are never drawn. `agree(token)`, asked of each
-    token drawn (on every rank alike), gives the token to take, or None to end there."""
+    token drawn (on every rank alike), gives the token to take, or None to end there. `sharded`: the model's units,
+    whose ZeRO-3 weights are then gathered once for the call (Sharded.held), not for every token."""
     limit = model.cfg.max_seq_len
     if said := prompt_problem(len(prompt_ids), limit):
         raise ValueError(f"the prompt has {said}")
@@ -53,9 +57,16 @@ def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int
     for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k)):
         if value < 0:
             raise ValueError(f"{name}={value} must be at least 0" + (" (0: every token)" if name == "top_k" else ""))
-    device = model.device
     gen = torch.Generator().manual_seed(seed)
     cache = KVCache(model.cfg.n_layers, min(limit, len(prompt_ids) + max_new_tokens))
+    with sharded.held() if sharded is not None else contextlib.nullcontext():
+        return _drawn(model, cache, prompt_ids, max_new_tokens, temperature, top_k, gen, stop, vocab, agree, top_p)
+
+
+def _drawn(model, cache: KVCache, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int,
+           gen: torch.Generator, stop: Collection[int], vocab: int | None, agree, top_p: float) -> list[int]:
+    """generate()'s tokens, its arguments checked and its cache made."""
+    limit, device = model.cfg.max_seq_len, model.device
     tokens = torch.tensor([prompt_ids], device=device)
     out: list[int] = []
     while len(out) < max_new_tokens and len(prompt_ids) + len(out) < limit:
@@ -82,12 +93,14 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 def sample_text(model: Llama | Pipeline, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
                 top_k: int = 40, seed: int = 0, stop: Collection[int] = (),
-                agree: Callable[[int], int | None] | None = None, top_p: float = 1.0) -> str:
+                agree: Callable[[int], int | None] | None = None, top_p: float = 1.0,
+                sharded: Sharded | None = None) -> str:
     """The prompt followed by a sampled continuation, which ends at the end of text or a token of `stop` (left
     out), or where `agree` says (generate)."""
     ids = prompt_ids(tokenizer, prompt)
     stop = {tokenizer.eot, *stop}
-    out = generate(model, ids, max_new_tokens, temperature, top_k, seed, stop, tokenizer.vocab_size, agree, top_p)
+    out = generate(model, ids, max_new_tokens, temperature, top_k, seed, stop, tokenizer.vocab_size, agree, top_p,
+                   sharded)
     if out and out[-1] in stop:
         out = out[:-1]
     return continued(tokenizer, prompt, ids, out)

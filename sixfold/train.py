@@ -593,7 +593,8 @@ class Trainer:
             return None if stop.heard else int(token)
 
         return sample_text(self.pipeline or self.model, self.data.tokenizer, log.sample_prompt, log.sample_tokens,
-                           seed=self.cfg.train.seed, stop=end_ids(self.carried), agree=agree if stop else None)
+                           seed=self.cfg.train.seed, stop=end_ids(self.carried), agree=agree if stop else None,
+                           sharded=self.sharded)
 
     def _write_outputs(self, log: RunLog) -> None:
         """Every rank's ledger in comm_ledger.json and its summary printed; with log.trace, every rank's events in

@@ -6,6 +6,7 @@ from sixfold.config import ModelConfig
 from sixfold.data import BPETokenizer, ByteTokenizer
 from sixfold.generate import continued, generate, pick, sample_text
 from sixfold.model.llama import KVCache, Llama, init_weights
+from helpers import torchrun
 
 PROMPT = [5, 17, 200, 3, 64]
 
@@ -146,3 +147,13 @@ def test_a_continuation_keeps_the_space_a_llama_2_tokenizer_drops_when_it_decode
     assert tok.decode(ids) == "world" and continued(tok, "hello", prompt, ids) == "hello world"
     byte = ByteTokenizer()
     assert continued(byte, "def ", byte.encode("def "), byte.encode("f(x)")) == "def f(x)"
+
+
+@pytest.mark.parametrize("layout", [["model.moe_experts=4", "parallel.dp_shard=2", "parallel.ep=2", "parallel.zero=3"],
+                                    ["parallel.cp=2", "parallel.zero=3"]], ids=["zero3-ep2-moe", "cp2-zero3"])
+def test_the_sample_of_a_parallel_layout_is_one_processs_and_gathers_each_unit_once(layout):
+    """Under ZeRO-3 the run's sample gathers the weights once, not for each token: as many gathers for 2 new tokens
+    as for 8 (tests/workers/generate_layouts.py)."""
+    proc = torchrun("generate_layouts.py", 2, *layout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "rank 0 gathers (calls, bytes) by new tokens: {2: {'fsdp/all_gather': (4, " in proc.stdout, proc.stdout

@@ -17,6 +17,7 @@ full weights are freed outside the unit's forward and backward and gathered just
 head's unit and the one before it stay gathered through the step. The two units the next step begins with are
 gathered as soon as the optimizer has updated them, while it updates the rest, and stay gathered until that step
 (`ahead`).
+Generation (held()) keeps each unit gathered from its first forward to the end, where the whole model fits.
 With dp_replicate > 1 (HSDP) each unit's gradient shard is all-reduced across replicas (in grad_reduce's dtype) once
 its reduce-scatter is done. At zero 2 and 3 the trainer may also reduce after every micro-batch
 (train.reduce_each_micro_batch): each reduction is added into the fp32 shard, the HSDP all-reduce only after the
@@ -27,6 +28,7 @@ over tp once per step.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 
@@ -235,6 +237,7 @@ class Sharded:
                 unit.modules[0].register_forward_pre_hook(lambda m, a, u=unit: self.before_forward(u))
                 _free(unit.full)
         self.ahead = [u for u in self.units if u.zero == 3][:2]  # ZeRO-3: the units a step's forward begins with
+        self.holding = False  # held(): forwards without gradients keep the weights they gather
 
     # ZeRO-3: weights gathered just ahead of use -------------------------------------------------
     def _start_gather(self, unit: Unit) -> None:
@@ -263,6 +266,31 @@ class Sharded:
             if unit.read_elsewhere:
                 self._wait_gather(unit)
 
+    @contextlib.contextmanager
+    def held(self):
+        """ZeRO-3, for forwards without gradients inside (generation): each unit's weights gathered once, by its first
+        forward, and all freed at the end, not after each forward (a sample of n tokens would gather the whole model
+        n times), if the whole model's gathered weights fit in the free memory of every rank's device; else each
+        forward gathers them again. Yields whether they are held."""
+        loose = sum(u.full.numel() * u.full.element_size() for u in self.units
+                    if u.zero == 3 and not u.full.untyped_storage().size())
+        self.holding = self._fits(loose)
+        try:
+            yield self.holding
+        finally:
+            self.holding = False
+            self.release()
+
+    def _fits(self, nbytes: int) -> bool:
+        """Whether `nbytes` more fit in the free memory of every rank's device (on CPUs: taken to)."""
+        device = self.comm.ctx.device
+        if self.zero != 3 or device.type != "cuda":  # (alike on every rank: each takes part in the sum or none)
+            return True
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
+            torch.cuda.memory_allocated(device)
+        (short,) = self.comm.sum_scalars([float(nbytes > free)], "world")
+        return not short
+
     def alloc_grads(self) -> None:
         """ZeRO-2/3: every unit's gradient buffer ready now (pipelining: for the step)."""
         for unit in self.units:
@@ -277,7 +305,7 @@ class Sharded:
 
     def _after_forward(self, unit: Unit, out):
         if not torch.is_grad_enabled():  # evaluation: no backward to keep weights for (release() frees the rest)
-            if unit.zero == 3 and not unit.read_elsewhere:
+            if unit.zero == 3 and not unit.read_elsewhere and not self.holding:
                 _free(unit.full)
             return out
         if unit.zero == 3 and not unit.keep_gathered:
