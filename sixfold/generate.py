@@ -7,6 +7,7 @@ from collections.abc import Callable, Collection
 import torch
 
 from .config import seed_problem, temperature_problem, top_p_problem
+from .errors import out_of_memory
 from .model.llama import KVCache, Llama
 from .parallel.pipeline.runtime import Pipeline
 from .parallel.sharding import Sharded
@@ -58,9 +59,34 @@ def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int
         if value < 0:
             raise ValueError(f"{name}={value} must be at least 0" + (" (0: every token)" if name == "top_k" else ""))
     gen = torch.Generator().manual_seed(seed)
-    cache = KVCache(model.cfg.n_layers, min(limit, len(prompt_ids) + max_new_tokens))
+    cache = kv_cache(model, len(prompt_ids), max_new_tokens)
     with sharded.held() if sharded is not None else contextlib.nullcontext():
         return _drawn(model, cache, prompt_ids, max_new_tokens, temperature, top_k, gen, stop, vocab, agree, top_p)
+
+
+def kv_cache(model: Llama | Pipeline, prompt: int, max_new_tokens: int) -> KVCache:
+    """The KV cache of a generation after `prompt` tokens, made now for as many as it may reach (within max_seq_len)
+    on the layers this rank holds; if it does not fit, a ValueError that says how large it is."""
+    size = min(model.cfg.max_seq_len, prompt + max_new_tokens)
+    cache = KVCache(model.cfg.n_layers, size)
+    llama = model.model if isinstance(model, Pipeline) else model
+    blocks = [block.attn for block in llama.layers.values()]
+    dtype = next(llama.parameters()).dtype
+    try:
+        for a in blocks:
+            cache.k[a.layer], cache.v[a.layer] = (torch.empty(1, a.n_kv_heads, size, a.head_dim, dtype=dtype,
+                                                              device=model.device) for _ in "kv")
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        if not out_of_memory(e):
+            raise
+        cache = None  # the layers' made so far freed, not kept by the traceback
+        nbytes = sum(2 * a.n_kv_heads * size * a.head_dim for a in blocks) * dtype.itemsize
+        raise ValueError(f"max_new_tokens={max_new_tokens}: the KV cache for {size} tokens (the prompt's {prompt} and "
+                         f"those new) takes {nbytes / 2**30:,.2f} GiB on this rank ({len(blocks)} layers' keys and "
+                         f"values in {str(dtype).removeprefix('torch.')}), more than its {model.device} has free; "
+                         f"give fewer new tokens (sixfold generate --max-new-tokens, the trainer's "
+                         f"log.sample_tokens)") from None
+    return cache
 
 
 def _drawn(model, cache: KVCache, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int,

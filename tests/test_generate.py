@@ -55,6 +55,17 @@ def test_the_cache_is_made_once_as_long_as_generation_may_reach():
             model(torch.tensor([[4]]), cache)
 
 
+def test_a_kv_cache_larger_than_memory_is_refused_with_its_size():
+    """The cache is made before the first forward, as long as generation may reach: one that cannot be allocated is
+    said with its size and what to change, not as the allocator's failure."""
+    model = tiny(max_seq_len=2**44)
+    with pytest.raises(ValueError, match=r"max_new_tokens=17592186044411: the KV cache for 17592186044416 tokens "
+                                         r"\(the prompt's 5 and those new\) takes 8,388,608.00 GiB on this rank \(2 "
+                                         r"layers' keys and values in float32\), more than its cpu has free; give "
+                                         r"fewer new tokens"):
+        generate(model, PROMPT, 2**44 - 5)
+
+
 def test_a_model_whose_logits_are_not_finite_is_refused_with_why():
     model = tiny()
     with torch.no_grad():
