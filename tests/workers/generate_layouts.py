@@ -1,5 +1,5 @@
 """The end-of-run sample in a parallel layout: the text one process's model of the same weights samples, and as
-many weight gathers (ZeRO-3) for a sample of 2 new tokens as for one of 8.
+many weight gathers (ZeRO-3, over fsdp and edp) for a sample of 2 new tokens as for one of 8.
 
     torchrun --nproc-per-node 2 generate_layouts.py parallel.dp_shard=2 parallel.zero=3 ...
 """
@@ -26,7 +26,8 @@ for n in (2, 8):
     text = trainer.sample()
     traffic = ledger._take()
     assert text == sample_text(whole, tok, PROMPT, n, seed=cfg.train.seed), (n, text)
-    gathers[n] = {k: (v["calls"], v["bytes"]) for k, v in traffic.items() if k.endswith("all_gather")}
+    gathers[n] = {k: (v["calls"], v["bytes"]) for k, v in traffic.items()
+                  if k in ("fsdp/all_gather", "edp/all_gather")}  # the weights' (tp's gathers the logits)
 print(f"rank {ctx.rank} gathers (calls, bytes) by new tokens: {gathers}")
 assert gathers[2] == gathers[8], gathers
 ctx.close()
