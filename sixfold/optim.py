@@ -52,11 +52,17 @@ class AdamW:
         c = self.cfg
         if self.steps:
             torch._foreach_add_(self.steps, 1)
-        # a fill, not a copy from the host: nothing waits for the device
-        divisor = torch.full((), 1 / scale, device=self.steps[0].device) if self.steps and scale != 1.0 else None
+        # a fill, not a copy from the host: nothing waits for the device. The divisor is a float32: one past its
+        # range (the clip of a norm above 3.4e38 x train.grad_clip) is taken in two, a power of two multiplied into
+        # the gradients first (exact) and the rest
+        shift = max(0, math.frexp(1 / scale)[1] - 127)
+        divisor = (torch.full((), math.ldexp(1 / scale, -shift), device=self.steps[0].device)
+                   if self.steps and scale != 1.0 else None)
         for unit, runs in zip(self.units, self.runs):
             for (weights, grads, exp_avg, exp_avg_sq, steps), decay in zip(runs, (c.weight_decay, 0.0)):
                 if weights:
+                    if shift:
+                        torch._foreach_mul_(grads, math.ldexp(1.0, -shift))
                     torch._fused_adamw_(weights, grads, exp_avg, exp_avg_sq, [], steps, lr=lr, beta1=c.beta1,
                                         beta2=c.beta2, weight_decay=decay, eps=c.eps, amsgrad=False, maximize=False,
                                         grad_scale=divisor)

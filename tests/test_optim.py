@@ -117,6 +117,31 @@ def test_clipping_matches_torch(device):
                                            atol=1e-6 * float(expected.abs().max()), msg=f"{name} {k}")
 
 
+def test_clipping_a_norm_past_float32_range_scales_the_gradients():
+    """A clip of 1e-39 (past float32's range as the kernel's divisor, which made torch.full raise): the update is
+    that of the gradients so scaled, against torch's fused AdamW given them scaled in fp64."""
+    ours, plain = _models()
+    t = TrainConfig(lr=3e-3, grad_clip=1e-39)
+    flat = _sharded(ours)
+    opt, ref = AdamW(flat, t, no_decay), _plain_optimizer(plain, t, fused=True)
+    x, y = _batch(torch.Generator().manual_seed(2))
+    ours.loss_sum(x, y).backward()
+    flat.finish()
+    big = 1e37 / max(float(u.grad_shard.abs().max()) for u in flat.units)  # the largest gradient 1e37: finite
+    for unit in flat.units:
+        unit.grad_shard.mul_(big)
+    for unit in flat.units:
+        for name, a, b, _ in unit.segments():
+            p = ours.get_parameter(name)
+            plain.get_parameter(name).grad = (unit.grad_shard[a:b].double() * t.grad_clip).float().view_as(p)
+    before = [p.detach().clone() for p in ours.parameters()]
+    opt.step(t.lr, scale=t.grad_clip)
+    ref.step()
+    for (name, p), q in zip(ours.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+    assert max(float((p - b).abs().max()) for p, b in zip(ours.parameters(), before)) > t.lr / 2  # not a nil step
+
+
 def test_clip_scale():
     assert clip_scale(2.0, 1.0) == pytest.approx(0.5)
     assert clip_scale(0.5, 1.0) == 1.0
