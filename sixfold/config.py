@@ -282,9 +282,9 @@ def _coerce(value, typ, name: str):
     if typ is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{name} must be true or false, got {value!r}")
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{name} must be true or false (or yes/no, on/off, 1/0), got {value!r}")
     if typ is int:
         if isinstance(value, bool) or not isinstance(value, (int, str)) or (
                 isinstance(value, str) and not re.fullmatch(r"-?[0-9]+", value)):

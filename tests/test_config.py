@@ -130,10 +130,14 @@ def test_a_files_values_are_read_as_written_then_by_their_settings_type(tmp_path
     """Not by YAML 1.1's types (0755 an octal 493, no and on booleans), as overrides are; merge keys and null work."""
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  <<: {steps: 3, lr: 0.01}\n  steps: 010\nlog: {run_dir: 0755, sample_prompt: no}\n"
-                    "data: {jsonl_field: on}\nparallel: {reshard_after_forward: ~}\nmodel: {tie_embeddings: yes}\n")
+                    "data: {jsonl_field: on}\nparallel: {reshard_after_forward: ~}\nmodel: {tie_embeddings: yes}\n"
+                    "checkpoint: {save_final: off, async_save: On}\n")
     cfg = load_config(path, check=False)
     assert (cfg.train.steps, cfg.train.lr, cfg.log.run_dir, cfg.log.sample_prompt) == (10, 0.01, "0755", "no")
     assert (cfg.data.jsonl_field, cfg.parallel.reshard_after_forward, cfg.model.tie_embeddings) == ("on", None, True)
+    assert (cfg.checkpoint.save_final, cfg.checkpoint.async_save) == (False, True)  # YAML 1.1's on and off too
+    cfg = load_config(None, ["parallel.reshard_after_forward=off", "log.trace=ON"], check=False)
+    assert (cfg.parallel.reshard_after_forward, cfg.log.trace) == (False, True)
 
 
 def test_bad_values(tmp_path):
@@ -158,7 +162,8 @@ def test_bad_values(tmp_path):
     binary.write_bytes(b"\x00\x01\xff\xfe")
     with pytest.raises(ConfigError, match=f"config file {binary} is not UTF-8 text"):
         load_config(binary)
-    with pytest.raises(ConfigError, match="model.tie_embeddings must be true or false"):
+    with pytest.raises(ConfigError, match=re.escape("model.tie_embeddings must be true or false (or yes/no, on/off, "
+                                                    "1/0), got 'maybe'")):
         load_config(None, ["model.tie_embeddings=maybe"])
     with pytest.raises(ConfigError, match="^parallel.reshard_after_forward must be true, false or null \\(unset\\), "
                                           "got 'None'$"):  # Python's spelling of null
