@@ -31,10 +31,15 @@ def _at_least(low: int):
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} must be at least {low}")
+        if said := _below(value, low):
+            raise argparse.ArgumentTypeError(f"{value} {said}")
         return value
     return parse
+
+
+def _below(value: int, low: int) -> str:
+    """What is wrong with an integer that must be at least `low`, to follow it ("" for one that is)."""
+    return f"must be at least {low}" if value < low else ""
 
 
 def _seed(text: str) -> int:
@@ -334,7 +339,7 @@ SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 1.0}  # sixfold generate's
 def _recommended(settings: dict, where) -> dict:
     """A carried generation_config.json's sampling settings, each refused by name if out of range."""
     problems = {"temperature": temperature_problem, "top_p": top_p_problem,
-                "top_k": lambda k: "" if isinstance(k, int) and k >= 0 else "must be an integer of at least 0"}
+                "top_k": lambda k: _below(k, 0) if isinstance(k, int) else "is not an integer"}  # as --top-k
     for key, value in settings.items():
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if said := problems[key](value) if number else "is not a number":

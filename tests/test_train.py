@@ -487,6 +487,15 @@ def test_nproc_0_is_refused(capsys):
         assert "argument --nproc: 0 must be at least 1" in capsys.readouterr().err
 
 
+def test_a_checkpoints_top_k_is_refused_as_the_option_is():
+    """A carried generation_config.json's top_k (sixfold generate's default) is checked as --top-k is."""
+    assert cli._recommended({"top_k": 0}, "c") == {"top_k": 0}
+    for top_k, said in ((-1, "must be at least 0"), (50.0, "is not an integer"), (True, "is not a number")):
+        with pytest.raises(ConfigError, match=re.escape(f"c's generation_config.json has top_k={top_k!r}, which "
+                                                        f"{said}; give --top-k")):
+            cli._recommended({"top_k": top_k}, "c")
+
+
 def test_check_stopped_by_a_signal_removes_its_temporary_runs(tmp_path, monkeypatch):
     """SIGTERM or Ctrl-C to `sixfold check` (its job stopped with it, launch.py) leaves nothing to look into."""
     from sixfold import parity
