@@ -1,12 +1,19 @@
 """sixfold train | check | matrix | plan | bench | trace | generate | import-hf | export-hf"""
 from __future__ import annotations
 
+import signal
+
+# Run as a program (as torchrun's ranks are: python -m sixfold.cli), SIGINT ends the process at once and unsaid, as
+# its default does, until main() takes it: not with a traceback of the imports under way (torchrun says the line)
+STARTING = __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+if STARTING:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import argparse
 import contextlib
 import difflib
 import os
 import shlex
-import signal
 import sys
 import warnings
 from datetime import timedelta
@@ -523,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     # (a rank's signals are torchrun's: it sends SIGTERM to stop the others when one fails, whose error is the line)
     previous = {} if under_torchrun() else interrupting()
     try:
+        if STARTING:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         code = _run(args, argv, rank)
         try:
             sys.stdout.flush()

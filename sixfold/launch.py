@@ -152,10 +152,12 @@ class _Signals:
         raise SignalException(f"Process {os.getpid()} got signal: {first}", sigval=send or first)
 
     def unsaid(self, sent: signal.Signals) -> bool:
-        """Whether the signal `sent` ended each rank (as it started, before it took signals: it has said nothing)."""
+        """Whether the signal `sent` ended local rank 0, which speaks for this machine's ranks when a signal stops
+        them outside the training steps, as it started (before it took signals: it has said nothing). Ranks that
+        took it by then end with nothing to say (cli.main)."""
         pcontext = self.agent and self.agent._pcontext
-        codes = [h.proc.returncode for h in pcontext.subprocess_handlers.values()] if pcontext else []
-        return bool(codes) and all(c == -sent for c in codes)
+        first = pcontext.subprocess_handlers.get(0) if pcontext else None
+        return first is not None and first.proc.returncode == -sent
 
     def _hold(self, path: str) -> None:
         """Stay where a signal was lost (the ranks started, torchrun not yet told of them) until one comes."""

@@ -1094,6 +1094,30 @@ def test_ctrl_c_outside_the_training_steps_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == "sixfold: interrupted by SIGINT\n"
 
 
+PROBE = """import importlib.abc, os, runpy, signal, sys
+MODULE = sys.argv[1]
+class Probe(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == MODULE:
+            os.kill(os.getpid(), signal.SIGINT)
+sys.meta_path.insert(0, Probe())
+sys.argv = ["sixfold", "trace", "anywhere"]
+runpy.run_module("sixfold.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("module, code, err", [
+    ("sixfold.config", -signal.SIGINT, ""),  # as the program's modules are imported: torchrun says the line
+    ("sixfold.benchjob", 128 + signal.SIGINT, "sixfold: interrupted by SIGINT\n")])  # in main(), as the command runs
+def test_ctrl_c_as_a_rank_imports_its_modules_ends_it_unsaid(module, code, err):
+    """`python -m sixfold.cli` (a rank under torchrun) that SIGINT reaches as it imports sixfold.cli (sent as the
+    import of MODULE begins) ends as the signal's default does, not with a traceback; once main() runs, with its
+    one line."""
+    proc = subprocess.run([sys.executable, "-c", PROBE, module], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert (proc.returncode, proc.stderr) == (code, err), proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_or_sighup_before_the_first_step_is_one_line_too(sig, monkeypatch, capsys):
     """As Ctrl-C is (their default had ended the process at once, with nothing said and no clean-up); the handlers
