@@ -30,19 +30,23 @@ def run_torchrun(nproc: int, argv: list[str], capture: bool = False, module: str
     rendezvous on a free port). `stops`, or a captured output: a signal stops this process too (_run)."""
     cmd = [sys.executable, "-m", "sixfold.launch", "--standalone", f"--nproc-per-node={nproc}",
            "-m", module, *argv]
-    return _run(cmd, _env(threads), capture, capture or stops)
+    return _run(cmd, _env(threads), capture, capture or stops, hold=True)
 
 
-def _end_with_parent():
+def _end_with_parent(hold: bool = False):
     """What the child runs before it starts (None off Linux): Linux is to send it SIGTERM when this launcher dies
     (kill -9 too), which torchrun passes on to the ranks, instead of leaving the job running unseen. prctl is
-    looked up here, in the parent: the forked child only calls it (and ends if the launcher is gone already)."""
+    looked up here, in the parent: the forked child only calls it (and ends if the launcher is gone already).
+    With `hold` (torchrun), SIGINT is blocked, kept for torchrun() to take: Python's own start ended on it with a
+    traceback of its own and exit code 1."""
     if sys.platform != "linux":
         return None
     import ctypes
     prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
 
     def child() -> None:
+        if hold:
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
         prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:
             os._exit(128 + signal.SIGTERM)
@@ -50,15 +54,17 @@ def _end_with_parent():
     return child
 
 
-def _run(cmd: list[str], env: dict[str, str], capture: bool, stops: bool) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], env: dict[str, str], capture: bool, stops: bool,
+         hold: bool = False) -> subprocess.CompletedProcess:
     """Run a job in its own session and pass SIGTERM, SIGINT (Ctrl-C) or SIGHUP on to it, each one: torchrun (this
     module's, _Signals) stops its ranks on the first, whenever it comes, and waits for them through the later ones;
     training ranks finish the step, write a checkpoint and end (stop.py). Without this a scheduler's SIGTERM to
     this launcher alone would leave the job running; if the launcher is killed outright, the job gets
     SIGTERM all the same (_end_with_parent). A job run for its results (`stops`: a bench, check or matrix job)
-    ends this process too once it has stopped: Stopped, its temporary files removed on the way out."""
+    ends this process too once it has stopped: Stopped, its temporary files removed on the way out. `hold`: the
+    job is sixfold's torchrun (_end_with_parent)."""
     pipe = subprocess.PIPE if capture else None
-    job = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_end_with_parent(), text=True,
+    job = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_end_with_parent(hold), text=True,
                            stdout=pipe, stderr=pipe)
     heard = []
 
@@ -174,6 +180,7 @@ def torchrun(argv: list[str]) -> int:
     every run) unless ARGV names one (--log-dir, before the module run)."""
     signals = _Signals()
     take(signals.note)  # until torch is loaded: Interrupted
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # one that came as Python started is heard now
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sixfold import cli, ledger, parity
+from sixfold import cli, launch, ledger, parity
 from sixfold import train as train_module
 from sixfold.checkpoint import Checkpoint
 from sixfold.config import ConfigError, load_config
@@ -912,6 +912,23 @@ def test_ctrl_c_as_the_ranks_start_stops_them(tmp_path, presses):
     lines = err.splitlines()  # (in either order: the launcher says it is stopping already as torchrun ends)
     assert len(lines) == presses and lines.count("sixfold: stopped by SIGINT as the ranks started") == 1, err[-3000:]
     assert err.count("sixfold: stopping on SIGINT already") == presses - 1, err[-3000:]
+
+
+def test_ctrl_c_as_torchrun_starts_is_heard_once_it_takes_signals(tmp_path):
+    """SIGINT that reaches sixfold's torchrun as Python starts, before torchrun() takes signals (where Python's start
+    ended it with a traceback of its own and exit code 1), is kept, blocked as the launcher starts it, and heard
+    then: one line, 130. Sent by the process to itself before it runs Python."""
+    hold = launch._end_with_parent(hold=True)
+
+    def start():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        hold()
+        os.kill(os.getpid(), signal.SIGINT)
+    cmd = [sys.executable, "-m", "sixfold.launch", "--standalone", "--nproc-per-node=1", "-m", "sixfold.cli", "train",
+           TINY, f"log.run_dir={tmp_path}", "train.steps=1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=120, preexec_fn=start)
+    assert (proc.returncode, proc.stderr) == (130, "sixfold: stopped by SIGINT before any rank started\n"), proc.stderr
 
 
 def test_a_closed_terminal_stops_the_run_after_a_step_with_a_checkpoint(tmp_path):
