@@ -117,14 +117,16 @@ def test_clipping_matches_torch(device):
                                            atol=1e-6 * float(expected.abs().max()), msg=f"{name} {k}")
 
 
-def test_clipping_a_norm_past_float32_range_scales_the_gradients():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the CUDA kernel's grad_scale"))])
+def test_clipping_a_norm_past_float32_range_scales_the_gradients(device):
     """A clip of 1e-39 (past float32's range as the kernel's divisor, which made torch.full raise): the update is
     that of the gradients so scaled, against torch's fused AdamW given them scaled in fp64."""
-    ours, plain = _models()
+    ours, plain = (m.to(device) for m in _models())
     t = TrainConfig(lr=3e-3, grad_clip=1e-39)
     flat = _sharded(ours)
     opt, ref = AdamW(flat, t, no_decay), _plain_optimizer(plain, t, fused=True)
-    x, y = _batch(torch.Generator().manual_seed(2))
+    x, y = (v.to(device) for v in _batch(torch.Generator().manual_seed(2)))
     ours.loss_sum(x, y).backward()
     flat.finish()
     big = 1e37 / max(float(u.grad_shard.abs().max()) for u in flat.units)  # the largest gradient 1e37: finite
