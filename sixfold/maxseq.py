@@ -99,9 +99,9 @@ def max_seq(path: str, overrides: list[str], budget_gb: float | None, lo: int | 
     world, total = cfg.parallel.world_size, machine_bytes()
     if not cuda and budget_gb * world * GB > total:
         most = math.floor(total / world / GB * 10) / 10
-        raise ConfigError(f"--budget-gb {budget_gb:g} for each of {world} rank(s) is more than this machine's "
-                          f"{total / GB:.1f} GB of memory: a probe would run out of it before a rank reached the "
-                          f"budget; give --budget-gb {most:g} at most")
+        raise ConfigError(f"--budget-gb {budget_gb:g} for each of {world} rank(s) is more than the {total / GB:.1f} "
+                          f"GB of memory here (the machine's, or its cgroup's limit if less): a probe would run out "
+                          f"of it before a rank reached the budget; give --budget-gb {most:g} at most")
     lo, hi = lo or cfg.train.seq_len, hi or MAX
     if lo > hi:
         default = " (by default, train.seq_len)" if lo == cfg.train.seq_len else ""

@@ -37,9 +37,42 @@ def mark_memory() -> int:
     return _status_kb("VmRSS") - _status_kb("RssFile")
 
 
-def machine_bytes() -> int:
-    """This machine's physical memory (bytes)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def machine_bytes(root: Path = Path("/")) -> int:
+    """The memory this process may use (bytes): the machine's physical memory, or less where the process's cgroup
+    (a container's) or one above it is limited to less: cgroup v2's memory.max, v1's memory.limit_in_bytes ("max"
+    and v1's huge unlimited value are no limit). `root`: where /proc and /sys are found (a test's fake tree)."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min([physical, *cgroup_limits(root)])
+
+
+def cgroup_limits(root: Path = Path("/")) -> list[int]:
+    """The memory limits of this process's cgroup and of those above it, as /proc/self/cgroup names them under
+    /sys/fs/cgroup: the v2 hierarchy's ("0::PATH", memory.max) and the v1 memory controller's ("N:memory:PATH",
+    memory/.../memory.limit_in_bytes). A cgroup not mounted at its path (a container that sees only its own, at the
+    mount's root) is read where it is mounted."""
+    mounts = root / "sys" / "fs" / "cgroup"
+    try:
+        lines = (root / "proc" / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            top, name = mounts, "memory.max"
+        elif "memory" in controllers.split(","):
+            top, name = mounts / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts) + 1):  # the mount's root, then each cgroup down to the process's own
+            try:
+                value = (top.joinpath(*parts[:depth]) / name).read_text().strip()
+            except OSError:
+                continue
+            if value.isdigit():
+                limits.append(int(value))
+    return limits
 
 
 def peak_mb(base_kb: int) -> float:

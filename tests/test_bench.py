@@ -146,9 +146,40 @@ def test_max_seq_refuses_a_cpu_budget_the_machine_does_not_hold(capsys, monkeypa
     monkeypatch.setattr(maxseq, "launch", lambda *a: pytest.fail("a job started"))
     assert main(["bench", "--max-seq", TINY, "parallel.dp_replicate=2", "--budget-gb", "5000"]) == 2
     most = math.floor(machine_bytes() / 2 / 1e8) / 10
-    assert (f"--budget-gb 5000 for each of 2 rank(s) is more than this machine's {machine_bytes() / 1e9:.1f} GB of "
-            f"memory: a probe would run out of it before a rank reached the budget; give --budget-gb {most:g} at "
-            f"most") in capsys.readouterr().err
+    assert (f"--budget-gb 5000 for each of 2 rank(s) is more than the {machine_bytes() / 1e9:.1f} GB of memory here "
+            f"(the machine's, or its cgroup's limit if less): a probe would run out of it before a rank reached the "
+            f"budget; give --budget-gb {most:g} at most") in capsys.readouterr().err
+
+
+def _cgroups(root: Path, own: str, limits: dict[str, str]) -> Path:
+    """A fake tree at root: /proc/self/cgroup holding `own`, and each file of `limits` (path under /sys/fs/cgroup:
+    its text)."""
+    (root / "proc" / "self").mkdir(parents=True)
+    (root / "proc" / "self" / "cgroup").write_text(own)
+    for path, text in limits.items():
+        (root / "sys" / "fs" / "cgroup" / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / "sys" / "fs" / "cgroup" / path).write_text(text + "\n")
+    return root
+
+
+@pytest.mark.parametrize("own, limits, expected", [
+    ("0::/job/rank\n", {"job/memory.max": "3000000000", "job/rank/memory.max": "max"}, 3_000_000_000),  # the parent's
+    ("0::/job\n", {"memory.max": "max", "job/memory.max": "2000000000"}, 2_000_000_000),
+    ("0::/job\n", {"job/memory.max": "max"}, None),
+    ("5:cpu:/x\n4:memory:/docker/abc\n0::/\n", {"memory/docker/abc/memory.limit_in_bytes": "1500000000"},
+     1_500_000_000),
+    # a container that sees its own cgroup at the mount's root: /proc/self/cgroup names the host's path
+    ("4:memory:/docker/abc\n", {"memory/memory.limit_in_bytes": "1000000000"}, 1_000_000_000),
+    ("4:memory:/docker/abc\n", {"memory/memory.limit_in_bytes": "9223372036854771712"}, None),  # v1's unlimited
+    ("4:cpu,cpuacct:/docker/abc\n", {"cpu/memory.limit_in_bytes": "1000000000"}, None),  # not the memory controller
+    ("0::/\n", {}, None),
+])
+def test_memory_here_is_the_cgroups_limit_where_it_is_less(tmp_path, own, limits, expected):
+    """The CPU budget of --max-seq is checked against this: a container's limit, not the host's memory it shows."""
+    from sixfold.measure import machine_bytes
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert machine_bytes(_cgroups(tmp_path, own, limits)) == min(expected or physical, physical)
+    assert machine_bytes(tmp_path / "none") == physical  # no /proc/self/cgroup
 
 
 @pytest.mark.parametrize("argv, message", [
