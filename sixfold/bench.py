@@ -96,11 +96,10 @@ def report(results: list[list[dict]], argv: list[str], rev: str, steps: int) -> 
     rows = []
     for layout, runs in zip(TABLE, results):
         times = [r["step_s"] for r in runs]
-        median = statistics.median(times)
+        median, peak = statistics.median(times), statistics.median(max(r["peak_mb"]) for r in runs)
         spread = f" ({min(times):.3f}-{max(times):.3f})" if len(runs) > 1 else ""
         rows.append(f"| {layout.name} | **{median:.3f}**{spread} | {' | '.join(layout.peers)} | "
-                    f"{median / fastest(layout.peers):.2f} | {max(max(r['peak_mb']) for r in runs):.0f} | "
-                    f"{max(r['others'] for r in runs):.2f} |")
+                    f"{median / fastest(layout.peers):.2f} | {peak:.0f} | {max(r['others'] for r in runs):.2f} |")
     jobs = len(results[0])
     return "\n".join([
         f"Command: `sixfold {' '.join(argv)}`  ", f"Machine: {machine(results[0][0]['accelerator'])}  ",
@@ -116,8 +115,8 @@ def report(results: list[list[dict]], argv: list[str], rev: str, steps: int) -> 
         "Seconds per step, lower is better. The peers' times are those measured for issue #11 on the same workload "
         "(`configs/bench.yaml`, 4 sequences of 256 tokens per data-parallel rank, fp32, CPU, gloo); \"sixfold / "
         "fastest peer\" below 1 means sixfold is faster. dp is `parallel.dp_replicate`; the pp layouts run 1F1B "
-        "with 4 micro-batches. Peak MB: the largest rank's peak memory (CPU: resident-set growth from just before "
-        "the model is built, file-backed pages left out; CUDA: max_memory_allocated).",
+        "with 4 micro-batches. Peak MB: the largest rank's peak memory, median over jobs (CPU: resident-set growth "
+        "from just before the model is built, file-backed pages left out; CUDA: max_memory_allocated).",
         "",
         f"| layout | sixfold | {' | '.join(PEERS)} | sixfold / fastest peer | sixfold peak MB | other load (cores) |",
         "|---|---|---|---|---|---|---|---|",

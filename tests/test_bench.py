@@ -47,6 +47,18 @@ def test_per_step_times_the_steps_after_warm_up_from_their_ends():
     assert WARMUP == 2 and per_step([1.0, 3.0, 4.0, 6.0, 9.0]) == 2.0
 
 
+def test_the_table_gives_each_layouts_median_time_and_median_peak():
+    """3 jobs of each layout: the largest rank's peaks 300, 120 and 500 MB give 300 (the median, as the time's and
+    every other table's), not 500."""
+    from sixfold.bench import TABLE, report
+
+    jobs = [{"step_s": s, "peak_mb": p, "others": 0.01, "accelerator": "gloo"}
+            for s, p in ((0.30, [100, 300]), (0.20, [120, 110]), (0.40, [500, 90]))]
+    body = report([jobs] * len(TABLE), ["bench", "--table", "--runs", "3"], "commit abc", 10)
+    assert "| dp 2 | **0.300** (0.200-0.400) | 0.678 | 0.984 (DDP), 1.081 (FSDP) | 0.845 | 0.44 | 300 | 0.01 |" in body
+    assert "Peak MB: the largest rank's peak memory, median over jobs" in body
+
+
 def test_peak_memory_counts_what_the_process_holds_not_the_files_it_maps(tmp_path):
     """A 64 MiB file read through a memory map after the mark is file-backed pages (as library code run for the first
     time): not counted; 64 MiB of bytes made after it are."""
