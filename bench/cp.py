@@ -8,7 +8,7 @@ mode (zigzag chunks); each a torchrun job (bench/common.py). A job counts the by
 forward (bench/activations.py), then times forward+backward after the warm-up; a repeat's time is the slowest
 rank's, the table shows the median over repeats (range). With --documents N, each layout runs twice, causal over
 the whole sequence and within documents of N tokens (data.document_mask; the masks made in each forward), the
-two jobs next to each other.
+two jobs next to each other, either first in every other row (turns).
 """
 from __future__ import annotations
 
@@ -49,6 +49,13 @@ def worker(args) -> None:
     ctx.close()
 
 
+def turns(k: int, documents: int) -> tuple[int, int]:
+    """--documents of a row's two jobs in the order they run: causal first where k (the row's length's and layout's
+    positions summed) is even, so that either goes first in every other row and each layout's order swaps from one
+    length to the next."""
+    return (0, documents) if k % 2 == 0 else (documents, 0)
+
+
 def name(world: int, mode: str) -> str:
     return f"cp={world}, {mode}" if world > 1 else "cp=1"
 
@@ -85,16 +92,17 @@ def main() -> None:
     else:
         rows = ["| sequence | layout | s per forward+backward | vs cp=1 | saved per rank MiB | vs cp=1 |",
                 "|---|---|---|---|---|---|"]
-    for seq in args.seq:
+    for i, seq in enumerate(args.seq):
         base = None
-        for world, mode in layouts:
-            step, saved = job(world, mode, seq, 0)
+        for j, (world, mode) in enumerate(layouts):
             if args.documents:
-                within, within_saved = job(world, mode, seq, args.documents)
+                done = {documents: job(world, mode, seq, documents) for documents in turns(i + j, args.documents)}
+                (step, saved), (within, within_saved) = done[0], done[args.documents]
                 rows.append(f"| {seq} | {name(world, mode)} | {spread(step, 3)} | {spread(within, 3)} | "
                             f"{statistics.median(within) / statistics.median(step):.2f} | {saved / 2 ** 20:.1f} | "
                             f"{within_saved / 2 ** 20:.1f} | {within_saved / saved:.3f} |")
             else:
+                step, saved = job(world, mode, seq, 0)
                 base = base or (statistics.median(step), saved)
                 rows.append(f"| {seq} | {name(world, mode)} | {spread(step, 3)} | "
                             f"{statistics.median(step) / base[0]:.2f} | {saved / 2 ** 20:.1f} | "
@@ -103,7 +111,9 @@ def main() -> None:
     body = "\n".join([
         f"Command: `python bench/cp.py {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}  ", f"sixfold: {rev}  ",
         f"Date: {time.strftime('%Y-%m-%d')}; {args.repeats} timed steps per job after {WARMUP} warm-up steps"
-        + (f"; documents of {args.documents} tokens" if args.documents else "") + ". Other "
+        + (f"; documents of {args.documents} tokens, a row's two jobs one after the other, within documents first "
+           f"in every other row (each layout's order swapping from one length to the next)" if args.documents else "")
+        + ". Other "
         f"processes kept {statistics.median(others):.2f} cores busy in the median job, {max(others):.2f} at most; "
         f"load average (1 min) {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end"
         + (": a shared machine, read the times as rough." if max(others) > 0.5 else "."), "", *rows])

@@ -157,3 +157,12 @@ def test_deepspeed_comparison_rows_and_skipped_without_deepspeed():
                           capture_output=True)
     assert proc.returncode == run_all.SKIPPED, proc.stderr
     assert proc.stdout.startswith("skipped") and "DEEPSPEED_PYTHON" in proc.stdout
+
+
+def test_cp_documents_jobs_go_first_in_turn():
+    """bench/cp.py --documents: a row's causal (0) and within-documents jobs, either first in every other row, and
+    each layout's order swapped from one length to the next (4 layouts at 2 lengths)."""
+    import cp
+
+    orders = [[cp.turns(i + j, 100) for j in range(4)] for i in range(2)]
+    assert orders == [[(0, 100), (100, 0), (0, 100), (100, 0)], [(100, 0), (0, 100), (100, 0), (0, 100)]]
