@@ -69,8 +69,11 @@ def time_run(cfg: Config, threads: str | None = None) -> dict:
     kept busy meanwhile, and the accelerator."""
     job = launch(cfg, threads)
     if job.oom:
-        raise BenchError(f"{cfg.parallel.describe()} ran out of memory; lower train.seq_len or "
-                         f"train.global_batch (sixfold bench --max-seq finds the longest sequence that fits)")
+        failed = next(r for r in job.ranks if r["oom"])
+        if failed["in_step"]:
+            raise BenchError(f"{cfg.parallel.describe()} ran out of memory in a step; lower train.seq_len or "
+                             f"train.global_batch (sixfold bench --max-seq finds the longest sequence that fits)")
+        raise BenchError(f"{cfg.parallel.describe()}: {failed['error']}")
     first = job.ranks[0]
     return {"step_s": statistics.mean(first["step_s"][WARMUP:]), "wall_s": per_step(first["elapsed_s"]),
             "others": job.others, "peak_mb": [r["peak_bytes"] / 2**20 for r in job.ranks],

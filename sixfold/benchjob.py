@@ -18,8 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from .config import FRESH_START, Config, load_config
-from .errors import OutOfMemory
+from .config import FRESH_START, Config, ConfigError, load_config
+from .errors import OutOfMemory, out_of_memory
 from .launch import run_ranks
 from .measure import mark_memory, others_while, peak_mb
 
@@ -35,7 +35,8 @@ class BenchError(RuntimeError):
 
 @dataclass
 class Job:
-    ranks: list[dict]  # each rank's result: oom, accelerator, device_bytes; unless oom, step_s, elapsed_s, peak_bytes
+    ranks: list[dict]  # each rank's result: oom, accelerator, device_bytes; if oom, in_step and error (what to
+    # change); else step_s, elapsed_s, peak_bytes
     others: float  # cores other processes kept busy while the job ran
 
     @property
@@ -68,6 +69,22 @@ def launch(cfg: Config, threads: str | None = None) -> Job:
         return Job(ranks, others)
 
 
+def memory_ran_out(e: BaseException) -> bool:
+    """Whether `e` is an allocation that failed: torch's (CUDA's) or the CPU allocator's, anywhere (the optimizer's
+    state, the model's build), or what the trainer raised for one (its OutOfMemory in a step; its ConfigError for
+    the model's build, the allocation's error its context)."""
+    return isinstance(e, OutOfMemory) or any(out_of_memory(x) for x in (e, e.__context__) if x is not None)
+
+
+def outside(e: BaseException, ctx) -> str:
+    """What to change when allocation `e` failed outside a step, where the model and its optimizer state are made
+    (their size does not change with the batch)."""
+    said = (str(e) or type(e).__name__).splitlines()[0]
+    return (f"rank {ctx.rank} ran out of memory outside a step, where the model and its optimizer state are made "
+            f"({said}): choose smaller model.* settings or shard them over more ranks (parallel.zero=3, tp, pp); "
+            f"`sixfold plan` estimates a layout's memory")
+
+
 def main(job: str) -> None:
     import torch
 
@@ -85,8 +102,11 @@ def main(job: str) -> None:
     save = Path(job) / f"rank{ctx.rank}.json"
     try:
         history = run(cfg, ctx, data)
-    except (OutOfMemory, torch.OutOfMemoryError):  # the trainer's, from a step; or torch's, from elsewhere
-        save.write_text(json.dumps({**out, "oom": True}))
+    except (MemoryError, RuntimeError, ConfigError) as e:
+        if not memory_ran_out(e):
+            raise
+        save.write_text(json.dumps({**out, "oom": True, "in_step": isinstance(e, OutOfMemory),
+                                    "error": str(e) if isinstance(e, (OutOfMemory, ConfigError)) else outside(e, ctx)}))
         os._exit(OOM_EXIT)
     peak = torch.cuda.max_memory_allocated(ctx.device) if cuda else peak_mb(base) * 2**20
     save.write_text(json.dumps({**out, "oom": False, "step_s": [m["step_s"] for m in history],

@@ -138,7 +138,9 @@ def max_seq(path: str, overrides: list[str], budget_gb: float | None, lo: int | 
         device_bytes.append(job.ranks[0]["device_bytes"])
         peaks = [r["peak_bytes"] for r in job.ranks if not r["oom"]]
         fits = not job.oom and (budget_gb is None or max(peaks) <= budget_gb * GB)
-        seen = "out of memory" if job.oom else f"peak GB per rank {', '.join(f'{p / GB:.3f}' for p in peaks)}"
+        seen = f"peak GB per rank {', '.join(f'{p / GB:.3f}' for p in peaks)}"
+        if job.oom:  # outside a step: at any length, as the model and its optimizer state are made
+            seen = "out of memory" + ("" if all(r["in_step"] for r in job.ranks if r["oom"]) else " outside a step")
         planned = predicted_peak(c, not cuda)
         print(f"  seq {seq:>7}: {'fits' if fits else 'does not fit'} ({seen}); planner: {planned / GB:.3f} GB",
               flush=True)

@@ -132,17 +132,33 @@ def test_a_probe_that_runs_out_of_memory_does_not_fit():
     """A real allocation that fails in a step (the address space capped at 3.5 GB; 64 sequences of 256 tokens ask
     for 2.1 GB of logits at once over 32,768 words), which the trainer turns into its OutOfMemory (as it does
     torch's on CUDA): the probe does not fit, and the search answers, instead of failing with the job."""
+    proc = _capped(3_500_000_000, "--max-seq", TINY, "train.global_batch=64", "model.vocab_size=32768", "--budget-gb",
+                   "1", "--min", "256", "--max", "256")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "seq     256: does not fit (out of memory);" in proc.stdout
+    assert "measured in 1 probes: none: the shortest, 256, does not fit" in proc.stdout
+
+
+@cpu_only
+def test_a_probe_out_of_memory_outside_a_step_does_not_fit():
+    """A real allocation that fails before the first step (the address space capped at 2.5 GB; 128M parameters,
+    most of them a 1M-word embedding and output, 0.5 GB, with their gradients and AdamW's moments: torch's
+    DefaultCPUAllocator's RuntimeError, not the trainer's OutOfMemory): the probe does not fit, and says where."""
+    proc = _capped(2_500_000_000, "--max-seq", TINY, "model.vocab_size=1000000", "--budget-gb", "1", "--min", "32",
+                   "--max", "32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "seq      32: does not fit (out of memory outside a step);" in proc.stdout
+    assert "measured in 1 probes: none: the shortest, 32, does not fit" in proc.stdout
+
+
+def _capped(address_space: int, *args: str) -> subprocess.CompletedProcess:
+    """`sixfold bench ARGS` with its address space (and its ranks') capped."""
     import resource
 
     def capped():
-        resource.setrlimit(resource.RLIMIT_AS, (3_500_000_000, 3_500_000_000))
-    proc = subprocess.run([sys.executable, "-m", "sixfold.cli", "bench", "--max-seq", TINY, "train.global_batch=64",
-                           "model.vocab_size=32768", "--budget-gb", "1", "--min", "256", "--max", "256"], cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True, capture_output=True, timeout=300,
-                          preexec_fn=capped)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "seq     256: does not fit (out of memory)" in proc.stdout
-    assert "measured in 1 probes: none: the shortest, 256, does not fit" in proc.stdout
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+    return subprocess.run([sys.executable, "-m", "sixfold.cli", "bench", *args], cwd=ROOT, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, preexec_fn=capped)
 
 
 @cpu_only
