@@ -13,6 +13,7 @@ two jobs next to each other, either first in every other row (turns).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -56,6 +57,28 @@ def turns(k: int, documents: int) -> tuple[int, int]:
     return (0, documents) if k % 2 == 0 else (documents, 0)
 
 
+def refused(args) -> str | None:
+    """Why the arguments cannot run, before any job: what sixfold's config refuses of a layout at a length (a length
+    the zigzag chunks do not divide would leave the ranks' collectives mismatched), or a count out of range."""
+    from sixfold.config import ConfigError, load_config
+
+    for flag, value, least in (("--cp", args.cp, 2), ("--repeats", args.repeats, 1), ("--documents", args.documents, 0),
+                               *(("--seq", seq, 1) for seq in args.seq)):
+        if value < least:
+            return f"{flag} {value}: give at least {least}"
+    try:
+        longest = max(load_config(args.config).model.max_seq_len, *args.seq)  # only sizes the RoPE tables
+    except ConfigError as e:
+        return str(e)
+    for seq, mode in itertools.product(args.seq, args.modes):
+        try:
+            load_config(args.config, [f"parallel.cp={args.cp}", f"parallel.cp_mode={mode}", f"train.seq_len={seq}",
+                                      f"model.max_seq_len={longest}"])
+        except ConfigError as e:
+            return f"--seq {seq} at --cp {args.cp} in mode {mode}: {e}"
+    return None
+
+
 def name(world: int, mode: str) -> str:
     return f"cp={world}, {mode}" if world > 1 else "cp=1"
 
@@ -77,6 +100,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if said := refused(args):
+        p.error(said)
     rev, load, others = revision(), os.getloadavg()[0], []
 
     def job(world: int, mode: str, seq: int, documents: int) -> tuple[list[float], int]:

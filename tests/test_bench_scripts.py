@@ -166,3 +166,25 @@ def test_cp_documents_jobs_go_first_in_turn():
 
     orders = [[cp.turns(i + j, 100) for j in range(4)] for i in range(2)]
     assert orders == [[(0, 100), (100, 0), (0, 100), (100, 0)], [(100, 0), (0, 100), (100, 0), (0, 100)]]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"seq": [32, 30]}, "--seq 30 at --cp 2 in mode ring: train.seq_len=30 must be divisible by 4"),
+    ({"cp": 1}, "--cp 1: give at least 2"),
+    ({"repeats": 0}, "--repeats 0: give at least 1"),
+    ({"documents": -1}, "--documents -1: give at least 0"),
+    ({"seq": [0]}, "--seq 0: give at least 1"),
+    ({"config": "/nonexistent"}, "/nonexistent does not exist"),
+    ({}, None),
+    ({"seq": [512], "cp": 4}, None),  # beyond the config's model.max_seq_len (256): it only sizes the RoPE tables
+])
+def test_cp_refuses_what_its_jobs_cannot_run(change, message):
+    """bench/cp.py's arguments, checked before any job: a length its zigzag chunks do not divide made the cp ranks'
+    collectives mismatch (gloo aborted the job after the cp=1 one had run)."""
+    from types import SimpleNamespace
+
+    import cp
+
+    args = {"cp": 2, "repeats": 1, "documents": 0, "seq": [32], "modes": ["ring", "ulysses"], "config": TINY, **change}
+    said = cp.refused(SimpleNamespace(**args))
+    assert said == message if message is None else message in said, said
