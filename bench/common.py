@@ -394,11 +394,25 @@ def write_doc(name: str, title: str, body: str, write: bool) -> None:
         print(f"not written into {DOC.relative_to(ROOT)}: add --write")
 
 
-def drive(bench: Bench, args) -> None:
-    from sixfold.config import load_config
+def check(bench: Bench, args) -> None:
+    """Refuse, before any job, what a job would fail on (ConfigError, naming the flag): sixfold's config at each
+    --ranks as its workers load it, and the corpus (its token cache built here, before any timed job)."""
+    from sixfold.config import ConfigError, load_config
     from sixfold.data import load_data
 
-    load_data(load_config(args.config).data)  # build the token cache before any timed job
+    for flag, values in (("--runs", [args.runs]), ("--ranks", args.ranks)):
+        if (least := min(values)) < 1:
+            raise ConfigError(f"{flag} {least}: give at least 1")
+    cfg = load_config(args.config)
+    for world in args.ranks:
+        try:
+            load_config(args.config, overrides(bench, world, args.steps, str(ROOT / "runs" / bench.name)))
+        except ConfigError as e:
+            raise ConfigError(f"--ranks {world}: {e}") from None
+    load_data(cfg.data)
+
+
+def drive(bench: Bench, args) -> None:
     rev = revision()
     rows = []
     for world in args.ranks:
@@ -439,5 +453,10 @@ def main(bench: Bench, description: str) -> None:
         p.error(f"--steps must be more than the {WARMUP} warm-up steps")
     if args.worker:
         worker(bench, args)
-    else:
-        drive(bench, args)
+        return
+    from sixfold.config import ConfigError
+    try:
+        check(bench, args)
+    except ConfigError as e:
+        p.error(str(e))
+    drive(bench, args)

@@ -188,3 +188,28 @@ def test_cp_refuses_what_its_jobs_cannot_run(change, message):
     args = {"cp": 2, "repeats": 1, "documents": 0, "seq": [32], "modes": ["ring", "ulysses"], "config": TINY, **change}
     said = cp.refused(SimpleNamespace(**args))
     assert said == message if message is None else message in said, said
+
+
+@pytest.mark.parametrize("script, change, message", [
+    ("tp", {"ranks": [2, 3]}, "--ranks 3: model.n_heads=16 is not divisible by parallel.tp=3"),
+    ("dp", {"ranks": [0]}, "--ranks 0: give at least 1"),
+    ("dp", {"runs": 0}, "--runs 0: give at least 1"),
+    ("fsdp", {"config": "/nonexistent"}, "config file /nonexistent does not exist"),
+    *[(script, {}, None) for script in ("dp", "fsdp", "tp", "e2e")],  # each one's defaults run
+])
+def test_a_side_by_side_benchmark_refuses_what_its_jobs_cannot_run(script, change, message):
+    """Checked before any job (common.check): tp.py --ranks 2 3 ran its 2-rank jobs before a worker refused 3; --runs 0
+    failed on the empty list of runs (IndexError), a missing --config with a traceback."""
+    import importlib
+    from types import SimpleNamespace
+
+    from sixfold.config import ConfigError
+
+    bench = importlib.import_module(script).BENCH
+    args = SimpleNamespace(**{"ranks": list(bench.ranks), "runs": 1, "steps": 3,
+                              "config": str(ROOT / "configs" / "bench.yaml"), **change})
+    if message is None:
+        common.check(bench, args)
+    else:
+        with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+            common.check(bench, args)
