@@ -655,7 +655,7 @@ def data_settings(cfg: Config) -> DataConfig:
     refused before the corpus is read."""
     resume = resume_path(cfg)
     if resume:
-        _look_for(resume)
+        _look_for(cfg, resume)
     if cfg.data.tokenizer == "byte":
         _check_vocab(cfg, ByteTokenizer.vocab_size)
     if cfg.data.tokenizer != "bpe":
@@ -722,14 +722,20 @@ def check_inputs(cfg: Config, data: TokenData) -> None:
         warnings.warn(f"log.sample_tokens={cfg.log.sample_tokens}: model.max_seq_len={cfg.model.max_seq_len} leaves "
                       f"room for {room} after log.sample_prompt; the sample after training holds at most {room}")
     if cfg.checkpoint.resume not in ("", "auto"):
-        _look_for(cfg.checkpoint.resume)
+        _look_for(cfg, cfg.checkpoint.resume)
 
 
-def _look_for(path: str) -> None:
-    """Refuse a checkpoint that is not there; what finding it warns of is said where it is loaded."""
+def _look_for(cfg: Config, path: str) -> None:
+    """Refuse a checkpoint that is not there, naming the setting that gave it; what finding it warns of is said
+    where it is loaded."""
+    given = cfg.checkpoint.resume
+    setting = "checkpoint.resume" if given not in ("", "auto") or path != cfg.checkpoint.init else "checkpoint.init"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ckpt.find_checkpoint(path)
+        try:
+            ckpt.find_checkpoint(path)
+        except ckpt.CheckpointError as e:
+            raise ckpt.CheckpointError(f"{setting}: {e}") from None
 
 
 def run(cfg: Config, ctx: ParallelContext, data: TokenData | None = None) -> list[dict]:

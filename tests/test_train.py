@@ -1049,7 +1049,10 @@ def test_what_the_data_refuses_is_refused_before_the_ranks_start(tmp_path):
              ([*small, "model.max_seq_len=4096", "train.seq_len=4000"], "the train split has fewer than"),
              ([*small, "data.max_bytes=10"], "the train split has fewer than seq_len+1 = 33 tokens (10); lower "
               "train.seq_len or add data (or raise data.max_bytes, if set)"),
-             ([f"checkpoint.resume={tmp_path / 'nowhere'}"], f"checkpoint path {tmp_path / 'nowhere'} does not exist"),
+             ([f"checkpoint.resume={tmp_path / 'nowhere'}"],
+              f"checkpoint.resume: checkpoint path {tmp_path / 'nowhere'} does not exist"),
+             (["checkpoint.resume=auto", f"checkpoint.init={tmp_path / 'nowhere'}"],
+              f"checkpoint.init: checkpoint path {tmp_path / 'nowhere'} does not exist"),
              (["log.sample_tokens=5", "log.sample_prompt=" + "x" * 300], "log.sample_prompt is 300 tokens, more than "
               "model.max_seq_len=256")]
     for overrides, message in cases:
