@@ -83,6 +83,9 @@ def _layouts() -> list[Layout]:
             out[f"pp{pp}-{schedule}"] = (f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}",
                                          f"parallel.pp_virtual_stages={v}", f"model.n_layers={layers}",
                                          f"train.micro_batches={micro}")
+    # zb-v with m = pp micro-batches: filled greedily, not in the V built for m >= 2pp
+    out["pp2-zb-v-accum"] = ("parallel.pp=2", "parallel.pp_schedule=zb-v", "parallel.pp_virtual_stages=2",
+                             "model.n_layers=4", *ACCUM)
     out["pp2xdp2"] = ("parallel.pp=2", "parallel.dp_replicate=2", *ACCUM)
     out["pp2xdp_shard2-zero1"] = ("parallel.pp=2", "parallel.dp_shard=2", "parallel.zero=1", *ACCUM)
     out["pp2xdp_shard2-zero3-zb-h1"] = ("parallel.pp=2", "parallel.dp_shard=2", "parallel.zero=3",
