@@ -155,7 +155,7 @@ class Trainer:
                     self.sharded.end_micro_batch()
                 loss_sum += loss.detach()
         self.sharded.finish()
-        loss_value = self._total(float(loss_sum))
+        loss_value = self._total(float(loss_sum), of_step=True)
         with self.tracer.span("optimizer", "optim"):
             grad_norm = math.sqrt(self.sharded.grad_norm_sq())
             lr = learning_rate(t, self.step)
@@ -244,11 +244,16 @@ class Trainer:
             self.tracer.enabled = tracing
         return total / count if count else float("nan")  # (windows of prompts only: no token to count)
 
-    def _total(self, loss: float) -> float:
-        """A step's loss from this rank's part: summed over the loss group, and from the last pipeline stage."""
-        (loss,) = self.comm.sum_scalars([loss], "loss")
+    def _total(self, loss: float, of_step: bool = False) -> float:
+        """A step's loss from this rank's part: summed over the loss group, and from the last pipeline stage. The
+        step's (`of_step`) under pipelining carries the count of ranks whose compute failed in the step: then all
+        stop with the error (Pipeline.stop)."""
+        failed = [float(self.pipeline.failed is not None)] if of_step and self.pipeline else []
+        loss, *failed = self.comm.sum_scalars([loss, *failed], "loss")
         if self.pipeline:
-            (loss,) = self.comm.sum_scalars([loss], "pp")
+            loss, *failed = self.comm.sum_scalars([loss, *failed], "pp")
+        if any(failed):
+            self.pipeline.stop(self.step + 1)
         return loss
 
     # checkpoints ------------------------------------------------------------------------------

@@ -72,3 +72,15 @@ def test_runtime_gradients_in_flight_and_bytes(pp, micro):
     proc = torchrun("pipeline_runtime.py", pp, str(micro))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count(" OK") == (10 if micro % pp else 12) * pp
+
+
+def test_a_stage_that_raises_stops_the_others_with_its_error(tmp_path):
+    """Rank 1's stage raises in step 2 (an operation train.deterministic refuses) and stays in the job: rank 0
+    stops at the step's end with rank 1's error, not after parallel.timeout_s for its messages."""
+    proc = torchrun("stage_fails.py", 2, TINY, str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    refused = "train.deterministic=true, and put_ has no deterministic kernel"
+    for schedule in ("1f1b", "zb-v"):
+        assert f"{schedule} rank 1: TrainingError: {refused}" in proc.stdout, proc.stdout
+        said = f"{schedule} rank 0: PeerStopped: rank 1 (pipeline stage 1) failed in step 2: {refused}"
+        assert said in proc.stdout, proc.stdout

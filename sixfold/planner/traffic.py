@@ -65,8 +65,9 @@ def _gradients(rank: Rank, out: Counter) -> None:
 
 
 def _scalars(rank: Rank, out: Counter) -> None:
-    _add(rank, out, "loss", "all_reduce", 2 * SCALAR)  # tokens, loss
-    _add(rank, out, "pp", "all_reduce", 2 * SCALAR)  # loss, gradient norm
+    piped = rank.ctx.size("pp") > 1  # the loss's sums carry the count of ranks whose pipeline compute failed
+    _add(rank, out, "loss", "all_reduce", (3 if piped else 2) * SCALAR)  # tokens, loss (and failures)
+    _add(rank, out, "pp", "all_reduce", 3 * SCALAR)  # loss and failures, gradient norm
     if rank.sharded.zero:
         _add(rank, out, "fsdp", "all_reduce", SCALAR)  # gradient norm
     _add(rank, out, "tp", "all_reduce", SCALAR)

@@ -64,6 +64,8 @@ for (name, v), together in itertools.product(CASES, (False, True)):
     sharded.reduce_due = reduce_due
     sharded.launch = lambda unit, launch=sharded.launch: (launches.append(late[0]), launch(unit))
     pipeline.step(micro, scale)
+    if pipeline.failed:  # (kept for the trainer to stop every rank with)
+        raise pipeline.failed
     sharded.finish()
     for n, p in model.named_parameters():
         err = (p.grad - expected[n]).norm() / expected[n].norm()

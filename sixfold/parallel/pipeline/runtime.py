@@ -15,6 +15,11 @@ metadata travels. A B that sends its input gradient and has no W of its own (Sch
 gradient as for a W and computes it right after posting that send, so the rank before starts its B sooner. A unit's
 gradient reduction starts as its stage's last backward or weight-gradient action of the step (or an early sender's
 weight gradient) completes it, in reverse unit order; with ZeRO-3 the weights are gathered once per step.
+
+A compute that raises (an operation train.deterministic refuses, memory) stops this rank's computes, not its
+messages: the rest of the step sends zeros where it would have sent data, receives and starts the reductions as
+planned, so that no other stage waits parallel.timeout_s for it. The step ends on every rank, and the trainer's
+loss sum carries the failure to all, which then stop with this rank's error (`stop`).
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ from collections import defaultdict
 import torch
 
 from ...comm import Comm
+from ...determinism import unsupported
+from ...errors import CommError, PeerStopped, out_of_memory
 from ...trace import Tracer
 from ..sharding import Sharded
 from .delivery import delivered
@@ -50,6 +57,8 @@ class Pipeline:
         self.peak_in_flight = 0  # in the last step: most (stage, micro) pairs whose saved activations were alive
         self.deferred = 0  # in the last step: weight gradients computed by W actions
         self.sent_early = 0  # in the last step: B actions that sent their input gradient before their weight gradient
+        self.failed: Exception | None = None  # in the last step: this rank's error in a compute
+        self.failed_stage = 0  # and the stage it ran
 
     @property
     def cfg(self):
@@ -129,7 +138,8 @@ class Pipeline:
 
     def step(self, micro: list[tuple], scale: float) -> torch.Tensor:
         """Forward and backward of every micro-batch (tokens, labels, document ids or None) by the schedule; the
-        losses are divided by `scale`. Returns this rank's summed loss (zero off the last stage)."""
+        losses are divided by `scale`. Returns this rank's summed loss (zero off the last stage). A compute that
+        raises is kept in `failed` (see the module's doc), the step's messages passed all the same."""
         self.sharded.gather_all()
         self.sharded.alloc_grads()
         model, wg = self.model, self.model.tp.weight_grads
@@ -137,6 +147,7 @@ class Pipeline:
         each = [model.in_documents(t, ids) for _, _, ids in micro]  # one set of rotary tables for all
         inputs, outputs, grads, outbox, deferred, sending, arriving, known = {}, {}, {}, {}, {}, [], {}, set()
         self.peak_in_flight = self.deferred = self.sent_early = 0
+        self.failed = blank = None
         loss = torch.zeros((), dtype=torch.float64, device=self.comm.ctx.device)
         runs, tail = self.runs
         self._receive(runs[0], t, inputs, grads, arriving)  # runs[0] sends nothing: no compute has run
@@ -153,41 +164,53 @@ class Pipeline:
                 received.wait()
                 self._let_go(recv, sending, known)
             due, early = self.launch_after.get(i), a.kind == B and key in self.early
-            if due and not early:  # a W reports only its deferred weights; an early sender's units, below
-                self.sharded.reduce_when_done(due, _weights(deferred[key]) if a.kind == W else None)
-            with self.tracer.span(f"{a.kind}{m}", "compute", mb=m, stage=s):
-                if a.kind == F:
-                    out = model.run(stage, micro[m][0] if stage.embed else inputs[key], each[m])
-                    if stage.head:
-                        out = model.loss(out, micro[m][1], t.sequence_tp) / scale
-                        loss += out.detach()
-                    elif self.place[s + 1] == self.rank:
-                        inputs[s + 1, m] = out.detach().requires_grad_()
-                    else:
-                        outbox[SEND_F, s, m] = out.detach()
-                    outputs[key] = out
-                    self.peak_in_flight = max(self.peak_in_flight, len(outputs) + len(deferred))
-                elif a.kind == B:
-                    wg.defer, wg.head = key in self.split or early, key in self.split  # the head: under a W only
-                    out = outputs.pop(key)
-                    out.backward(None if stage.head else grads.pop(key))
-                    wg.defer = wg.head = False
-                    if key in self.split:
-                        deferred[key] = wg.take()
-                    if not stage.embed:
-                        grad = inputs.pop(key).grad
-                        if self.place[s - 1] == self.rank:
-                            grads[s - 1, m] = grad
+            if due and (self.failed or not early):  # a W reports only its deferred weights; an early sender's units,
+                # below; after a failure, all of the action's at once (reduce_due): in the planned order still
+                self.sharded.reduce_when_done(due, _weights(deferred[key]) if a.kind == W and not self.failed else None)
+            try:
+                if not self.failed:
+                    with self.tracer.span(f"{a.kind}{m}", "compute", mb=m, stage=s):
+                        if a.kind == F:
+                            out = model.run(stage, micro[m][0] if stage.embed else inputs[key], each[m])
+                            if stage.head:
+                                out = model.loss(out, micro[m][1], t.sequence_tp) / scale
+                                loss += out.detach()
+                            elif self.place[s + 1] == self.rank:
+                                inputs[s + 1, m] = out.detach().requires_grad_()
+                            else:
+                                outbox[SEND_F, s, m] = out.detach()
+                            outputs[key] = out
+                            self.peak_in_flight = max(self.peak_in_flight, len(outputs) + len(deferred))
+                        elif a.kind == B:
+                            wg.defer, wg.head = key in self.split or early, key in self.split  # the head: under a W
+                            out = outputs.pop(key)
+                            out.backward(None if stage.head else grads.pop(key))
+                            wg.defer = wg.head = False
+                            if key in self.split:
+                                deferred[key] = wg.take()
+                            if not stage.embed:
+                                grad = inputs.pop(key).grad
+                                if self.place[s - 1] == self.rank:
+                                    grads[s - 1, m] = grad
+                                else:
+                                    outbox[SEND_B, s, m] = grad
+                            if early:
+                                late = wg.take()
                         else:
-                            outbox[SEND_B, s, m] = grad
-                    if early:
-                        late = wg.take()
-                else:
-                    work = deferred.pop(key)
-                    self.deferred += len(work)
-                    wg.run(work)
-                out = grad = work = None  # what was sent is held only by its send (counted so: held_sends); a W's
-                # products freed now, not at the next W
+                            work = deferred.pop(key)
+                            self.deferred += len(work)
+                            wg.run(work)
+                        out = grad = work = None  # what was sent is held only by its send (counted so: held_sends);
+                        # a W's products freed now, not at the next W
+            except CommError:  # (a collective inside a compute: tp, cp, ep) the messages cannot go on
+                raise
+            except Exception as e:
+                self._fail(e, s, due if early else None)
+            if self.failed:  # zeros in place of what this rank would have sent (one buffer: sends only read it)
+                blank = self._hidden(t).zero_() if blank is None else blank
+                for send in after:
+                    if send.kind in (SEND_F, SEND_B):
+                        outbox.setdefault((send.kind, send.stage, send.micro), blank)
             self._send(after, outbox, sending, self._buffers(after, t, inputs, grads) if self.together else [],
                        arriving)
             if late is not None:  # an early sender's weight gradient, once its input gradient is on its way
@@ -196,7 +219,12 @@ class Pipeline:
                     self.sharded.reduce_when_done(due, _weights(late))
                 if late:  # (a stage of the head alone has none)
                     with self.tracer.span(f"W{m}", "compute", mb=m, stage=s):
-                        wg.run(late)  # emptying it: each product freed as the next is made
+                        try:
+                            wg.run(late)  # emptying it: each product freed as the next is made
+                        except CommError:
+                            raise
+                        except Exception as e:
+                            self._fail(e, s)
             if due:
                 self.sharded.reduce_due()
         if not self.together:
@@ -204,6 +232,30 @@ class Pipeline:
         for pending, _ in sending:
             pending.wait()
         return loss
+
+    def _fail(self, error: Exception, stage: int, due: list | None = None) -> None:
+        """A compute of `stage` raised `error`: the step's other computes are left out. `due`: an early sender's
+        units, whose reductions had waited for its weight gradient."""
+        wg = self.model.tp.weight_grads
+        wg.defer = wg.head = False
+        wg.take()
+        self.failed, self.failed_stage = error, stage
+        if due:
+            self.sharded.reduce_when_done(due)
+
+    def stop(self, step: int) -> None:
+        """On every rank, after step `step` in which a rank's compute failed: its own error where it failed, else
+        PeerStopped naming the first such rank of its loss group and pipeline, and its error."""
+        e, said = self.failed, ""
+        if e is not None:
+            what = unsupported(e) or ("it ran out of memory" if out_of_memory(e) else f"{type(e).__name__}: {e}")
+            said = f"rank {self.comm.ctx.rank} (pipeline stage {self.failed_stage}) failed in step {step}: {what}"
+        for group in ("loss", "pp"):  # every rank takes part
+            said = next((p for p in self.comm.ctx.all_gather_objects(said, group) if p), "")
+        if e is not None:
+            raise e
+        raise PeerStopped(f"{said or f'a rank failed in step {step}'}. Rank {self.comm.ctx.rank} stopped with it at "
+                          f"the step's end.")
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, cache=None, documents=None,
