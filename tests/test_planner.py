@@ -40,6 +40,8 @@ LAYOUTS = {
     "dp2-loss-chunk": ["parallel.dp_replicate=2", "model.loss_chunk=64"],  # two chunks a micro-batch, in forward
     "tp2": ["parallel.tp=2"],
     "tp2-seq256": ["parallel.tp=2", "train.seq_len=256"],  # attention in chunks of queries (model/causal.py)
+    "tp2-bf16": ["parallel.tp=2", "train.precision=bf16"],  # the peak in the loss's forward: the bf16 logits beside
+    # their fp32 copy, turned into the probabilities in place
     "tp4": ["parallel.tp=4"],  # kv heads replicated; the peak in the head's backward, its input gathered again
     "tp2-no-sequence-tp-recompute-full": ["parallel.tp=2", "parallel.sequence_parallel=false", "model.recompute=full"],
     "cp2-ring-recompute-selective": ["parallel.cp=2", "model.recompute=selective"],
@@ -173,7 +175,8 @@ def test_plan_prints_memory_and_time_and_search_ranks_layouts(capsys):
            "or full), never hold the whole logits (model.loss_chunk=4096), or add GPUs; --search ranks the layouts " \
            "that fit" in capsys.readouterr().out
     assert cli.main(["plan", "configs/llama3-8b.yaml", "parallel.zero=3", "parallel.dp_shard=2", "parallel.tp=2",
-                     "model.recompute=full", "--gpus", "4"]) == 0  # what it sets already is not advised
+                     "model.recompute=full", "train.global_batch=16", "--gpus", "4"]) == 0  # what it sets already
+    # is not advised
     assert "does NOT fit in memory: shard more (tp, pp, cp), or add GPUs" in capsys.readouterr().out
     # long sequences: without pipelining, the fewest micro-batches that fit (one would not)
     assert cli.main(["plan", "configs/llama3-1b.yaml", "train.precision=bf16", "train.global_batch=128",

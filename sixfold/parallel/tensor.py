@@ -338,21 +338,23 @@ class VocabEmbedding(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Token losses from logits split over tp by vocabulary, without gathering them."""
+    """Token losses from logits split over tp by vocabulary, without gathering them. The probabilities it saves are
+    the one buffer of logits' size it makes (in the fp32 copy of bf16 logits, in place), and its backward turns them
+    into the logits' gradient in place."""
 
     @staticmethod
     def forward(ctx, logits, labels, tp: TensorParallel, first: int, vocab_size: int):
         comm = tp.comm
-        logits = logits.float()
-        if first + logits.shape[1] > vocab_size:  # padded rows (a piece past the vocabulary's end: all of them)
-            logits = logits.clone()
-            logits[:, max(vocab_size - first, 0):] = float("-inf")
-        top = logits.max(dim=1).values
+        x = logits.float()
+        if first + x.shape[1] > vocab_size:  # padded rows (a piece past the vocabulary's end: all of them)
+            x = x.clone() if x is logits else x
+            x[:, max(vocab_size - first, 0):] = float("-inf")
+        top = x.max(dim=1).values
         comm.all_reduce(top, "tp", label="loss max", op=dist.ReduceOp.MAX)
-        exp = (logits - top[:, None]).exp_()
         local = labels - first
-        mine = (local >= 0) & (local < logits.shape[1])
-        picked = torch.where(mine, logits.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None])[:, 0], 0.0)
+        mine = (local >= 0) & (local < x.shape[1])
+        picked = torch.where(mine, x.gather(1, local.clamp(0, x.shape[1] - 1)[:, None])[:, 0], 0.0)
+        exp = (x if x is not logits else x.clone()).sub_(top[:, None]).exp_()
         sums = torch.stack([exp.sum(dim=1), picked])
         comm.all_reduce(sums, "tp", label="loss sums")
         loss = sums[0].log() + top - sums[1]
@@ -364,9 +366,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        """softmax minus the one-hot target, scaled by each token's gradient, in the saved probabilities' buffer
+        (a second backward through a kept graph fails autograd's check of a saved tensor modified in place)."""
         probs, local, mine, ignored = ctx.saved_tensors
         grad = grad.masked_fill(ignored, 0.0)
-        dlogits = probs * grad[:, None]
+        dlogits = probs.mul_(grad[:, None])
         dlogits.scatter_add_(1, local.clamp(0, probs.shape[1] - 1)[:, None], -(grad * mine)[:, None])
         return dlogits, None, None, None, None
 

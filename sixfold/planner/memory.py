@@ -32,8 +32,8 @@ key/value widths, a the heads, f the ffn width:
 A pipeline rank keeps each stage's activations for that stage's (stage, micro-batch) pairs in flight, and for a
 pair past a B that leaves its weight gradients to a W, what that W needs instead (of the simulator's crowds of
 pairs, the largest in bytes). The step's peak (step()) adds the computation's temporaries and transient buffers
-at the largest of its moments: the loss's backward, each block's, and under pipelining an early sender's
-weight gradient, or a W's.
+at the largest of its moments: the loss (its forward, its backward or the head's), each block's, and under
+pipelining an early sender's weight gradient, or a W's.
 """
 from __future__ import annotations
 
@@ -228,10 +228,12 @@ def _stage_activations(rank: Rank, stage) -> int:
 def step(rank: Rank) -> dict[str, int]:
     """Bytes a step holds beyond the persistent buffers at its peak, the largest of its moments, by kind:
     "saved" activations, "working" (the computation's own temporaries) and "transient" buffers.
-    At the loss's backward (the head's rank): every saved activation; the larger of its logits-sized temporaries
-    (the fp32 gradient and log-softmax gradient, 8 * T * vocab, or with model.loss_chunk, in forward, a chunk's
-    (_chunk) and the head's input) and the head's backward (unless chunked, the logits' gradient in the compute
-    dtype in place of the saved fp32 logits, now freed; _head_backward); the gradients allocated at forward
+    At the loss (the head's rank): every saved activation; the larger of its logits-sized temporaries (at tp 1 in
+    its backward the fp32 gradient and log-softmax gradient, 8 * T * vocab; over tp, in its forward, the logits in
+    the compute dtype beside the fp32 probabilities saved from them, b * T * vocab, its backward making the gradient
+    in their place; with model.loss_chunk, in forward, a chunk's (_chunk) and the head's input) and the head's
+    backward (unless chunked, the logits' gradient in the compute dtype in place of the saved fp32 logits, now
+    freed; _head_backward); the gradients allocated at forward
     (ZeRO-2/3: the head's, a tied embedding's), the gathered weights, the pipeline's buffers.
     At the backward of each block, which begins with its MLP: the saved activations less the ends of that
     micro-batch, now freed (and without pipelining those of the blocks gone back before it); the MLP's temporaries
@@ -258,7 +260,7 @@ def step(rank: Rank) -> dict[str, int]:
         if chunk:  # in forward, beside the head's input
             loss = max(_chunk(rank, t > chunk) * min(chunk, t) * vocab + b * t * dim, head)
         else:
-            loss = max(8 * t * vocab, head - (4 - b) * t * vocab)
+            loss = max((8 if rank.model.tp.size == 1 else b) * t * vocab, head - (4 - b) * t * vocab)
         moments.append({"saved": saved, "working": loss, "transient": buffers["early"]})
     pp = rank.ctx.rank_in("pp")
     early = {s for s, _ in rank.schedule.sends_early(pp)} if rank.schedule else set()
