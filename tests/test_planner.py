@@ -30,6 +30,9 @@ LAYOUTS = {
     "hsdp2x2-zero2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=2"],
     "dp_shard2-zero3-tied": ["parallel.dp_shard=2", "parallel.zero=3", "model.tie_embeddings=true"],  # the peak as
     # the last block's backward runs beside the first's gather, whose copy gloo holds (memory._gathering)
+    "dp_shard2-zero3-vocab1024": ["parallel.dp_shard=2", "parallel.zero=3", "model.n_layers=4",
+                                  "model.vocab_size=1024"],  # the peak at the loss's backward, where no block is
+    # gathered again yet (memory._buffers' "again")
     "dp_shard2-zero3-accum-reduce-each": ["parallel.dp_shard=2", "parallel.zero=3", "train.micro_batches=2",
                                           "train.reduce_each_micro_batch=true"],
     "hsdp2x2-zero2-accum-reduce-each": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=2",

@@ -233,8 +233,9 @@ def step(rank: Rank) -> dict[str, int]:
     the compute dtype beside the fp32 probabilities saved from them, b * T * vocab, its backward making the gradient
     in their place; with model.loss_chunk, in forward, a chunk's (_chunk) and the head's input) and the head's
     backward (unless chunked, the logits' gradient in the compute dtype in place of the saved fp32 logits, now
-    freed; _head_backward); the gradients allocated at forward
-    (ZeRO-2/3: the head's, a tied embedding's), the gathered weights, the pipeline's buffers.
+    freed; _head_backward); the gradients allocated at forward (ZeRO-2/3: the head's, a tied embedding's), the
+    gathered weights (ZeRO-3 without pipelining: none yet of those the backward gathers again), the pipeline's
+    buffers.
     At the backward of each block, which begins with its MLP: the saved activations less the ends of that
     micro-batch, now freed (and without pipelining those of the blocks gone back before it); the MLP's temporaries
     (mlp_working), two hidden-state gradients, under full recomputation that sub-layer rebuilt (not an MoE layer's,
@@ -252,7 +253,8 @@ def step(rank: Rank) -> dict[str, int]:
     shared, alive = _shared(rank), crowds(rank)
     saved = max(n for _, n in alive) + shared  # activations(), from the crowds the W's moments read too
     buffers = _buffers(rank)
-    moments = [{"saved": saved, "working": 0, "transient": buffers["early"]}]
+    at_loss = buffers["early"] - buffers["again"]  # the backward has gathered nothing again yet
+    moments = [{"saved": saved, "working": 0, "transient": at_loss}]
     if rank.model.norm is not None:
         vocab, chunk, t = _vocab(rank), rank.cfg.model.loss_chunk, rank.micro_tokens
         head = _head_backward(rank)
@@ -261,7 +263,7 @@ def step(rank: Rank) -> dict[str, int]:
             loss = max(_chunk(rank, t > chunk) * min(chunk, t) * vocab + b * t * dim, head)
         else:
             loss = max((8 if rank.model.tp.size == 1 else b) * t * vocab, head - (4 - b) * t * vocab)
-        moments.append({"saved": saved, "working": loss, "transient": buffers["early"]})
+        moments.append({"saved": saved, "working": loss, "transient": at_loss})
     pp = rank.ctx.rank_in("pp")
     early = {s for s, _ in rank.schedule.sends_early(pp)} if rank.schedule else set()
     split = {s for s, _ in rank.schedule.split(pp)} if rank.schedule else set()
@@ -413,14 +415,16 @@ def _buffers(rank: Rank) -> dict[str, int]:
     rest a layer's units and the next layer's, prefetched: the two largest, at most, of those the backward gathers
     again, not an embedding's, freed after its forward), less those gathered before
     the step (in persistent()), and under pipelining the most hidden states the rank's sends keep alive at once
-    (until the data is known received, delivery.py). Those of the reductions: _reducing."""
+    (until the data is known received, delivery.py); "again", of those, the ones gathered again for the backward,
+    none of them yet as the forward ends and at the loss (the head's layer and the next are kept from forward).
+    Those of the reductions: _reducing."""
     b, units = rank.compute_bytes, rank.sharded.units
     early = sum(b * u.padded for u in units if u.zero >= 2 and not _later(rank, u))
     gathered = [b * u.padded for u in units if u.zero == 3 and (u.keep_gathered or rank.schedule is not None)]
-    if rank.schedule is None:
-        gathered += sorted(sum(b * u.padded for u in layer if u.gathers_for_backward and not u.keep_gathered)
-                           for layer in rank.sharded.layers)[-2:]
+    again = [] if rank.schedule is not None else \
+        sorted(sum(b * u.padded for u in layer if u.gathers_for_backward and not u.keep_gathered)
+               for layer in rank.sharded.layers)[-2:]
     before = sum(b * u.padded for u in rank.sharded.ahead)  # gathered in the step before, in persistent()
     sends = held_sends(rank.schedule, rank.ctx.rank_in("pp")) if rank.schedule else 0
     pipe = sends * b * rank.hidden_tokens * rank.cfg.model.dim
-    return {"early": early, "held": sum(gathered) - before + pipe}
+    return {"early": early, "held": sum(gathered) + sum(again) - before + pipe, "again": sum(again)}
