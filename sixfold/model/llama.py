@@ -68,7 +68,8 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
 
 class KVCache:
     """Keys and values of the tokens seen so far, per layer, for generation of at most `size` tokens in all: each
-    layer's are written into tensors of that length, made at its first tokens (no copy of those before per token)."""
+    layer's are written into tensors of that length (no copy of those before per token), made at its first tokens
+    unless made before (generate.kv_cache makes every layer's up front, to refuse one too large before any forward)."""
 
     def __init__(self, n_layers: int, size: int):
         self.k: list[torch.Tensor | None] = [None] * n_layers
