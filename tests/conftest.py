@@ -1,8 +1,16 @@
+import os
+
 import pytest
 
 from sixfold.logs import read_metrics
 
 from helpers import LONG, TINY, sixfold
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """Workers for -n auto: one per core this process may use, at most 4 (many tests start several ranks each, and
+    waiting ranks leave the cores to the other worker's)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 @pytest.fixture(scope="session")

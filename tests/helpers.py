@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -31,6 +32,23 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 300) -> subproc
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                f"--log-dir={logs}", *what, *args]
         return subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True, timeout=timeout)
+
+
+def multirun(where: Path, nproc: int, runs: dict[str, list[str]], timeout: int = 480) -> subprocess.CompletedProcess:
+    """Runs of TINY, each with its overrides and log.run_dir=WHERE/NAME, in order in one torchrun job of `nproc`
+    ranks (sixfold.multirun: its processes start once, and a run may resume from an earlier one's checkpoint);
+    every run is asserted to have trained."""
+    from sixfold.config import load_config
+    plan = where / "plan.json"
+    plan.write_text(json.dumps({"timeout_s": 60, "runs": [
+        {"name": name, "config": load_config(TINY, [f"log.run_dir={where / name}", *overrides]).to_dict()}
+        for name, overrides in runs.items()]}))
+    proc = torchrun("sixfold.multirun", nproc, str(plan), timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line) for line in (where / "results.jsonl").read_text().splitlines()]
+    failed = [r["error"] for r in results if not r["ok"]]
+    assert len(results) == len(runs) and not failed, failed or proc.stderr[-3000:]
+    return proc
 
 
 def torchrun_logs() -> str:

@@ -34,7 +34,7 @@ from sixfold.data import DataError, load_data
 from sixfold.errors import CommError, collective
 from sixfold.launch import HOLD
 from sixfold.train import TrainingError, check_inputs, data_settings, train
-from helpers import LONG, ROOT, TINY, children, free_port, sixfold, torchrun
+from helpers import LONG, ROOT, TINY, children, free_port, multirun, sixfold, torchrun
 
 
 def _train(run_dir, *overrides, nproc=None):
@@ -136,27 +136,41 @@ def test_a_sample_longer_than_the_model_holds_is_said(tmp_path):
         check_inputs(cfg, load_data(data_settings(cfg)))
 
 
-@pytest.mark.parametrize("layout", [
-    ["parallel.dp_replicate=2"], ["parallel.dp_shard=2", "parallel.zero=3"],
-    ["parallel.pp=2", "parallel.pp_schedule=zb-v", "parallel.pp_virtual_stages=2"],
-    ["parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3", "checkpoint.async_save=true"]])
-def test_resume_is_bit_exact(tmp_path, layout):
-    """Resuming from step 3 in the same layout gives exactly the losses of the uninterrupted run (the last
-    layout saves in the background)."""
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = ["train.steps=6", "train.micro_batches=2", *layout]
-    assert _train(full, *common, "checkpoint.every=3", "checkpoint.keep=5").returncode == 0
-    shutil.copytree(full / "checkpoints" / "step_0000003", resumed / "checkpoints" / "step_0000003")
-    (resumed / "checkpoints" / "latest").write_text("step_0000003")
-    proc = _train(resumed, *common, "checkpoint.resume=auto", "log.progress=true")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    said = f"\nfrom checkpoint {resumed / 'checkpoints' / 'step_0000003'}: step 3 of 6\n"
-    assert said in proc.stdout and "\ndata: 150 documents from 150 of " in proc.stdout, proc.stdout[-3000:]
-    a, b = read_metrics(full)[3:], read_metrics(resumed)
+RESUMED = {  # the last saves in the background
+    "dp2": ["parallel.dp_replicate=2"], "zero3": ["parallel.dp_shard=2", "parallel.zero=3"],
+    "zb-v": ["parallel.pp=2", "parallel.pp_schedule=zb-v", "parallel.pp_virtual_stages=2"],
+    "tp2-zero3-async": ["parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3", "checkpoint.async_save=true"]}
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> tuple[Path, str]:
+    """Six steps of each layout of RESUMED, then each resumed from a copy of its step-3 checkpoint: one job for the
+    whole runs, one for the resumed ones. Their directory, and the resumed job's output."""
+    where = tmp_path_factory.mktemp("resume")
+    (where / "full").mkdir()
+    common = ["train.steps=6", "train.micro_batches=2"]
+    multirun(where / "full", 4, {name: [*common, *layout, "checkpoint.every=3", "checkpoint.keep=5"]
+                                 for name, layout in RESUMED.items()})
+    for name in RESUMED:
+        shutil.copytree(where / "full" / name / "checkpoints" / "step_0000003",
+                        where / "resumed" / name / "checkpoints" / "step_0000003")
+        (where / "resumed" / name / "checkpoints" / "latest").write_text("step_0000003")
+    proc = multirun(where / "resumed", 4, {name: [*common, *layout, "checkpoint.resume=auto", "log.progress=true"]
+                                           for name, layout in RESUMED.items()})
+    return where, proc.stdout
+
+
+@pytest.mark.parametrize("layout", list(RESUMED))
+def test_resume_is_bit_exact(resumed, layout):
+    """Resuming from step 3 in the same layout gives exactly the losses of the uninterrupted run."""
+    (where, out), run = resumed, resumed[0] / "resumed" / layout
+    assert f"\nfrom checkpoint {run / 'checkpoints' / 'step_0000003'}: step 3 of 6\n" in out, out[-3000:]
+    assert "\ndata: 150 documents from 150 of " in out, out[-3000:]
+    a, b = read_metrics(where / "full" / layout)[3:], read_metrics(run)
     assert [m["step"] for m in b] == [4, 5, 6]
     assert [m["loss"] for m in a] == [m["loss"] for m in b]
     assert [m["grad_norm"] for m in a] == [m["grad_norm"] for m in b]
-    steps = ledger.read(resumed)["ranks"]["0"]["steps"]  # written without log.trace, for the steps run
+    steps = ledger.read(run)["ranks"]["0"]["steps"]  # written without log.trace, for the steps run
     assert (steps[0]["first"], steps[-1]["last"]) == (4, 6)
 
 
@@ -192,19 +206,15 @@ def test_a_checkpoint_moves_across_any_change_of_layout(tmp_path, model):
     move the run goes on as the single-process run that never moved; the first checkpoint exports to HF."""
     common, legs = CHAIN[model]
     common = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep=4", *common]
-    reference = tmp_path / "reference"
-    assert _train(reference, *common).returncode == 0
-    previous = None
+    runs = {"reference": common}
     for i, layout in enumerate(legs):
-        run, resume = tmp_path / f"leg{i}", []
-        if previous:
-            resume = [f"checkpoint.resume={previous / 'checkpoints' / f'step_{2 * i:07d}'}"]
-        proc = _train(run, *common, *layout, *resume)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        _matches(run, reference, 2 * i + 1)
-        previous = run
+        resume = [f"checkpoint.resume={tmp_path / f'leg{i - 1}' / 'checkpoints' / f'step_{2 * i:07d}'}"] if i else []
+        runs[f"leg{i}"] = [*common, *layout, *resume]
+    multirun(tmp_path, max(load_config(TINY, overrides).parallel.world_size for overrides in runs.values()), runs)
+    for i in range(len(legs)):
+        _matches(tmp_path / f"leg{i}", tmp_path / "reference", 2 * i + 1)
     out = tmp_path / "hf"
-    assert sixfold("export-hf", str(tmp_path / "leg0"), str(out)).returncode == 0
+    assert cli.main(["export-hf", str(tmp_path / "leg0"), str(out)]) == 0
     exported = load_file(str(out / "model.safetensors"))
     assert torch.equal(exported["model.embed_tokens.weight"], _weights(tmp_path / "leg0")["embed.weight"])
 
