@@ -9,7 +9,7 @@ import torch
 
 from sixfold.config import load_config
 from sixfold.model.llama import Llama, init_weights
-from sixfold.parallel.tensor import TensorParallel, _stacked, linear
+from sixfold.parallel.tensor import TensorParallel, _stacked, cross_entropy, linear
 from sixfold.slices import Cut
 from helpers import TINY, torchrun
 
@@ -44,6 +44,25 @@ def test_padded_vocab_rows_are_zero_and_replicated_pieces_repeat():
     assert last.size == 81 and torch.equal(last.local(t)[-2:], torch.zeros(2, 3))
     kv = [FakeRank(4, r).split(0, 2, parts=2, partial_grad=True) for r in range(4)]
     assert [s.index for s in kv] == [0, 0, 1, 1] and all(s.partial_grad for s in kv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loss_at_tp_1_is_torchs_cross_entropy(dtype):
+    """The loss made in place (4 bytes a logit in its backward, where F.cross_entropy holds 12) gives its values
+    and gradients, masked labels left out, to fp32 round-off."""
+    torch.manual_seed(0)
+    logits = (torch.randn(200, 321) * 3).to(dtype).requires_grad_()
+    labels = torch.randint(0, 321, (200,))
+    labels[::7] = -100
+    ours = cross_entropy(FakeRank(1, 0), logits, labels, 0, 321)
+    ours.backward()
+    ours = ours.detach()
+    grad, logits.grad = logits.grad, None
+    theirs = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+    theirs.backward()
+    theirs = theirs.detach()
+    assert abs(ours.item() - theirs.item()) <= 1e-6 * theirs.item() and grad.dtype == dtype
+    assert (grad.float() - logits.grad.float()).norm() <= 1e-6 * logits.grad.float().norm()
 
 
 def test_deferred_weight_gradients_equal_immediate_ones_in_one_process():

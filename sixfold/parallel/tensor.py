@@ -337,10 +337,11 @@ class VocabEmbedding(nn.Module):
         return _Reduce.apply(x, self.tp, sp)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Token losses from logits split over tp by vocabulary, without gathering them. The probabilities it saves are
-    the one buffer of logits' size it makes (in the fp32 copy of bf16 logits, in place), and its backward turns them
-    into the logits' gradient in place."""
+class _CrossEntropy(torch.autograd.Function):
+    """Token losses from logits split over tp by vocabulary (whole at tp 1), without gathering them. The
+    probabilities it saves are the one buffer of logits' size it makes (in the fp32 copy of bf16 logits, in place),
+    and its backward turns them into the logits' gradient in place: 4 bytes a logit where F.cross_entropy's backward
+    holds 12 (its saved log-probabilities, and their gradient and nll's, each fp32)."""
 
     @staticmethod
     def forward(ctx, logits, labels, tp: TensorParallel, first: int, vocab_size: int):
@@ -350,13 +351,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             x = x.clone() if x is logits else x
             x[:, max(vocab_size - first, 0):] = float("-inf")
         top = x.max(dim=1).values
-        comm.all_reduce(top, "tp", label="loss max", op=dist.ReduceOp.MAX)
+        if tp.size > 1:
+            comm.all_reduce(top, "tp", label="loss max", op=dist.ReduceOp.MAX)
         local = labels - first
         mine = (local >= 0) & (local < x.shape[1])
         picked = torch.where(mine, x.gather(1, local.clamp(0, x.shape[1] - 1)[:, None])[:, 0], 0.0)
         exp = (x if x is not logits else x.clone()).sub_(top[:, None]).exp_()
         sums = torch.stack([exp.sum(dim=1), picked])
-        comm.all_reduce(sums, "tp", label="loss sums")
+        if tp.size > 1:
+            comm.all_reduce(sums, "tp", label="loss sums")
         loss = sums[0].log() + top - sums[1]
         ignored = labels == IGNORE_INDEX
         loss = loss.masked_fill(ignored, 0.0)
@@ -378,9 +381,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def cross_entropy(tp: TensorParallel, logits: torch.Tensor, labels: torch.Tensor, first: int,
                   vocab_size: int) -> torch.Tensor:
     """Sum of token cross-entropies in fp32; logits [tokens, this rank's vocab piece starting at `first`]."""
-    if tp.size == 1:
-        return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    return _VocabParallelCrossEntropy.apply(logits, labels, tp, first, vocab_size).sum()
+    return _CrossEntropy.apply(logits, labels, tp, first, vocab_size).sum()
 
 
 @torch.no_grad()

@@ -228,10 +228,10 @@ def _stage_activations(rank: Rank, stage) -> int:
 def step(rank: Rank) -> dict[str, int]:
     """Bytes a step holds beyond the persistent buffers at its peak, the largest of its moments, by kind:
     "saved" activations, "working" (the computation's own temporaries) and "transient" buffers.
-    At the loss (the head's rank): every saved activation; the larger of its logits-sized temporaries (at tp 1 in
-    its backward the fp32 gradient and log-softmax gradient, 8 * T * vocab; over tp, in its forward, the logits in
-    the compute dtype beside the fp32 probabilities saved from them, b * T * vocab, its backward making the gradient
-    in their place; with model.loss_chunk, in forward, a chunk's (_chunk) and the head's input) and the head's
+    At the loss (the head's rank): every saved activation; the larger of its logits-sized temporaries (in its
+    forward, the logits in the compute dtype beside the fp32 probabilities saved from them, b * T * vocab, its
+    backward making the gradient in their place; with model.loss_chunk, in forward, a chunk's (_chunk) and the
+    head's input) and the head's
     backward (unless chunked, the logits' gradient in the compute dtype in place of the saved fp32 logits, now
     freed; _head_backward); the gradients allocated at forward (ZeRO-2/3: the head's, a tied embedding's), the
     gathered weights (ZeRO-3 without pipelining: none yet of those the backward gathers again), the pipeline's
@@ -262,7 +262,7 @@ def step(rank: Rank) -> dict[str, int]:
         if chunk:  # in forward, beside the head's input
             loss = max(_chunk(rank, t > chunk) * min(chunk, t) * vocab + b * t * dim, head)
         else:
-            loss = max((8 if rank.model.tp.size == 1 else b) * t * vocab, head - (4 - b) * t * vocab)
+            loss = max(b * t * vocab, head - (4 - b) * t * vocab)
         moments.append({"saved": saved, "working": loss, "transient": at_loss})
     pp = rank.ctx.rank_in("pp")
     early = {s for s, _ in rank.schedule.sends_early(pp)} if rank.schedule else set()
