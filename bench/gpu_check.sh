@@ -9,7 +9,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-timeout 50 python3 -m pytest -q -p no:cacheprovider tests/test_fused.py tests/test_fast_paths.py \
+timeout 50 python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_fused.py tests/test_fast_paths.py \
     tests/test_context.py tests/test_optim.py -k "cuda or gpu" 2>&1 | tail -3
 timeout 450 python3 bench/gpu.py --seq 2048 8192 --micro 1 4 --out "$out/table"
 [ -f "$out/table/gpu.json" ] && rm -f "$out"/table/*-*.json  # each run's file, in gpu.json (at most 8 files come back)

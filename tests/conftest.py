@@ -7,6 +7,7 @@ from sixfold.logs import read_metrics
 from helpers import LONG, TINY, sixfold
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which may be absent (-o addopts="")
 def pytest_xdist_auto_num_workers(config) -> int:
     """Workers for -n auto: one per core this process may use, at most 4 (many tests start several ranks each, and
     waiting ranks leave the cores to the other worker's)."""
