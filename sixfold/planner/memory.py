@@ -231,11 +231,10 @@ def step(rank: Rank) -> dict[str, int]:
     At the loss (the head's rank): every saved activation; the larger of its logits-sized temporaries (in its
     forward, the logits in the compute dtype beside the fp32 probabilities saved from them, b * T * vocab, its
     backward making the gradient in their place; with model.loss_chunk, in forward, a chunk's (_chunk) and the
-    head's input) and the head's
-    backward (unless chunked, the logits' gradient in the compute dtype in place of the saved fp32 logits, now
-    freed; _head_backward); the gradients allocated at forward (ZeRO-2/3: the head's, a tied embedding's), the
-    gathered weights (ZeRO-3 without pipelining: none yet of those the backward gathers again), the pipeline's
-    buffers.
+    head's input) and the head's backward (unless chunked, the logits' gradient in the compute dtype in place of
+    the saved fp32 logits, now freed; _head_backward); the gradients allocated at forward (ZeRO-2/3: the head's, a
+    tied embedding's), the gathered weights (ZeRO-3 without pipelining: none yet of those the backward gathers
+    again), the pipeline's buffers.
     At the backward of each block, which begins with its MLP: the saved activations less the ends of that
     micro-batch, now freed (and without pipelining those of the blocks gone back before it); the MLP's temporaries
     (mlp_working), two hidden-state gradients, under full recomputation that sub-layer rebuilt (not an MoE layer's,
