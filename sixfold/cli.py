@@ -162,18 +162,48 @@ def cmd_train(args, argv) -> int:
     try:
         cfg = _config(args)
         check_tensorboard(cfg)
+        made = _missing(Path(cfg.log.run_dir))
         run_dir = make_run_dir(cfg)
     except ConfigError as e:  # from the command line and the machine's files: alike on each of its ranks
         from .errors import on_every_rank
         raise on_every_rank(e) from None
-    if not under_torchrun():  # (under torchrun, rank 0 takes the lock)
+    if under_torchrun():  # (rank 0 takes the lock; the ranks leave the directory to the launcher)
+        made = None
+    else:
         check_free(run_dir)
-    code = _relaunch(args, _without_nproc(argv), cfg)
-    if code is not None:
+    code = 1
+    try:
+        launched = _relaunch(args, _without_nproc(argv), cfg)
+        if launched is None:
+            from .train import train
+            train(cfg)
+        code = launched or 0
         return code
-    from .train import train
-    train(cfg)
-    return 0
+    finally:
+        if code and made:  # a run refused, or ended before writing anything: no empty directory left behind
+            _remove_unused(run_dir, made)
+
+
+def _missing(path: Path) -> Path | None:
+    """The outermost of `path` and its parents that does not exist yet (None if `path` does)."""
+    missing = None
+    for p in [path, *path.parents]:
+        if p.exists():
+            break
+        missing = p
+    return missing
+
+
+def _remove_unused(run_dir: Path, top: Path) -> None:
+    """Remove run_dir, then its parents up to `top`, each as long as it holds nothing but a lock file."""
+    from .run_lock import LOCK
+    for p in [run_dir, *run_dir.parents]:
+        with contextlib.suppress(OSError):
+            if [e.name for e in p.iterdir()] == [LOCK]:
+                (p / LOCK).unlink()
+            p.rmdir()
+        if p.exists() or p == top:
+            return
 
 
 def cmd_check(args, argv) -> int:

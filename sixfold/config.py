@@ -287,7 +287,7 @@ def _coerce(value, typ, name: str):
         raise ConfigError(f"{name} must be true or false (or yes/no, on/off, 1/0), got {value!r}")
     if typ is int:
         if isinstance(value, bool) or not isinstance(value, (int, str)) or (
-                isinstance(value, str) and not re.fullmatch(r"-?[0-9]+", value)):
+                isinstance(value, str) and not re.fullmatch(r"\s*[+-]?[0-9]+(?:_[0-9]+)*\s*", value)):
             raise ConfigError(f"{name} must be an integer, got {value!r}")
         try:
             return int(value)

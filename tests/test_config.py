@@ -140,12 +140,18 @@ def test_a_files_values_are_read_as_written_then_by_their_settings_type(tmp_path
     assert (cfg.parallel.reshard_after_forward, cfg.log.trace) == (False, True)
 
 
+def test_integers_as_python_writes_them():
+    """A sign and digit groups (`+5`, `1_000`) read as int() reads them; a float reads them too."""
+    cfg = load_config(None, ["train.steps=+5", "train.global_batch=1_024", "train.lr=1_0e-4"], check=False)
+    assert (cfg.train.steps, cfg.train.global_batch, cfg.train.lr) == (5, 1024, 1e-3)
+
+
 def test_bad_values(tmp_path):
     with pytest.raises(ConfigError, match="train.steps must be an integer"):
         load_config(None, ["train.steps=abc"])
     with pytest.raises(ConfigError, match="train.lr must be a number, got 'true'"):
         load_config(None, ["train.lr=true"])
-    for value in ("--5", "²", "1:30"):
+    for value in ("--5", "²", "1:30", "1__000", "_1", "1.0"):
         with pytest.raises(ConfigError, match=f"train.steps must be an integer, got '{value}'"):
             load_config(None, [f"train.steps={value}"])
     with pytest.raises(ConfigError, match="train.steps must be an integer of at most 4300 digits"):

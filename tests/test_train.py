@@ -1066,9 +1066,12 @@ def test_what_the_data_refuses_is_refused_before_the_ranks_start(tmp_path):
              (["log.sample_tokens=5", "log.sample_prompt=" + "x" * 300], "log.sample_prompt is 300 tokens, more than "
               "model.max_seq_len=256")]
     for overrides, message in cases:
-        proc = _train(tmp_path / "run", "parallel.dp_shard=2", *overrides)
+        proc = _train(tmp_path / "runs" / "run", "parallel.dp_shard=2", *overrides)
         assert proc.returncode == 2 and f"sixfold error: {message}" in proc.stderr, proc.stderr[-2000:]
         assert "torch.distributed" not in proc.stderr  # no rank started
+        assert not (tmp_path / "runs").exists()  # the directories the command made, removed
+    (tmp_path / "mine").mkdir()  # one the user made is theirs
+    assert _train(tmp_path / "mine", *cases[-1][0]).returncode == 2 and (tmp_path / "mine").is_dir()
 
 
 def test_a_data_error_under_plain_torchrun_is_one_line_per_rank(tmp_path):
