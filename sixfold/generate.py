@@ -7,7 +7,7 @@ from collections.abc import Callable, Collection
 import torch
 
 from .config import seed_problem, temperature_problem, top_p_problem
-from .errors import out_of_memory
+from .errors import on_every_rank, out_of_memory
 from .model.llama import KVCache, Llama
 from .parallel.pipeline.runtime import Pipeline
 from .parallel.sharding import Sharded
@@ -40,12 +40,14 @@ def prompt_problem(tokens: int, limit: int) -> str:
 def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, stop: Collection[int] = (), vocab: int | None = None,
              agree: Callable[[int], int | None] | None = None, top_p: float = 1.0,
-             sharded: Sharded | None = None) -> list[int]:
+             sharded: Sharded | None = None, settle: Callable[[str], str] | None = None) -> list[int]:
     """New tokens after prompt_ids (ending with a stop token if one was drawn); the total stays within max_seq_len.
     `model` is the whole model, or a pipeline run on every one of its ranks. `vocab`: the tokenizer's size, the ids
     from which on (a model's vocabulary padded beyond its tokenizer's) are never drawn. `agree(token)`, asked of each
     token drawn (on every rank alike), gives the token to take, or None to end there. `sharded`: the model's units,
-    whose ZeRO-3 weights are then gathered once for the call (Sharded.held), not for every token."""
+    whose ZeRO-3 weights are then gathered once for the call (Sharded.held), not for every token. `settle(problem)`,
+    asked on every rank once its KV cache is made (or refused: `problem`), gives any rank's problem to all ("" for
+    none): a rank whose cache does not fit then stops them all, none left waiting in a forward."""
     limit = model.cfg.max_seq_len
     if said := prompt_problem(len(prompt_ids), limit):
         raise ValueError(f"the prompt has {said}")
@@ -59,33 +61,38 @@ def generate(model: Llama | Pipeline, prompt_ids: list[int], max_new_tokens: int
         if value < 0:
             raise ValueError(f"{name}={value} must be at least 0" + (" (0: every token)" if name == "top_k" else ""))
     gen = torch.Generator().manual_seed(seed)
-    cache = kv_cache(model, len(prompt_ids), max_new_tokens)
+    cache = kv_cache(model, len(prompt_ids), max_new_tokens, settle)
     with sharded.held() if sharded is not None else contextlib.nullcontext():
         return _drawn(model, cache, prompt_ids, max_new_tokens, temperature, top_k, gen, stop, vocab, agree, top_p)
 
 
-def kv_cache(model: Llama | Pipeline, prompt: int, max_new_tokens: int) -> KVCache:
+def kv_cache(model: Llama | Pipeline, prompt: int, max_new_tokens: int,
+             settle: Callable[[str], str] | None = None) -> KVCache:
     """The KV cache of a generation after `prompt` tokens, made now for as many as it may reach (within max_seq_len)
-    on the layers this rank holds; if it does not fit, a ValueError that says how large it is."""
+    on the layers this rank holds; if it does not fit, a ValueError that says how large it is (with `settle`, on
+    every rank: generate)."""
     size = min(model.cfg.max_seq_len, prompt + max_new_tokens)
     cache = KVCache(model.cfg.n_layers, size)
     llama = model.model if isinstance(model, Pipeline) else model
     blocks = [block.attn for block in llama.layers.values()]
     dtype = next(llama.parameters()).dtype
+    problem = ""
     try:
         for a in blocks:
-            cache.k[a.layer], cache.v[a.layer] = (torch.empty(1, a.n_kv_heads, size, a.head_dim, dtype=dtype,
-                                                              device=model.device) for _ in "kv")
+            cache.make(a.layer, 1, a.n_kv_heads, a.head_dim, dtype, model.device)
     except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
         if not out_of_memory(e):
             raise
         cache = None  # the layers' made so far freed, not kept by the traceback
         nbytes = sum(2 * a.n_kv_heads * size * a.head_dim for a in blocks) * dtype.itemsize
-        raise ValueError(f"max_new_tokens={max_new_tokens}: the KV cache for {size} tokens (the prompt's {prompt} and "
-                         f"those new) takes {nbytes / 2**30:,.2f} GiB on this rank ({len(blocks)} layers' keys and "
-                         f"values in {str(dtype).removeprefix('torch.')}), more than its {model.device} has free; "
-                         f"give fewer new tokens (sixfold generate --max-new-tokens, the trainer's "
-                         f"log.sample_tokens)") from None
+        problem = (f"max_new_tokens={max_new_tokens}: the KV cache for {size} tokens (the prompt's {prompt} and "
+                   f"those new) takes {nbytes / 2**30:,.2f} GiB for {len(blocks)} layers' keys and values in "
+                   f"{str(dtype).removeprefix('torch.')}, more than the {model.device} of the rank holding them has "
+                   f"free; give fewer new tokens (sixfold generate --max-new-tokens, the trainer's log.sample_tokens)")
+    if settle is not None:
+        problem = settle(problem)
+    if problem:
+        raise on_every_rank(ValueError(problem)) if settle is not None else ValueError(problem)
     return cache
 
 
@@ -120,13 +127,13 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
 def sample_text(model: Llama | Pipeline, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
                 top_k: int = 40, seed: int = 0, stop: Collection[int] = (),
                 agree: Callable[[int], int | None] | None = None, top_p: float = 1.0,
-                sharded: Sharded | None = None) -> str:
+                sharded: Sharded | None = None, settle: Callable[[str], str] | None = None) -> str:
     """The prompt followed by a sampled continuation, which ends at the end of text or a token of `stop` (left
     out), or where `agree` says (generate)."""
     ids = prompt_ids(tokenizer, prompt)
     stop = {tokenizer.eot, *stop}
     out = generate(model, ids, max_new_tokens, temperature, top_k, seed, stop, tokenizer.vocab_size, agree, top_p,
-                   sharded)
+                   sharded, settle)
     if out and out[-1] in stop:
         out = out[:-1]
     return continued(tokenizer, prompt, ids, out)

@@ -599,7 +599,7 @@ class Trainer:
 
         return sample_text(self.pipeline or self.model, self.data.tokenizer, log.sample_prompt, log.sample_tokens,
                            seed=self.cfg.train.seed, stop=end_ids(self.carried), agree=agree if stop else None,
-                           sharded=self.sharded)
+                           sharded=self.sharded, settle=self.ctx.first_problem)
 
     def _write_outputs(self, log: RunLog) -> None:
         """Every rank's ledger in comm_ledger.json and its summary printed; with log.trace, every rank's events in

@@ -60,9 +60,9 @@ def test_a_kv_cache_larger_than_memory_is_refused_with_its_size():
     said with its size and what to change, not as the allocator's failure."""
     model = tiny(max_seq_len=2**44)
     with pytest.raises(ValueError, match=r"max_new_tokens=17592186044411: the KV cache for 17592186044416 tokens "
-                                         r"\(the prompt's 5 and those new\) takes 8,388,608.00 GiB on this rank \(2 "
-                                         r"layers' keys and values in float32\), more than its cpu has free; give "
-                                         r"fewer new tokens"):
+                                         r"\(the prompt's 5 and those new\) takes 8,388,608.00 GiB for 2 layers' "
+                                         r"keys and values in float32, more than the cpu of the rank holding them "
+                                         r"has free; give fewer new tokens"):
         generate(model, PROMPT, 2**44 - 5)
 
 

@@ -76,13 +76,18 @@ class KVCache:
         self.v: list[torch.Tensor | None] = [None] * n_layers
         self.length, self.size = 0, size
 
+    def make(self, layer: int, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        """Layer `layer`'s keys and values for `size` tokens, uninitialized."""
+        self.k[layer], self.v[layer] = (torch.empty(batch, heads, self.size, head_dim, dtype=dtype, device=device)
+                                        for _ in "kv")
+
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values [b, heads, tokens so far, head_dim] with k and v [b, heads, new tokens, head_dim]."""
         start, end = self.length, self.length + k.shape[2]
         if end > self.size:
             raise ValueError(f"the KV cache holds {self.size} tokens; {end} were given")
         if self.k[layer] is None:
-            self.k[layer], self.v[layer] = (x.new_empty(*x.shape[:2], self.size, x.shape[3]) for x in (k, v))
+            self.make(layer, *k.shape[:2], k.shape[3], k.dtype, k.device)
         self.k[layer][:, :, start:end], self.v[layer][:, :, start:end] = k, v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 

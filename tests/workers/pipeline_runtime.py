@@ -4,7 +4,8 @@ without one send their input gradient before their weight gradient, and the byte
 actions' payload. Each unit's reduction starts in the action that completes its gradients (a W, or an early
 sender's weight gradient, as it reports them), none after it. All of it both with each run's receives posted on
 their own (gloo's order) and in the batch of the run's sends (`Pipeline.together`, NCCL's order). Generation's
-last-token logits through the stages and a KV cache equal one process's.
+last-token logits through the stages and a KV cache equal one process's; a KV cache that does not fit on one stage
+stops all.
 
     torchrun --nproc-per-node PP pipeline_runtime.py MICRO_BATCHES
 """
@@ -16,6 +17,7 @@ import torch
 
 from sixfold.comm import Comm
 from sixfold.config import ParallelConfig, load_config
+from sixfold.generate import generate
 from sixfold.mesh import ParallelContext
 from sixfold.model.llama import KVCache, Llama, init_weights
 from sixfold.parallel.context import ContextParallel
@@ -89,4 +91,15 @@ with torch.no_grad():
     for a, b in ((0, 8), (8, 9), (9, 10), (10, 11), (11, 12)):
         got, want = pipeline(prompt[:, a:b], cache, last=True), reference(prompt[:, a:b], alone, last=True)
         assert got.shape == want.shape and torch.equal(got, want), (b, got - want)
+
+# a KV cache that does not fit on the last stage stops every stage before any forward, with its message
+make = KVCache.make
+if rank == pp - 1:  # its memory full
+    KVCache.make = lambda *args: torch.empty(2 ** 62, dtype=torch.int8)
+try:
+    generate(pipeline, [1, 2, 3], 4, settle=ctx.first_problem)
+except ValueError as e:
+    said, everyone = str(e), e.on_every_rank
+KVCache.make = make
+assert said.startswith("max_new_tokens=4: the KV cache for 7 tokens") and everyone, said
 ctx.close()
