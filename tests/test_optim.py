@@ -144,6 +144,21 @@ def test_clipping_a_norm_past_float32_range_scales_the_gradients(device):
     assert max(float((p - b).abs().max()) for p, b in zip(ours.parameters(), before)) > t.lr / 2  # not a nil step
 
 
+def test_a_gradient_norm_past_float32_squares_is_finite():
+    """Elements of 1e20 and more (their squares past float32, where torch's norm of them is inf): the norm is still
+    their norm, and clipping by it works; an infinite element leaves it infinite (the step skipped)."""
+    model = _models()[0]
+    flat = _sharded(model)
+    model.loss_sum(*_batch(torch.Generator().manual_seed(3))).backward()
+    flat.finish()
+    expected = math.sqrt(sum(float(u.grad_shard.double().norm()) ** 2 for u in flat.units))
+    for unit in flat.units:
+        unit.grad_shard.mul_(1e24)
+    assert math.isclose(math.sqrt(flat.grad_norm_sq()), expected * 1e24, rel_tol=1e-6)
+    flat.units[1].grad_shard[5] = math.inf
+    assert flat.grad_norm_sq() == math.inf
+
+
 def test_clip_scale():
     assert clip_scale(2.0, 1.0) == pytest.approx(0.5)
     assert clip_scale(0.5, 1.0) == 1.0

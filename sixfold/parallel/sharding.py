@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import weakref
 
 import torch
@@ -479,8 +480,8 @@ class Sharded:
             g.copy_(place)
 
     def grad_norm_sq(self) -> float:
-        """Squared L2 norm of the reduced gradients: fp32 per shard, summed in fp64 over the groups that hold
-        different parts (fsdp; ep and edp for experts; tp; pp).
+        """Squared L2 norm of the reduced gradients: fp32 per shard (_norm), summed in fp64 over the groups that
+        hold different parts (fsdp; ep and edp for experts; tp; pp).
 
         A piece replicated on several tp ranks counts once: each replica adds its share; so does a tied
         embedding held by the first and last pipeline stages.
@@ -489,7 +490,7 @@ class Sharded:
         replicated = [[(1 - self.splits[n].tp_parts / self.tp.size, u.grad_shard[a:b]) for n, a, b, _ in u.segments()
                        if self.splits[n].tp_parts < self.tp.size] for u in units]
         tensors = [t for u, pieces in zip(units, replicated) for t in (u.grad_shard, *(g for _, g in pieces))]
-        norms = iter(torch.stack([t.norm() for t in tensors]).tolist())  # one round trip to the device
+        norms = iter(map(_norm, tensors, torch.stack([t.norm() for t in tensors]).tolist()))  # one round trip
         dense = experts = 0.0
         for u, pieces in zip(units, replicated):
             sq = next(norms) ** 2
@@ -539,3 +540,11 @@ class Sharded:
         for u in self.units:
             if u.zero < 2:
                 u.grad.zero_()
+
+
+def _norm(t: torch.Tensor, norm: float) -> float:
+    """t's L2 norm, given `norm`, fp32's: where its sum of squares overflowed (elements above 1.8e19), taken again
+    scaled by the largest element; inf still where an element is."""
+    if norm != math.inf or not (top := float(t.abs().max())) < math.inf:
+        return norm
+    return top * float((t / top).norm())
