@@ -7,6 +7,7 @@ and a ranking."""
 import copy
 import json
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -84,22 +85,53 @@ LAYOUTS = {
 PEAK_UNDER = 0.9
 PEAK_OVER = 1.35
 
+JOB_LAYOUTS = 10  # layouts measured by one torchrun job: their processes start once
+
+
+class Measured:
+    """What runs of the selected LAYOUTS held and sent, measured when first asked for: the selected layouts of one
+    world size, JOB_LAYOUTS at a time, run one after another in one job of plan_check.py."""
+
+    def __init__(self, selected: list[str], where: Path):
+        sizes = {name: load_config(TINY, LAYOUTS[name]).parallel.world_size for name in selected}
+        ordered = sorted(selected, key=lambda name: sizes[name])
+        self.jobs = [ordered[i:i + JOB_LAYOUTS] for i in range(0, len(ordered), JOB_LAYOUTS)]
+        self.sizes, self.where, self.ran = sizes, where, set()
+
+    def __call__(self, name: str, rank: int) -> dict:
+        job = next(job for job in self.jobs if name in job)
+        if name not in self.ran:
+            self.ran.update(job)
+            plan = self.where / f"job{self.jobs.index(job)}.json"
+            plan.write_text(json.dumps({name: LAYOUTS[name] for name in job}))
+            proc = torchrun("plan_check.py", max(self.sizes[name] for name in job), str(self.where), str(plan))
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        errors = sorted((self.where / name).glob("error*.txt"))
+        assert not errors, errors[0].read_text()
+        return json.loads((self.where / name / f"rank{rank}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def measured(request, tmp_path_factory):
+    selected = [item.callspec.params["layout"] for item in request.session.items
+                if item.originalname == "test_predictions_equal_what_a_run_held_and_sent"]
+    return Measured(selected, tmp_path_factory.mktemp("plan_check"))
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_predictions_equal_what_a_run_held_and_sent(tmp_path, layout):
+def test_predictions_equal_what_a_run_held_and_sent(measured, layout):
     cfg = load_config(TINY, LAYOUTS[layout])
-    proc = torchrun("plan_check.py", cfg.parallel.world_size, str(tmp_path), *LAYOUTS[layout])
-    assert proc.returncode == 0, proc.stderr[-3000:]
     saved, peaks, routed = [], [], [0, 0]  # (predicted, measured) per rank; the experts' all-to-all bytes summed
     for r in range(cfg.parallel.world_size):
-        measured = json.loads((tmp_path / f"rank{r}.json").read_text())
+        ran = measured(layout, r)
         rank = build_rank(cfg, r, cpu=True)
-        assert persistent(rank) == measured["held"], r
+        assert persistent(rank) == ran["held"], r
         predicted = step_bytes(rank)
-        routed = [routed[0] + predicted.pop("ep/all_to_all", 0), routed[1] + measured["sent"].pop("ep/all_to_all", 0)]
-        assert predicted == measured["sent"], r
-        if measured["saved"] is not None:  # one micro-batch's forward (not run under pipelining)
-            saved.append((activations(rank)["saved"], measured["saved"]))
-        peaks.append((sum(step(rank).values()), measured["peak"]))
+        routed = [routed[0] + predicted.pop("ep/all_to_all", 0), routed[1] + ran["sent"].pop("ep/all_to_all", 0)]
+        assert predicted == ran["sent"], r
+        if ran["saved"] is not None:  # one micro-batch's forward (not run under pipelining)
+            saved.append((activations(rank)["saved"], ran["saved"]))
+        peaks.append((sum(step(rank).values()), ran["peak"]))
     assert routed[0] == routed[1]  # each rank's share depends on the routing, their sum does not
     if cfg.parallel.ep > 1:  # routing puts more rows on some ranks' experts than on others: their sum
         saved, peaks = [tuple(map(sum, zip(*saved)))], [tuple(map(sum, zip(*peaks)))]

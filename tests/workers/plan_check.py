@@ -1,14 +1,18 @@
-"""Two training steps of a layout, and what they held and sent, for the planner's test to compare with its
+"""Two training steps of each layout, and what they held and sent, for the planner's test to compare with its
 predictions: persistent buffer bytes, the ledger's bytes per (group, op) of the second step, the peak of the
 tensor bytes it allocated beyond those allocated when it began (from PyTorch's profiler), and (without
-pipelining) the bytes saved for backward by one micro-batch.
+pipelining) the bytes saved for backward by one micro-batch. The layouts run one after another in one job, each
+on the job's first ranks (the processes start once); each writes OUT_DIR/NAME/rankR.json, or errorR.txt.
 
-    torchrun --nproc-per-node N plan_check.py OUT_DIR key=value ...
+    torchrun --nproc-per-node N plan_check.py OUT_DIR LAYOUTS.json   (LAYOUTS.json: {name: [key=value, ...]})
 """
 import ctypes
 import json
 import sys
+import tempfile
 import time
+import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -18,7 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 from sixfold import comm
 from sixfold.activations import SavedTensors
 from sixfold.config import load_config
-from sixfold.mesh import ParallelContext
+from sixfold.join import join_job, leave_job
+from sixfold.mesh import Groups, ParallelContext, ParallelDims
 from sixfold.train import Trainer
 
 
@@ -88,38 +93,64 @@ dist.batch_isend_irecv = settled_batch
 # thread held past the deadline above).
 ctypes.c_bool.in_dll(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so")),
                      "FLAGS_caffe2_report_cpu_memory_usage").value = True
-out = Path(sys.argv[1])
-cfg = load_config("configs/tiny.yaml", [*sys.argv[2:], "log.run_dir=/tmp/unused"])
-ctx = ParallelContext.initialize(cfg.parallel)
-trainer = Trainer(cfg, ctx)
-trainer.train_step()
 
-size = lambda t: t.untyped_storage().size()
-extra = lambda t, *counted: 0 if any(t is c for c in counted) else size(t)  # a buffer not counted yet
-units = trainer.sharded.units
-held = {
-    "parameters": sum(size(u.full) + extra(u.master, u.full) + extra(u.compute_shard, u.master, u.full) for u in units),
-    "gradients": sum(size(u.grad) + extra(u.grad_shard, u.grad) for u in units),
-    "optimizer": sum(t.numel() * t.element_size() for m in trainer.optim.moments for t in m.values()),
-}
-before = dict(trainer.comm.ledger.total)
-with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+
+def measure(cfg, ctx: ParallelContext) -> dict:
+    """What two steps of `cfg` held and sent on this rank."""
+    trainer = Trainer(cfg, ctx)
     trainer.train_step()
-    trainer.sharded.settle()  # no collective in flight when the profiler stops (it may crash otherwise)
-# the second step's: the first also gathers, under ZeRO-3, the units the step after it begins with
-sent = {f"{g}/{op}": b - before.get((g, op), 0) for (g, op), b in trainer.comm.ledger.total.items()
-        if b > before.get((g, op), 0)}
-events = out / f"profile{ctx.rank}.json"
-prof.export_chrome_trace(str(events))
-memory = [e["args"] for e in sorted(json.loads(events.read_text())["traceEvents"], key=lambda e: e["ts"])
-          if e.get("name") == "[memory]"]
-peak = max(m["Total Allocated"] for m in memory) - (memory[0]["Total Allocated"] - memory[0]["Bytes"])
-saved = None
-if not trainer.pipeline:
-    x, y, ids = trainer._local(*trainer.loader.micro_batches(1, cfg.train.micro_batches)[0])
-    with SavedTensors(trainer.model) as tensors:
-        loss = trainer.model.loss_sum(x, y, ids)
-    saved = tensors.nbytes
-    loss.backward()
-(out / f"rank{ctx.rank}.json").write_text(json.dumps({"held": held, "sent": sent, "saved": saved, "peak": peak}))
-ctx.close()
+    size = lambda t: t.untyped_storage().size()
+    extra = lambda t, *counted: 0 if any(t is c for c in counted) else size(t)  # a buffer not counted yet
+    units = trainer.sharded.units
+    held = {
+        "parameters": sum(size(u.full) + extra(u.master, u.full) + extra(u.compute_shard, u.master, u.full)
+                          for u in units),
+        "gradients": sum(size(u.grad) + extra(u.grad_shard, u.grad) for u in units),
+        "optimizer": sum(t.numel() * t.element_size() for m in trainer.optim.moments for t in m.values()),
+    }
+    before = dict(trainer.comm.ledger.total)
+    # the first step's weight gathers completed first: gloo's thread frees its copies of them on its own, and freed
+    # inside the second step they took their bytes off its peak (after other layouts in the process, now and then)
+    trainer.sharded.settle()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        trainer.train_step()
+        trainer.sharded.settle()  # no collective in flight when the profiler stops (it may crash otherwise)
+    # the second step's: the first also gathers, under ZeRO-3, the units the step after it begins with
+    sent = {f"{g}/{op}": b - before.get((g, op), 0) for (g, op), b in trainer.comm.ledger.total.items()
+            if b > before.get((g, op), 0)}
+    with tempfile.TemporaryDirectory() as where:
+        events = Path(where) / "profile.json"
+        prof.export_chrome_trace(str(events))
+        memory = [e["args"] for e in sorted(json.loads(events.read_text())["traceEvents"], key=lambda e: e["ts"])
+                  if e.get("name") == "[memory]"]
+    peak = max(m["Total Allocated"] for m in memory) - (memory[0]["Total Allocated"] - memory[0]["Bytes"])
+    saved = None
+    if not trainer.pipeline:
+        x, y, ids = trainer._local(*trainer.loader.micro_batches(1, cfg.train.micro_batches)[0])
+        with SavedTensors(trainer.model) as tensors:
+            loss = trainer.model.loss_sum(x, y, ids)
+        saved = tensors.nbytes
+        loss.backward()
+    return {"held": held, "sent": sent, "saved": saved, "peak": peak}
+
+
+out, layouts = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
+timeout = timedelta(seconds=120)
+rank = join_job(timeout)[0]
+groups = Groups(timeout)
+for name, overrides in layouts.items():
+    cfg = load_config("configs/tiny.yaml", [*overrides, "log.run_dir=/tmp/unused"])
+    ctx = ParallelContext.inside(ParallelDims.from_config(cfg.parallel), groups)
+    failed = ""
+    if ctx:
+        (out / name).mkdir(parents=True, exist_ok=True)
+        try:
+            (out / name / f"rank{rank}.json").write_text(json.dumps(measure(cfg, ctx)))
+        except Exception:
+            failed = traceback.format_exc()
+            (out / name / f"error{rank}.txt").write_text(failed)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, failed)
+    if any(everyone):  # its groups' collectives may be out of step: new ones for the next layouts
+        groups = Groups(timeout)
+leave_job()
