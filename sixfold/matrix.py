@@ -4,7 +4,6 @@ processes start once. `sixfold matrix CONFIG` runs it and writes its table; test
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from pathlib import Path
 from .checkpoint import step_dir
 from .config import ConfigError, load_config
 from .launch import run_torchrun
+from .multirun import read_results, write_plan
 from .parity import (LEARN_STEPS, ParityResult, compare, compare_learning, layout_config, reference_config,
                      reference_key, runs_dir, settle)
 
@@ -283,15 +283,11 @@ def run(config: str | None, overrides: list[str] = (), workdir: str | None = Non
 def _run(config: str | None, overrides: list[str], layouts: list[Layout], root: Path) -> Report:
     runs, rows, dirs = _plan(config, overrides, layouts, root)
     plan = root / "plan.json"
-    plan.write_text(json.dumps({"timeout_s": TIMEOUT_S,
-                                "runs": [{"name": name, "config": cfg.to_dict()} for name, cfg in runs]}))
-    (root / "results.jsonl").unlink(missing_ok=True)
+    write_plan(plan, runs, TIMEOUT_S)
     start, load = time.perf_counter(), os.getloadavg()[0]
     proc = run_torchrun(max(row.ranks for row, _ in rows), [str(plan)], module="sixfold.multirun", stops=True)
     seconds = time.perf_counter() - start
-    outcomes = {}
-    if (root / "results.jsonl").is_file():
-        outcomes = {o["name"]: o for o in map(json.loads, (root / "results.jsonl").read_text().splitlines())}
+    outcomes = read_results(plan)
     missing = {"ok": False, "error": f"not run: the job ended first (exit {proc.returncode}; its output is above)"}
     for row, ref_name in rows:
         _judge(row, outcomes.get(row.layout.name, missing), outcomes.get(ref_name, missing), dirs[row.layout.name],

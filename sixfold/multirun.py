@@ -30,6 +30,8 @@ from .mesh import Groups, ParallelContext, ParallelDims
 from .stop import Stopped
 from .train import run
 
+RESULTS = "results.jsonl"  # beside the plan
+
 JOB_TIMEOUT = timedelta(hours=2)  # ranks outside a run wait this long for it at the job's barrier
 
 
@@ -103,11 +105,25 @@ def _shared(name: str, cfg: Config, data: dict[str, TokenData], groups: Groups) 
     return {**members[0], "ok": not failed, "error": failed[0]["error"] if failed else ""}
 
 
+def write_plan(plan: Path, runs: list[tuple[str, Config]], timeout_s: float) -> None:
+    """The plan of `runs` (name, config) written at `plan`, the results of an earlier one beside it removed."""
+    plan.write_text(json.dumps({"timeout_s": timeout_s,
+                                "runs": [{"name": name, "config": cfg.to_dict()} for name, cfg in runs]}))
+    plan.with_name(RESULTS).unlink(missing_ok=True)
+
+
+def read_results(plan: Path) -> dict[str, dict]:
+    """The outcomes reported of the plan's runs, by name (none if the job ended before any)."""
+    results = plan.with_name(RESULTS)
+    lines = results.read_text().splitlines() if results.is_file() else []
+    return {o["name"]: o for o in map(json.loads, lines)}
+
+
 def run_plan(plan_path: str, rank: int) -> None:
     """Every run of the plan, this process being `rank` of the job (joined already)."""
     plan = json.loads(Path(plan_path).read_text())
     runs = [(r["name"], config_from_dict(r["config"])) for r in plan["runs"]]
-    results = Path(plan_path).with_name("results.jsonl")
+    results = Path(plan_path).with_name(RESULTS)
     data = _load(runs, rank)
     singles = [(name, cfg) for name, cfg in runs if cfg.parallel.world_size == 1]
     if singles:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -39,14 +38,14 @@ def multirun(where: Path, nproc: int, runs: dict[str, list[str]], timeout: int =
     ranks (sixfold.multirun: its processes start once, and a run may resume from an earlier one's checkpoint);
     every run is asserted to have trained."""
     from sixfold.config import load_config
+    from sixfold.multirun import read_results, write_plan
     plan = where / "plan.json"
-    plan.write_text(json.dumps({"timeout_s": 60, "runs": [
-        {"name": name, "config": load_config(TINY, [f"log.run_dir={where / name}", *overrides]).to_dict()}
-        for name, overrides in runs.items()]}))
+    write_plan(plan, [(name, load_config(TINY, [f"log.run_dir={where / name}", *overrides]))
+                      for name, overrides in runs.items()], 60)
     proc = torchrun("sixfold.multirun", nproc, str(plan), timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [json.loads(line) for line in (where / "results.jsonl").read_text().splitlines()]
-    failed = [r["error"] for r in results if not r["ok"]]
+    results = read_results(plan)
+    failed = [r["error"] for r in results.values() if not r["ok"]]
     assert len(results) == len(runs) and not failed, failed or proc.stderr[-3000:]
     return proc
 

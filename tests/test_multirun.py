@@ -1,5 +1,4 @@
 """Runs of several layouts in one torchrun job: a run that fails is reported and the job goes on."""
-import json
 import os
 import signal
 import subprocess
@@ -18,22 +17,18 @@ from helpers import ROOT, TINY, torchrun
 def _plan(tmp_path):
     """A run that fails, and two that follow it (one traced: its watcher thread must end too)."""
     def run(name, *overrides):
-        cfg = load_config(TINY, ["train.steps=2", f"log.run_dir={tmp_path / name}", *overrides])
-        return {"name": name, "config": cfg.to_dict()}
+        return name, load_config(TINY, ["train.steps=2", f"log.run_dir={tmp_path / name}", *overrides])
 
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"timeout_s": 30, "runs": [
-        run("broken", "parallel.tp=2", f"checkpoint.resume={tmp_path / 'nowhere'}"),
-        run("after", "parallel.tp=2", "log.trace=true"),
-        run("alone"),
-    ]}))
+    multirun.write_plan(plan, [run("broken", "parallel.tp=2", f"checkpoint.resume={tmp_path / 'nowhere'}"),
+                      run("after", "parallel.tp=2", "log.trace=true"), run("alone")], 30)
     return plan
 
 
 def test_a_failing_run_is_reported_and_the_next_runs_go_on(tmp_path):
     proc = run_torchrun(2, [str(_plan(tmp_path))], capture=True, module="sixfold.multirun")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = {r["name"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    results = multirun.read_results(tmp_path / "plan.json")
     assert not results["broken"]["ok"] and "does not exist" in results["broken"]["error"]
     assert "CheckpointError" in results["broken"]["error"].splitlines()[0]
     assert results["after"]["ok"] and results["alone"]["ok"]
@@ -50,11 +45,10 @@ def test_no_process_group_thread_outlives_the_job(tmp_path):
 def test_a_signal_ends_the_job_not_the_run_alone(tmp_path):
     """SIGTERM while a run trains stops it and the job: the runs after it do not start, none is reported."""
     def run(name, steps):
-        cfg = load_config(TINY, [f"train.steps={steps}", "parallel.tp=2", f"log.run_dir={tmp_path / name}"])
-        return {"name": name, "config": cfg.to_dict()}
+        return name, load_config(TINY, [f"train.steps={steps}", "parallel.tp=2", f"log.run_dir={tmp_path / name}"])
 
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"timeout_s": 30, "runs": [run("long", 100000), run("after", 2)]}))
+    multirun.write_plan(plan, [run("long", 100000), run("after", 2)], 30)
     cmd = [sys.executable, "-m", "sixfold.launch", "--standalone", "--nproc-per-node=2", "-m", "sixfold.multirun",
            str(plan)]
     job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
