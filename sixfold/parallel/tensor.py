@@ -143,6 +143,11 @@ class TensorParallel:
         full = x.new_empty((x.shape[0] * self.size, *x.shape[1:]))
         return full, self.comm.all_gather(full, x.contiguous(), "tp", async_op, label="tokens")
 
+    def all_reduce(self, x: torch.Tensor, label: str, op=dist.ReduceOp.SUM) -> None:
+        """x summed (or `op`) over tp in place; nothing at tp 1 (a model built alone has no comm)."""
+        if self.size > 1:
+            self.comm.all_reduce(x, "tp", label=label, op=op)
+
     def reduce(self, x: torch.Tensor, sp: bool, async_op: bool = False) -> tuple[torch.Tensor, Pending | None]:
         """Reduce-scatter of the tokens under sequence-TP; otherwise an all-reduce (x itself, in place)."""
         if self.size == 1:
@@ -345,21 +350,18 @@ class _CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, tp: TensorParallel, first: int, vocab_size: int):
-        comm = tp.comm
         x = logits.float()
         if first + x.shape[1] > vocab_size:  # padded rows (a piece past the vocabulary's end: all of them)
             x = x.clone() if x is logits else x
             x[:, max(vocab_size - first, 0):] = float("-inf")
         top = x.max(dim=1).values
-        if tp.size > 1:
-            comm.all_reduce(top, "tp", label="loss max", op=dist.ReduceOp.MAX)
+        tp.all_reduce(top, "loss max", dist.ReduceOp.MAX)
         local = labels - first
         mine = (local >= 0) & (local < x.shape[1])
         picked = torch.where(mine, x.gather(1, local.clamp(0, x.shape[1] - 1)[:, None])[:, 0], 0.0)
         exp = (x if x is not logits else x.clone()).sub_(top[:, None]).exp_()
         sums = torch.stack([exp.sum(dim=1), picked])
-        if tp.size > 1:
-            comm.all_reduce(sums, "tp", label="loss sums")
+        tp.all_reduce(sums, "loss sums")
         loss = sums[0].log() + top - sums[1]
         ignored = labels == IGNORE_INDEX
         loss = loss.masked_fill(ignored, 0.0)
