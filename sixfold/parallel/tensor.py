@@ -354,7 +354,7 @@ class _CrossEntropy(torch.autograd.Function):
         if first + x.shape[1] > vocab_size:  # padded rows (a piece past the vocabulary's end: all of them)
             x = x.clone() if x is logits else x
             x[:, max(vocab_size - first, 0):] = float("-inf")
-        top = x.max(dim=1).values
+        top = x.amax(dim=1)  # (max(dim).values finds the indices too: 10 times slower on CPU)
         tp.all_reduce(top, "loss max", dist.ReduceOp.MAX)
         local = labels - first
         mine = (local >= 0) & (local < x.shape[1])
