@@ -545,6 +545,7 @@ class Sharded:
 def _norm(t: torch.Tensor, norm: float) -> float:
     """t's L2 norm, given `norm`, fp32's: where its sum of squares overflowed (elements above 1.8e19), taken again
     scaled by the largest element; inf still where an element is."""
-    if norm != math.inf or not (top := float(t.abs().max())) < math.inf:
+    if norm != math.inf:
         return norm
-    return top * float((t / top).norm())
+    top = float(t.abs().max())
+    return top * float((t / top).norm()) if top < math.inf else norm
